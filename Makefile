@@ -1,0 +1,32 @@
+# Two commands on a fresh machine: `make demo` (the main job) and `make test`.
+# Each creates .venv and installs what it needs; torch goes first, pinned to the CPU wheel.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+
+.PHONY: install demo test bench lint clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(VENV)/bin/cmx demo
+
+test: install
+	$(PY) -m pytest -q tests
+
+bench: install
+	$(VENV)/bin/cmx bench
+
+lint: install
+	$(VENV)/bin/ruff check cmx actors policies api deploy tests
+	$(VENV)/bin/mypy cmx
+
+clean:
+	rm -rf $(VENV) bench-out .pytest_cache

@@ -1,0 +1,104 @@
+"""Block keys: chained BLAKE2b-256, deterministic on every node and process.
+
+    seed   = BLAKE2b-256(person="cmx-namespace-v1", len-prefixed(model, weights, layout, salt))
+    h_0    = BLAKE2b-256(person="cmx-block-v1", seed || tokens_0)
+    h_i    = BLAKE2b-256(person="cmx-block-v1", h_{i-1} || tokens_i)
+
+``tokens_i`` is the i-th full block of token ids as little-endian uint32. A key therefore names
+the whole prefix up to and including its block. Python's ``hash()`` is never used: it differs
+between processes, and a weak hash lets one tenant poison another's prefix cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import NewType
+
+import numpy as np
+
+from cmx.errors import InvalidKeyError, LayoutMismatchError
+from cmx.layout import KVLayout
+
+__all__ = [
+    "KEY_BYTES",
+    "BlockHash",
+    "Namespace",
+    "as_token_array",
+    "block_hash",
+    "chain_keys",
+    "check_key",
+]
+
+KEY_BYTES = 32
+BlockHash = NewType("BlockHash", bytes)
+
+_BLOCK_PERSON = b"cmx-block-v1"
+_NS_PERSON = b"cmx-namespace-v1"
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Who may share a block: same model weights, same layout, same tenant salt."""
+
+    model: str  # model id, e.g. "meta-llama/Meta-Llama-3-8B"
+    layout: KVLayout  # geometry of the KV cache
+    salt: str = ""  # tenant salt; different salts never share a block
+    weights: str = ""  # weights fingerprint (revision or checksum); "" means the model id alone
+
+    @property
+    def digest(self) -> bytes:
+        h = hashlib.blake2b(digest_size=KEY_BYTES, person=_NS_PERSON)
+        for field in (self.model.encode(), self.weights.encode(), self.layout.describe(),
+                      self.salt.encode()):
+            h.update(len(field).to_bytes(8, "little"))
+            h.update(field)
+        return h.digest()
+
+    @property
+    def id(self) -> str:
+        """Short printable namespace id (first 8 bytes of the digest, hex)."""
+        return self.digest[:8].hex()
+
+
+def as_token_array(token_ids: object) -> np.ndarray:
+    """Token ids as a 1-D little-endian uint32 array; raise on anything else."""
+    if hasattr(token_ids, "detach"):  # torch tensor
+        token_ids = token_ids.detach().cpu().numpy()  # type: ignore[union-attr]
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1:
+        raise LayoutMismatchError(f"token ids must be 1-D, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise LayoutMismatchError(f"token ids must be integers, got {arr.dtype}")
+    if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
+        raise LayoutMismatchError("token ids must lie in [0, 2**32)")
+    return arr.astype("<u4", copy=False)
+
+
+def block_hash(parent: bytes, tokens: np.ndarray) -> BlockHash:
+    """Key of a block from its parent's key (or the namespace seed) and its token ids."""
+    h = hashlib.blake2b(parent, digest_size=KEY_BYTES, person=_BLOCK_PERSON)
+    h.update(np.ascontiguousarray(tokens, dtype="<u4").tobytes())
+    return BlockHash(h.digest())
+
+
+def chain_keys(seed: bytes, token_ids: object, block_tokens: int) -> list[BlockHash]:
+    """Keys of every full block of ``token_ids``; a partial tail block has no key."""
+    tokens = as_token_array(token_ids)
+    keys: list[BlockHash] = []
+    parent = seed
+    for i in range(len(tokens) // block_tokens):
+        parent = block_hash(parent, tokens[i * block_tokens : (i + 1) * block_tokens])
+        keys.append(BlockHash(parent))
+    return keys
+
+
+def check_key(key: object) -> BlockHash:
+    """``key`` as a BlockHash; InvalidKeyError unless it is exactly KEY_BYTES bytes."""
+    if isinstance(key, (bytearray, memoryview)):
+        key = bytes(key)
+    if not isinstance(key, bytes):
+        raise InvalidKeyError(f"a block key is {KEY_BYTES} bytes, got {type(key).__name__}")
+    if len(key) != KEY_BYTES:
+        raise InvalidKeyError(f"a block key is {KEY_BYTES} bytes, got {len(key)}")
+    return BlockHash(key)

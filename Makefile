@@ -21,7 +21,14 @@ demo: install
 test: install
 	$(PY) -m pytest -q tests
 
-bench: install
+# fio measures the disk's raw O_DIRECT bandwidth, the baseline of every NVMe figure.
+$(VENV)/.bench: $(VENV)/.installed
+	command -v fio >/dev/null || (apt-get update -qq && apt-get install -y -qq fio) \
+		|| echo "fio could not be installed; cmx bench will say how"
+	$(PIP) install -e ".[dev,bench]"
+	touch $@
+
+bench: $(VENV)/.bench
 	$(VENV)/bin/cmx bench
 
 lint: install

@@ -14,6 +14,7 @@ from cmx.layout import KVLayout, PayloadOrder
 
 __all__ = [
     "BlockHash",
+    "ContextMemory",
     "BlockTooLargeError",
     "CmxError",
     "InvalidKeyError",
@@ -25,3 +26,12 @@ __all__ = [
     "chain_keys",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    # The client pulls in Ray; load it only when asked for, so the block model stays light.
+    if name == "ContextMemory":
+        from cmx.client import ContextMemory
+
+        return ContextMemory
+    raise AttributeError(f"module 'cmx' has no attribute {name!r}")

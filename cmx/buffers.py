@@ -15,7 +15,7 @@ __all__ = ["ALIGN", "Buffer", "align_up", "aligned_empty", "as_bytes_view", "is_
 
 ALIGN = 4096
 
-Buffer = Union[bytes, bytearray, memoryview, np.ndarray, Any]
+Buffer = Union[bytes, bytearray, memoryview, np.ndarray, Any]  # noqa: UP007 - a runtime alias
 
 
 def align_up(n: int, align: int = ALIGN) -> int:

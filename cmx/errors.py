@@ -9,6 +9,7 @@ __all__ = [
     "BlockTooLargeError",
     "StoreFullError",
     "StoreClosedError",
+    "StoreLockedError",
     "BlockStateError",
     "UnavailableError",
 ]
@@ -44,3 +45,7 @@ class BlockStateError(CmxError):
 
 class UnavailableError(CmxError):
     """A part of the service did not answer within its bound; callers treat it as a miss."""
+
+
+class StoreLockedError(CmxError):
+    """The store's directory is already open in another store object or process."""

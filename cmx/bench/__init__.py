@@ -1,1 +1,28 @@
-"""cmx/bench"""
+"""``cmx bench``: suites that measure the stores against the machine's own limits.
+
+One module per group of suites; each suite is a function ``(BenchContext) -> SuiteResult``,
+named in ``SUITES`` and imported only when it runs. A new suite is a new module and one line
+here. Every figure is a ratio to a baseline measured in the same run (see ``core``).
+
+    core     figures, goals, settings, cold-cache helpers
+    machine  CPU, cores, memory, disk and kernel, for every report
+    raw      "limits": fio O_DIRECT matrix and memcpy; the baselines other suites call
+    storage  "nvme", "dram": NvmeStore and DramStore bandwidth against fio and memcpy
+    slices   "slices": one KV head as 512-byte pieces, served by NvmeStore.read_runs
+    report   JSON, markdown, plots, docs/BENCHMARKS.md
+    runner   runs suites in order and collects a BenchReport
+"""
+
+from __future__ import annotations
+
+from cmx.bench.core import BenchConfig, BenchContext, Figure, Goal, SuiteResult, Verdict
+
+__all__ = ["SUITES", "BenchConfig", "BenchContext", "Figure", "Goal", "SuiteResult", "Verdict"]
+
+# name -> "module:function"; the default run is every suite, in this order.
+SUITES: dict[str, str] = {
+    "limits": "cmx.bench.raw:run_limits",
+    "nvme": "cmx.bench.storage:run_nvme",
+    "dram": "cmx.bench.storage:run_dram",
+    "slices": "cmx.bench.slices:run_slices",
+}

@@ -22,5 +22,7 @@ def make_eviction(name: str | EvictionPolicy = "lru") -> EvictionPolicy:
     try:
         module, cls = EVICTION_POLICIES[name].split(":")
     except KeyError:
-        raise ValueError(f"unknown eviction policy {name!r}; known: {sorted(EVICTION_POLICIES)}")
+        raise ValueError(
+            f"unknown eviction policy {name!r}; known: {sorted(EVICTION_POLICIES)}"
+        ) from None
     return getattr(importlib.import_module(module), cls)()

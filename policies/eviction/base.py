@@ -99,9 +99,13 @@ class EvictionPolicy(ABC):
                 kids.setdefault(parent, set()).add(key)
             is_orphan = parent is not None and parent not in self._parent
             if is_orphan != (key in self._orphans):
-                raise AssertionError(f"{key.hex()[:12]}: orphan={is_orphan} but listed={not is_orphan}")
+                raise AssertionError(
+                    f"{key.hex()[:12]}: orphan={is_orphan} but listed={not is_orphan}"
+                )
         if kids != self._kids:
-            raise AssertionError(f"children index has {len(self._kids)} parents, actual {len(kids)}")
+            raise AssertionError(
+                f"children index has {len(self._kids)} parents, actual {len(kids)}"
+            )
         if len(self._orphans) > len(self._parent):
             raise AssertionError(f"orphans {len(self._orphans)} > resident {len(self._parent)}")
         self._check_policy()
@@ -121,5 +125,5 @@ class EvictionPolicy(ABC):
     def _order(self) -> Iterator[Key]:
         """Resident keys in eviction order, best victim first. May reorganize lazily."""
 
-    def _check_policy(self) -> None:
+    def _check_policy(self) -> None:  # noqa: B027 - optional hook
         """Policy-specific invariants; raise AssertionError with the numbers."""

@@ -31,4 +31,6 @@ class LRUPolicy(EvictionPolicy):
 
     def _check_policy(self) -> None:
         if len(self._recency) != len(self._parent):
-            raise AssertionError(f"lru holds {len(self._recency)} keys, resident {len(self._parent)}")
+            raise AssertionError(
+                f"lru holds {len(self._recency)} keys, resident {len(self._parent)}"
+            )

@@ -1,0 +1,502 @@
+"""The offload agent: one per node, the only component that moves block bytes.
+
+It maps the node's HBM and DRAM arenas (shared memory, as a DPU reaches host memory by DMA),
+owns the node's transport to other agents (NIXL over UCX, registered once, prepared
+descriptor lists) and the NVMe data path (O_DIRECT, many I/Os in flight), and runs every move
+through its scheduler: loads before prefetches before demotions.
+
+Public calls, each bounded:
+
+- ``store(keys, parents, payload)``: blocks into this node's DRAM (evicted DRAM blocks demote
+  to NVMe first); with write-through placement, to NVMe as well. Returns when committed and
+  visible to lookups.
+- ``load(keys, copies)``: the longest prefix of ``keys`` into this node's HBM arena, each from
+  its fastest copy, checksums verified for NVMe and network reads; the returned slots are
+  pinned for the caller, who reads them and calls ``release``.
+- ``stage(keys)`` / ``unstage(staged)``: for a peer agent: pin blocks in a memory arena here
+  (promoting from NVMe if needed) so the peer can read them with one transfer.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from cmx.actors.arena_tier import ArenaInfo, Grant, Pinned
+from cmx.actors.directory import Copy
+from cmx.actors.links import actor_name
+from cmx.actors.nvme_io import Extent, NvmeIo
+from cmx.actors.scheduler import Priority, Scheduler
+from cmx.actors.transport import Move, PeerInfo, Region, TransferError, make_transport
+
+from cmx.checksum import checksum
+from cmx.config import ServiceConfig
+from cmx.errors import CmxError, UnavailableError
+from cmx.keys import BlockHash
+from cmx.storage.arena import SharedArena
+from cmx.storage.nvme.chunks import block_sums
+from cmx.tiers import Tier
+
+__all__ = ["LoadResult", "Loaded", "OffloadAgent", "Staged"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A block now pinned in this node's HBM arena, and where it came from."""
+
+    key: BlockHash
+    slot: int
+    size: int
+    source_tier: Tier
+    source_node: str
+    via: str  # "local", "nvme", or the transport's name
+    checksum: int = 0
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    arena: str  # the HBM arena the slots are in
+    blocks: list[Loaded]  # the loaded prefix, pinned until ``release``
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A block pinned in a memory arena of the peer's node for one transfer."""
+
+    key: BlockHash
+    tier: Tier
+    region: str
+    slot: int
+    size: int
+    checksum: int
+    source_tier: Tier  # where it was before staging (NVMe blocks are promoted first)
+
+
+class OffloadAgent:
+    def __init__(self, node: str, config: ServiceConfig, link: object) -> None:
+        self.node = node
+        self.config = config
+        self.link = link
+        self.name = f"cmx-agent-{node[:12]}-{uuid.uuid4().hex[:6]}"
+        self.scheduler = Scheduler(
+            config.agent_workers, config.agent_queue_bound, config.staging_bytes
+        )
+        self.transport = make_transport(self.name, config.transport, self._fetch_from_peer)
+        self._arenas: dict[Tier, tuple[ArenaInfo, SharedArena]] = {}
+        self._peers: dict[str, PeerInfo] = {}
+        self.moved: Counter[str] = Counter()  # "src->dst" -> bytes
+        self.moved_via: Counter[str] = Counter()  # transport or "local"/"nvme" -> bytes
+        self.nvme = NvmeIo()
+        for tier in (Tier.HBM, Tier.DRAM):
+            self._attach(tier)
+
+    # -- store ---------------------------------------------------------------------------------
+
+    def store(
+        self, keys: Sequence[BlockHash], parents: Sequence[BlockHash | None], payload: np.ndarray
+    ) -> int:
+        """Copy ``len(keys)`` blocks of ``payload`` (concatenated) into DRAM; returns committed.
+
+        Blocks go in windows of half the DRAM arena, so a store larger than DRAM streams
+        through it: each window's reservations evict (and demote) the blocks of the last.
+        """
+        if not keys:
+            return 0
+        size = payload.nbytes // len(keys)
+        window = max(1, self._arenas[Tier.DRAM][0].num_slots // 2)
+        done = 0
+        for start in range(0, len(keys), window):
+            stop = min(start + window, len(keys))
+            done += self._store_window(
+                keys[start:stop], parents[start:stop], payload[start * size : stop * size], size
+            )
+        return done
+
+    def _store_window(
+        self, keys: Sequence[BlockHash], parents: Sequence[BlockHash | None],
+        payload: np.ndarray, size: int,
+    ) -> int:
+        grants = self._call(Tier.DRAM, "reserve", list(zip(keys, parents)))
+        self._demote_victims(Tier.DRAM, grants)
+        _, arena = self._arenas[Tier.DRAM]
+        futures = []
+        for i, grant in enumerate(grants):
+            if grant is None:
+                continue
+            src = payload[i * size : (i + 1) * size]
+
+            def copy(grant: Grant = grant, src: np.ndarray = src) -> tuple[BlockHash, int, int]:
+                np.copyto(arena.slot_view(grant.slot)[: src.nbytes], src)
+                return grant.key, src.nbytes, checksum(src)
+
+            futures.append(self.scheduler.submit(Priority.DEMOTE, copy))
+        done = [f.result() for f in futures]
+        self._call(Tier.DRAM, "commit", done)
+        self.moved["client->dram"] += sum(n for _, n, _ in done)
+        self.moved_via["local"] += sum(n for _, n, _ in done)
+        if self.config.placement == "write_through":
+            self._write_nvme(Tier.DRAM, done, parents_of(keys, parents))
+        return len(done)
+
+    # -- load ----------------------------------------------------------------------------------
+
+    def load(
+        self, keys: Sequence[BlockHash], copies: Sequence[Sequence[Copy]],
+        priority: Priority = Priority.LOAD,
+    ) -> LoadResult:
+        """The longest prefix of ``keys`` pinned in HBM; the caller must ``release`` it."""
+        pinned: list[Pinned | None] = self._call(Tier.HBM, "pin", list(keys))
+        loaded: dict[int, Loaded] = {
+            i: Loaded(k, p.slot, p.size, Tier.HBM, self.node, "local", p.checksum or 0)
+            for i, (k, p) in enumerate(zip(keys, pinned)) if p is not None
+        }
+        missing = [i for i in range(len(keys)) if i not in loaded]
+        if missing:
+            loaded.update(self._fill_hbm(keys, copies, missing, priority))
+        prefix: list[Loaded] = []
+        for i in range(len(keys)):
+            if i not in loaded:
+                break
+            prefix.append(loaded[i])
+        tail = [loaded[i].key for i in loaded if i >= len(prefix)]
+        if tail:
+            self._call(Tier.HBM, "unpin", tail)
+        return LoadResult(self._arenas[Tier.HBM][0].arena, prefix)
+
+    def release(self, keys: Sequence[BlockHash]) -> None:
+        self._call(Tier.HBM, "unpin", list(keys))
+
+    def prefetch(self, keys: Sequence[BlockHash], copies: Sequence[Sequence[Copy]]) -> int:
+        """Move a prefix into HBM at prefetch priority and leave it cached there."""
+        loaded = self.load(keys, copies, Priority.PREFETCH).blocks
+        self.release([b.key for b in loaded])
+        return len(loaded)
+
+    def _fill_hbm(
+        self, keys: Sequence[BlockHash], copies: Sequence[Sequence[Copy]],
+        missing: list[int], priority: Priority,
+    ) -> dict[int, Loaded]:
+        items = [(keys[i], keys[i - 1] if i > 0 else None) for i in missing]
+        grants: list[Grant | None] = self._call(Tier.HBM, "reserve", items)
+        self._demote_victims(Tier.HBM, grants)
+        granted = {i: g for i, g in zip(missing, grants) if g is not None}
+        # Try each key's sources fastest first, round by round: the directory may lag a
+        # demotion that just happened, so this node's DRAM and NVMe are always asked too.
+        options = {i: self._sources(copies[i]) for i in granted}
+        filled: dict[int, Loaded] = {}
+        for rnd in range(max((len(o) for o in options.values()), default=0)):
+            by_source: dict[tuple[Tier, str], list[int]] = {}
+            for i, opts in options.items():
+                if i not in filled and rnd < len(opts):
+                    by_source.setdefault(opts[rnd], []).append(i)
+            for (tier, node), idx in by_source.items():
+                try:
+                    filled.update(self._fill_from(tier, node, keys, idx, granted, priority))
+                except (CmxError, TransferError, OSError) as exc:
+                    log.warning("load from %s@%s failed: %s", tier.value, node[:8], exc)
+        if failed := [keys[i] for i in granted if i not in filled]:
+            self._call(Tier.HBM, "abort", failed)
+        commits = [(keys[i], b.size, b.checksum) for i, b in filled.items()]
+        self._call(Tier.HBM, "commit", commits)
+        pins = self._call(Tier.HBM, "pin", [keys[i] for i in filled])
+        return {i: b for (i, b), p in zip(filled.items(), pins) if p is not None}
+
+    def _fill_from(
+        self, tier: Tier, node: str, keys: Sequence[BlockHash], idx: list[int],
+        granted: dict[int, Grant], priority: Priority,
+    ) -> dict[int, Loaded]:
+        _, hbm = self._arenas[Tier.HBM]
+        if node != self.node:
+            return self._fill_remote(node, keys, idx, granted, priority)
+        pins = self._call(tier, "pin", [keys[i] for i in idx])
+        try:
+            jobs = []
+            for i, pin in zip(idx, pins):
+                if pin is None:
+                    continue
+                dst = hbm.slot_view(granted[i].slot)
+                jobs.append((i, pin, self.scheduler.submit(
+                    priority, lambda pin=pin, dst=dst: self._read_local(tier, pin, dst))))
+            out: dict[int, Loaded] = {}
+            for i, pin, fut in jobs:
+                if not fut.result():
+                    self._call(tier, "quarantine", [keys[i]])
+                else:
+                    via = "nvme" if tier is Tier.NVME else "local"
+                    out[i] = Loaded(keys[i], granted[i].slot, pin.size, tier, node, via,
+                                    pin.checksum or 0)
+                    self.moved[f"{tier.value}->hbm"] += pin.size
+                    self.moved_via[via] += pin.size
+            return out
+        finally:
+            self._call(tier, "unpin", [p.key for p in pins if p is not None])
+
+    def _read_local(self, tier: Tier, pin: Pinned | Extent, slot: np.ndarray) -> bool:
+        """Copy one pinned local block into the front of ``slot``; NVMe reads are verified."""
+        if isinstance(pin, Extent):
+            self.nvme.read(pin, slot)
+            return checksum(slot[: pin.size]) == pin.checksum
+        _, arena = self._arenas[tier]
+        np.copyto(slot[: pin.size], arena.slot_view(pin.slot)[: pin.size])
+        return True
+
+    def _fill_remote(
+        self, node: str, keys: Sequence[BlockHash], idx: list[int],
+        granted: dict[int, Grant], priority: Priority,
+    ) -> dict[int, Loaded]:
+        peer_agent = actor_name("agent", node)
+        staged: list[Staged | None] = self.link.call(  # type: ignore[attr-defined]
+            peer_agent, "stage", [keys[i] for i in idx], timeout_s=self.config.load_timeout_s
+        )
+        try:
+            peer = self._peer(node)
+            hbm_info, hbm = self._arenas[Tier.HBM]
+            pairs = [(i, s) for i, s in zip(idx, staged) if s is not None]
+            moves = [Move(s.region, s.slot, hbm_info.arena, granted[i].slot) for i, s in pairs]
+            with self.scheduler.staging(0):
+                fut = self.scheduler.submit(
+                    priority, lambda: self.transport.read(peer, moves, self.config.load_timeout_s)
+                )
+                fut.result()
+            out: dict[int, Loaded] = {}
+            for i, s in pairs:
+                if checksum(hbm.slot_view(granted[i].slot)[: s.size]) != s.checksum:
+                    log.warning("checksum mismatch for %s from %s", keys[i].hex()[:12], node[:8])
+                    continue
+                out[i] = Loaded(keys[i], granted[i].slot, s.size, s.source_tier, node,
+                                self.transport.name, s.checksum)
+                self.moved[f"{s.source_tier.value}@peer->hbm"] += s.size
+                self.moved_via[self.transport.name] += s.size
+            return out
+        finally:
+            done = [s for s in staged if s is not None]
+            if done:
+                try:
+                    self.link.call(peer_agent, "unstage", done)  # type: ignore[attr-defined]
+                except UnavailableError:
+                    pass  # the peer restarted: its pins went with it
+
+    # -- serving peers -------------------------------------------------------------------------
+
+    def stage(self, keys: Sequence[BlockHash]) -> list[Staged | None]:
+        """Pin each block in a memory arena here, promoting NVMe blocks into DRAM."""
+        out: list[Staged | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
+        for tier in (Tier.HBM, Tier.DRAM):
+            if not todo:
+                break
+            info, _ = self._arenas[tier]
+            pins = self._call(tier, "pin", [keys[i] for i in todo])
+            for i, p in zip(list(todo), pins):
+                if p is not None:
+                    out[i] = Staged(keys[i], tier, info.arena, p.slot, p.size,
+                                    p.checksum or 0, tier)
+                    todo.remove(i)
+        if todo:
+            for i, s in self._promote([keys[i] for i in todo]).items():
+                out[todo[i]] = s
+        return out
+
+    def unstage(self, staged: Sequence[Staged]) -> None:
+        by_tier: dict[Tier, list[BlockHash]] = {}
+        for s in staged:
+            by_tier.setdefault(s.tier, []).append(s.key)
+        for tier, keys in by_tier.items():
+            self._call(tier, "unpin", keys)
+
+    def _promote(self, keys: list[BlockHash]) -> dict[int, Staged]:
+        """NVMe -> DRAM for blocks a peer wants; each returned block is pinned in DRAM."""
+        pins = self._call(Tier.NVME, "pin", keys)
+        present = [(i, p) for i, p in enumerate(pins) if p is not None]
+        try:
+            grants = self._call(Tier.DRAM, "reserve", [(keys[i], None) for i, _ in present])
+            self._demote_victims(Tier.DRAM, grants)
+            info, dram = self._arenas[Tier.DRAM]
+            ok: list[tuple[int, Pinned, Grant]] = []
+            for (i, p), g in zip(present, grants):
+                if g is None:
+                    continue
+                dst = dram.slot_view(g.slot)
+                if self.scheduler.submit(
+                    Priority.LOAD, lambda p=p, dst=dst: self._read_local(Tier.NVME, p, dst)
+                ).result():
+                    ok.append((i, p, g))
+                else:
+                    self._call(Tier.DRAM, "abort", [g.key])
+            self._call(Tier.DRAM, "commit", [(g.key, p.size, p.checksum) for _, p, g in ok])
+            self.moved["nvme->dram"] += sum(p.size for _, p, _ in ok)
+            self.moved_via["nvme"] += sum(p.size for _, p, _ in ok)
+            repinned = self._call(Tier.DRAM, "pin", [g.key for _, _, g in ok])
+            return {
+                i: Staged(g.key, Tier.DRAM, info.arena, rp.slot, rp.size, rp.checksum or 0,
+                          Tier.NVME)
+                for (i, _, g), rp in zip(ok, repinned) if rp is not None
+            }
+        finally:
+            self._call(Tier.NVME, "unpin", [p.key for _, p in present])
+
+    def read_slots(self, slots: Sequence[tuple[str, int]]) -> list[np.ndarray]:
+        """The fallback transport's server side: copies of whole slots of local arenas."""
+        arenas = {info.arena: arena for info, arena in self._arenas.values()}
+        missing = {region for region, _ in slots} - arenas.keys()
+        if missing:
+            raise UnavailableError(f"no region {sorted(missing)} here")
+        return [arenas[region].slot_view(slot).copy() for region, slot in slots]
+
+    def peer_info(self) -> PeerInfo:
+        return self.transport.info()
+
+    # -- demotion ------------------------------------------------------------------------------
+
+    def _demote_victims(self, tier: Tier, grants: Sequence[Grant | None]) -> None:
+        """Move blocks evicted from ``tier`` one tier down before their slots are rewritten."""
+        victims = [g for g in grants if g is not None and g.victim is not None]
+        if not victims:
+            return
+        if tier is Tier.HBM:
+            self._demote_to_dram(victims)
+        elif tier is Tier.DRAM:
+            items = [(g.victim.key, g.victim.size, g.victim.checksum) for g in victims]  # type: ignore[union-attr]
+            parents = {g.victim.key: g.victim.parent for g in victims}  # type: ignore[union-attr]
+            self._write_nvme(Tier.DRAM, items, parents, slots=[g.slot for g in victims])
+
+    def _demote_to_dram(self, victims: list[Grant]) -> None:
+        keys = [g.victim.key for g in victims]  # type: ignore[union-attr]
+        have = self._call(Tier.DRAM, "contains", keys)
+        todo = [g for g, h in zip(victims, have) if not h]
+        if not todo:
+            return
+        grants = self._call(
+            Tier.DRAM, "reserve", [(g.victim.key, g.victim.parent) for g in todo]  # type: ignore[union-attr]
+        )
+        self._demote_victims(Tier.DRAM, grants)
+        _, hbm = self._arenas[Tier.HBM]
+        _, dram = self._arenas[Tier.DRAM]
+        commits = []
+        for src, dst in zip(todo, grants):
+            if dst is None:
+                continue
+            v = src.victim
+            np.copyto(dram.slot_view(dst.slot)[: v.size], hbm.slot_view(src.slot)[: v.size])  # type: ignore[union-attr]
+            commits.append((v.key, v.size, v.checksum))  # type: ignore[union-attr]
+            self.moved["hbm->dram"] += v.size  # type: ignore[union-attr]
+            self.moved_via["local"] += v.size  # type: ignore[union-attr]
+        self._call(Tier.DRAM, "commit", commits)
+
+    def _write_nvme(
+        self, tier: Tier, items: Sequence[tuple[BlockHash, int, int | None]],
+        parents: dict[BlockHash, BlockHash | None], slots: Sequence[int] | None = None,
+    ) -> None:
+        """Write blocks of ``tier``'s arena to NVMe (slots given, or pinned by key)."""
+        if not items:
+            return
+        extents = self._call(
+            Tier.NVME, "reserve", [(k, parents.get(k), n) for k, n, _ in items]
+        )
+        _, arena = self._arenas[tier]
+        if slots is None:
+            pins = self._call(tier, "pin", [k for k, _, _ in items])
+            slot_of = [p.slot if p is not None else None for p in pins]
+        else:
+            pins, slot_of = None, list(slots)
+        try:
+            futures = []
+            for (key, size, csum), ext, slot in zip(items, extents, slot_of):
+                if ext is None or slot is None:
+                    continue
+                src = arena.slot_view(slot)
+                futures.append((key, size, csum, src, self.scheduler.submit(
+                    Priority.DEMOTE, lambda ext=ext, src=src: self.nvme.write(ext, src))))
+            commits = []
+            for key, size, csum, src, fut in futures:
+                fut.result()
+                whole, chunk_sums = block_sums(src[:size])
+                if csum is not None and csum != whole:
+                    log.warning("block %s changed in %s; not demoted", key.hex()[:12], tier.value)
+                    continue
+                commits.append((key, size, whole, chunk_sums))
+            self._call(Tier.NVME, "commit", commits)
+            self.moved[f"{tier.value}->nvme"] += sum(c[1] for c in commits)
+            self.moved_via["nvme"] += sum(c[1] for c in commits)
+        finally:
+            if pins is not None:
+                self._call(tier, "unpin", [p.key for p in pins if p is not None])
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, object]:
+        return {
+            "agent": self.name,
+            "node": self.node,
+            "transport": self.transport.name,
+            "moved_bytes": dict(self.moved),
+            "moved_via": dict(self.moved_via),
+            "transport_stats": {
+                "reads": self.transport.stats.reads,
+                "bytes": self.transport.stats.bytes_read,
+                "seconds": round(self.transport.stats.seconds, 6),
+                "failures": self.transport.stats.failures,
+            },
+            "queues": self.scheduler.stats(),
+            "nvme_io": self.nvme.stats(),
+        }
+
+    def _call(self, tier: Tier, method: str, *args: object) -> object:
+        result = self.link.call(actor_name(tier.value, self.node), method, *args)  # type: ignore[attr-defined]
+        self._check_epoch(tier, result)
+        return result
+
+    def _check_epoch(self, tier: Tier, result: object) -> None:
+        """A tier that restarted has a new arena: re-attach before using its slots."""
+        if tier not in self._arenas or not isinstance(result, list):
+            return
+        epochs = {getattr(r, "epoch", None) for r in result} - {None}
+        if epochs and epochs != {self._arenas[tier][0].epoch}:
+            self._attach(tier)
+
+    def _attach(self, tier: Tier) -> None:
+        info: ArenaInfo = self.link.call(actor_name(tier.value, self.node), "info")  # type: ignore[attr-defined]
+        arena = SharedArena.attach(info.arena)
+        self._arenas[tier] = (info, arena)
+        self.transport.register(
+            Region(info.arena, arena.buffer.ctypes.data, info.slot_bytes, info.num_slots),
+            arena.buffer,
+        )
+
+    def _sources(self, copies: Sequence[Copy]) -> list[tuple[Tier, str]]:
+        """Where to look for a block, fastest first: this node's DRAM and NVMe, then the
+        other nodes' copies, memory before NVMe."""
+        local = [(Tier.DRAM, self.node), (Tier.NVME, self.node)]
+        remote = sorted(
+            {(c.tier, c.node) for c in copies if c.node != self.node and c.tier is not Tier.POOL},
+            key=lambda s: s[0].rank,
+        )
+        return local + remote
+
+    def _peer(self, node: str) -> PeerInfo:
+        info = self._peers.get(node)
+        if info is None:
+            info = self.link.call(actor_name("agent", node), "peer_info")  # type: ignore[attr-defined]
+            self._peers[node] = info
+        return info
+
+    def _fetch_from_peer(self, peer_agent: str, slots: list[tuple[str, int]]) -> list[np.ndarray]:
+        node = next(n for n, p in self._peers.items() if p.agent == peer_agent)
+        return self.link.call(actor_name("agent", node), "read_slots", slots)  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        self.scheduler.close()
+        self.transport.close()
+        self.nvme.close()
+
+
+def parents_of(
+    keys: Sequence[BlockHash], parents: Sequence[BlockHash | None]
+) -> dict[BlockHash, BlockHash | None]:
+    return dict(zip(keys, parents))

@@ -1,0 +1,188 @@
+"""The directory: the context address space. Block key -> where its copies are.
+
+Keys are spread over shards by their first bytes (keys are uniform hashes). Each shard follows
+its sources (one tier on one node, with an epoch that changes when the tier restarts) through
+their events:
+
+1. A source sends ``apply(source, epoch, seq, events)``: ``seq`` is the sequence number of the
+   last event in the batch, counted per (source, shard), starting at 1, with no gaps. An empty
+   batch is a heartbeat.
+2. The shard applies the batch only if it continues what it has seen; otherwise (a gap, a new
+   epoch, a source it does not know, as after the shard itself restarted) it answers
+   ``NEED_RESYNC`` and the source sends ``resync(source, epoch, seq, entries)``: everything it
+   holds for this shard, replacing what the shard knew of it.
+3. ``lookup(keys)`` answers, for each key, the copies the shard knows (empty for a miss).
+
+A shard that answers nothing is a miss for the caller, never a wrong block: copies carry the
+checksum, and every mover verifies it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from cmx.keys import BlockHash
+from cmx.tiers import Tier
+
+__all__ = ["ApplyResult", "Copy", "DirectoryShard", "Entry", "Source", "shard_of"]
+
+
+@dataclass(frozen=True, order=True)
+class Source:
+    node: str  # Ray node id (hex)
+    tier: Tier
+
+    def __str__(self) -> str:
+        return f"{self.tier.value}@{self.node[:8]}"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One event's payload: a block stored (size, checksum) or removed (size 0)."""
+
+    key: BlockHash
+    stored: bool
+    size: int = 0
+    checksum: int = 0
+
+
+@dataclass(frozen=True)
+class Copy:
+    """A committed copy of a block somewhere in the cluster."""
+
+    tier: Tier
+    node: str
+    size: int
+    checksum: int
+
+
+class ApplyResult(str, enum.Enum):
+    OK = "ok"
+    NEED_RESYNC = "need_resync"
+
+
+def shard_of(key: bytes, num_shards: int) -> int:
+    return int.from_bytes(key[:4], "little") % num_shards
+
+
+class DirectoryShard:
+    """One shard's state. Plain class; ``actors.service`` wraps it in a Ray actor."""
+
+    def __init__(self, shard_id: int = 0) -> None:
+        self.shard_id = shard_id
+        self._sources: list[Source] = []  # source index -> source
+        self._source_index: dict[Source, int] = {}
+        self._cursor: dict[Source, tuple[str, int]] = {}  # source -> (epoch, last seq)
+        # key -> (size, checksum, source indices holding it); one small tuple per block.
+        self._blocks: dict[bytes, tuple[int, int, tuple[int, ...]]] = {}
+        self.resyncs = 0
+        self.lookups = 0
+
+    # -- following sources ---------------------------------------------------------------------
+
+    def apply(self, source: Source, epoch: str, seq: int, entries: Sequence[Entry]) -> ApplyResult:
+        known = self._cursor.get(source)
+        first = seq - len(entries) + 1
+        if known is None or known[0] != epoch or known[1] + 1 != first:
+            if known is not None and known[0] == epoch and seq <= known[1]:
+                return ApplyResult.OK  # a duplicate of what was applied
+            return ApplyResult.NEED_RESYNC
+        idx = self._index(source)
+        for entry in entries:
+            if entry.stored:
+                self._add(idx, entry)
+            else:
+                self._remove(idx, entry.key)
+        self._cursor[source] = (epoch, seq)
+        return ApplyResult.OK
+
+    def resync(self, source: Source, epoch: str, seq: int, entries: Iterable[Entry]) -> None:
+        """Replace everything known of ``source`` by ``entries`` (all stored)."""
+        self.drop_source(source)
+        idx = self._index(source)
+        for entry in entries:
+            self._add(idx, entry)
+        self._cursor[source] = (epoch, seq)
+        self.resyncs += 1
+
+    def drop_source(self, source: Source) -> int:
+        """Forget every copy held by ``source`` (its node left); returns how many."""
+        self._cursor.pop(source, None)
+        idx = self._source_index.get(source)
+        if idx is None:
+            return 0
+        dropped = 0
+        for key in [k for k, (_, _, srcs) in self._blocks.items() if idx in srcs]:
+            self._remove(idx, key)
+            dropped += 1
+        return dropped
+
+    # -- queries -------------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes]) -> list[list[Copy]]:
+        self.lookups += 1
+        out: list[list[Copy]] = []
+        for key in keys:
+            found = self._blocks.get(key)
+            if found is None:
+                out.append([])
+                continue
+            size, csum, srcs = found
+            out.append(
+                [Copy(self._sources[i].tier, self._sources[i].node, size, csum) for i in srcs]
+            )
+        return out
+
+    def sources(self) -> dict[str, tuple[str, int]]:
+        return {str(s): c for s, c in self._cursor.items()}
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "shard": self.shard_id,
+            "blocks": len(self._blocks),
+            "copies": sum(len(v[2]) for v in self._blocks.values()),
+            "sources": len(self._cursor),
+            "resyncs": self.resyncs,
+            "lookups": self.lookups,
+        }
+
+    def check_integrity(self) -> None:
+        for key, (size, _, srcs) in self._blocks.items():
+            if not srcs:
+                raise AssertionError(f"{key.hex()[:12]} is listed with no copies")
+            if len(set(srcs)) != len(srcs):
+                raise AssertionError(f"{key.hex()[:12]} lists a source twice: {srcs}")
+            if size <= 0:
+                raise AssertionError(f"{key.hex()[:12]} has size {size}")
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _index(self, source: Source) -> int:
+        idx = self._source_index.get(source)
+        if idx is None:
+            idx = len(self._sources)
+            self._sources.append(source)
+            self._source_index[source] = idx
+        return idx
+
+    def _add(self, idx: int, entry: Entry) -> None:
+        found = self._blocks.get(entry.key)
+        if found is None:
+            self._blocks[entry.key] = (entry.size, entry.checksum, (idx,))
+        elif idx not in found[2]:
+            self._blocks[entry.key] = (found[0], found[1], (*found[2], idx))
+
+    def _remove(self, idx: int, key: bytes) -> None:
+        found = self._blocks.get(key)
+        if found is None or idx not in found[2]:
+            return
+        rest = tuple(i for i in found[2] if i != idx)
+        if rest:
+            self._blocks[key] = (found[0], found[1], rest)
+        else:
+            del self._blocks[key]

@@ -1,0 +1,81 @@
+"""The agent's NVMe data path: O_DIRECT reads and writes of extents, many I/Os in flight.
+
+Extents come from the NVMe tier (which owns allocation and the index); the agent opens the
+segment files itself, so the tier's process never carries payload bytes. Each extent is split
+into chunks of ``chunk_bytes`` issued through the NVMe store's I/O engine.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from cmx.buffers import align_up
+from cmx.storage.nvme.io import IoEngine, make_io_engine
+
+__all__ = ["Extent", "NvmeIo"]
+
+
+@dataclass(frozen=True)
+class Extent:
+    """Where a block lies (or will lie) in the NVMe tier's log."""
+
+    key: bytes
+    path: str  # segment file
+    offset: int  # 4 KiB-aligned
+    size: int  # payload bytes; the extent on disk is align_up(size)
+    checksum: int = 0  # of the payload, once committed
+
+
+class NvmeIo:
+    def __init__(self, engine: str = "auto", queue_depth: int = 16) -> None:
+        self.engine: IoEngine = make_io_engine(engine, queue_depth=queue_depth)
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    def read(self, ext: Extent, slot: np.ndarray) -> None:
+        """Read the extent into the front of ``slot`` (a page-aligned arena slot)."""
+        self.engine.read([(self._fd(ext.path), ext.offset, _front(slot, ext.size))])
+        self.bytes_read += ext.size
+
+    def write(self, ext: Extent, slot: np.ndarray) -> None:
+        """Write the front of ``slot`` (a page-aligned arena slot) to the extent."""
+        self.engine.write([(self._fd(ext.path), ext.offset, _front(slot, ext.size))])
+        self.bytes_written += ext.size
+
+    def _fd(self, path: str) -> int:
+        # Segment names are never reused, so a cached descriptor never points at another file.
+        with self._lock:
+            fd = self._fds.get(path)
+            if fd is None:
+                fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+                self.engine.register_file(fd)
+                self._fds[path] = fd
+            return fd
+
+    def stats(self) -> dict[str, object]:
+        return {
+            "engine": self.engine.name,
+            "bytes_read": self.bytes_read,
+            "bytes_written": self.bytes_written,
+        }
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                self.engine.unregister_file(fd)
+                os.close(fd)
+            self._fds.clear()
+        self.engine.close()
+
+
+def _front(slot: np.ndarray, size: int) -> np.ndarray:
+    n = align_up(size)
+    if slot.nbytes < n:
+        raise ValueError(f"a slot of {slot.nbytes} bytes cannot hold an extent of {n}")
+    return slot[:n]

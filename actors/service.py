@@ -1,0 +1,209 @@
+"""The service on Ray: the actors of every node, the directory shards, and the controller.
+
+Per node: ``cmx:hbm:<node>``, ``cmx:dram:<node>``, ``cmx:nvme:<node>`` (tier control planes,
+pinned to the node) and ``cmx:agent:<node>`` (the data plane: on the node, or on its DPU when
+a node labelled ``dpu_label`` with the same ``host_label`` value exists). Cluster-wide:
+``cmx:dir:<i>`` directory shards and ``cmx:controller``, which starts the actors of nodes that
+join and drops the copies of nodes that leave. All live in the Ray namespace ``cmx``, are
+detached (they outlive the client that started them) and are restarted by Ray when they die.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import ray
+from cmx.actors.agent import OffloadAgent
+from cmx.actors.arena_tier import ArenaTierService
+from cmx.actors.directory import DirectoryShard, Source
+from cmx.actors.links import RAY_NAMESPACE, RayLink, actor_name
+from cmx.actors.nvme_tier import NvmeTierService
+from ray.util.scheduling_strategies import (
+    Exists,
+    In,
+    NodeAffinitySchedulingStrategy,
+    NodeLabelSchedulingStrategy,
+)
+
+from cmx.config import ServiceConfig
+from cmx.errors import UnavailableError
+from cmx.tiers import Tier
+
+__all__ = ["alive_nodes", "ensure_service", "node_actors", "stop_service"]
+
+log = logging.getLogger(__name__)
+
+_RESTART = {"max_restarts": -1, "max_task_retries": 0, "lifetime": "detached"}
+
+
+def _heartbeat(service: Any, every_s: float) -> None:
+    def loop() -> None:
+        while True:
+            time.sleep(every_s)
+            try:
+                service.heartbeat()
+            except Exception:  # noqa: BLE001 - the next beat tries again
+                log.debug("heartbeat failed", exc_info=True)
+
+    threading.Thread(target=loop, name="cmx-heartbeat", daemon=True).start()
+
+
+class ArenaTierActor(ArenaTierService):
+    def __init__(self, tier: Tier, node: str, config: ServiceConfig) -> None:
+        capacity = config.hbm_bytes if tier is Tier.HBM else config.dram_bytes
+        super().__init__(
+            tier, node, capacity, config.block_bytes, RayLink(config.call_timeout_s),
+            config.directory_shards, config.eviction, emulated=tier is Tier.HBM,
+        )
+        _heartbeat(self, config.heartbeat_s)
+
+
+class NvmeTierActor(NvmeTierService):
+    def __init__(self, node: str, config: ServiceConfig) -> None:
+        super().__init__(
+            node, os.path.join(config.nvme_dir, node[:16]), config.nvme_bytes,
+            config.block_bytes, RayLink(config.call_timeout_s), config.directory_shards,
+            config.eviction, segment_bytes=config.nvme_segment_bytes,
+        )
+        _heartbeat(self, config.heartbeat_s)
+
+
+class AgentActor(OffloadAgent):
+    def __init__(self, node: str, config: ServiceConfig) -> None:
+        super().__init__(node, config, RayLink(config.call_timeout_s))
+        self.placed_on = ray.get_runtime_context().get_node_id()
+
+    def placement(self) -> dict[str, object]:
+        return {"node": self.node, "placed_on": self.placed_on, "dpu": self.placed_on != self.node}
+
+
+class Controller:
+    """Keeps one set of node actors per alive node; forgets the copies of nodes that left."""
+
+    def __init__(self, config: ServiceConfig) -> None:
+        self.config = config
+        self.known: set[str] = set()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._loop, name="cmx-controller", daemon=True).start()
+
+    def reconcile(self) -> dict[str, list[str]]:
+        with self._lock:
+            alive = {n["NodeID"]: n for n in alive_nodes()}
+            started = []
+            for node_id, node in alive.items():
+                if node_id not in self.known and not _is_dpu(node, self.config):
+                    start_node_actors(node_id, self.config, alive)
+                    started.append(node_id)
+            gone = sorted(self.known - alive.keys())
+            for node_id in gone:
+                self._forget(node_id)
+            self.known = {n for n in alive if not _is_dpu(alive[n], self.config)}
+            return {"started": started, "gone": gone, "nodes": sorted(self.known)}
+
+    def nodes(self) -> list[str]:
+        return sorted(self.known)
+
+    def _forget(self, node_id: str) -> None:
+        link = RayLink(self.config.call_timeout_s)
+        for shard in range(self.config.directory_shards):
+            for tier in Tier:
+                try:
+                    link.call(actor_name("dir", shard), "drop_source", Source(node_id, tier))
+                except UnavailableError:
+                    pass
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(2.0)
+            try:
+                self.reconcile()
+            except Exception:  # noqa: BLE001 - try again on the next round
+                log.debug("reconcile failed", exc_info=True)
+
+
+def alive_nodes() -> list[dict[str, Any]]:
+    return [n for n in ray.nodes() if n.get("Alive")]
+
+
+def _is_dpu(node: dict[str, Any], config: ServiceConfig) -> bool:
+    return config.dpu_label in (node.get("Labels") or {})
+
+
+def _agent_strategy(node_id: str, config: ServiceConfig, alive: dict[str, dict[str, Any]]) -> Any:
+    host = (alive.get(node_id, {}).get("Labels") or {}).get(config.host_label)
+    if host is not None:
+        for node in alive.values():
+            labels = node.get("Labels") or {}
+            if config.dpu_label in labels and labels.get(config.host_label) == host:
+                return NodeLabelSchedulingStrategy(
+                    hard={config.dpu_label: Exists(), config.host_label: In(host)}
+                )
+    return NodeAffinitySchedulingStrategy(node_id, soft=False)
+
+
+def start_node_actors(
+    node_id: str, config: ServiceConfig, alive: dict[str, dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """Start (or find) the tier actors and the agent of one node; returns their handles."""
+    on_node = NodeAffinitySchedulingStrategy(node_id, soft=False)
+    common = {"namespace": RAY_NAMESPACE, "get_if_exists": True, "num_cpus": 0, **_RESTART}
+    handles = {}
+    for tier in (Tier.HBM, Tier.DRAM):
+        handles[tier.value] = ray.remote(ArenaTierActor).options(
+            name=actor_name(tier.value, node_id), scheduling_strategy=on_node,
+            max_concurrency=16, **common,
+        ).remote(tier, node_id, config)
+    handles["nvme"] = ray.remote(NvmeTierActor).options(
+        name=actor_name("nvme", node_id), scheduling_strategy=on_node, max_concurrency=16,
+        **common,
+    ).remote(node_id, config)
+    # The agent maps the tiers' arenas when it starts: wait until they exist.
+    ray.get([h.info.remote() for h in handles.values()], timeout=60)
+    handles["agent"] = ray.remote(AgentActor).options(
+        name=actor_name("agent", node_id),
+        scheduling_strategy=_agent_strategy(node_id, config, alive or {}),
+        max_concurrency=32, **common,
+    ).remote(node_id, config)
+    ray.get(handles["agent"].peer_info.remote(), timeout=60)
+    return handles
+
+
+def ensure_service(config: ServiceConfig) -> Any:
+    """Start the directory and the controller if they are not running; returns the controller."""
+    common = {"namespace": RAY_NAMESPACE, "get_if_exists": True, "num_cpus": 0, **_RESTART}
+    for shard in range(config.directory_shards):
+        ray.remote(DirectoryShard).options(
+            name=actor_name("dir", shard), max_concurrency=1, **common
+        ).remote(shard)
+    controller = ray.remote(Controller).options(
+        name="cmx:controller", max_concurrency=4, **common
+    ).remote(config)
+    ray.get(controller.reconcile.remote(), timeout=180)
+    return controller
+
+
+def node_actors(node_id: str) -> dict[str, Any]:
+    out = {}
+    for kind in ("hbm", "dram", "nvme", "agent"):
+        try:
+            out[kind] = ray.get_actor(actor_name(kind, node_id), namespace=RAY_NAMESPACE)
+        except ValueError:
+            pass
+    return out
+
+
+def stop_service() -> int:
+    """Kill every actor of the service; returns how many."""
+    killed = 0
+    for info in ray.util.list_named_actors(all_namespaces=True):
+        if info.get("namespace") == RAY_NAMESPACE and info["name"].startswith("cmx:"):
+            try:
+                ray.kill(ray.get_actor(info["name"], namespace=RAY_NAMESPACE), no_restart=True)
+                killed += 1
+            except ValueError:
+                pass
+    return killed

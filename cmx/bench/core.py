@@ -1,0 +1,220 @@
+"""What every suite shares: the run's settings, figures as ratios, goals, timing and cold caches.
+
+A figure is never a bare number. It is the median of ``reps`` measurements beside the median of a
+baseline measured in the same run (raw disk bandwidth with fio, or numpy memcpy), and its ratio
+to that baseline is what a goal judges. The disk here is virtual and noisy, so a number from
+another run, or another day, is not a baseline.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "GB",
+    "GiB",
+    "KiB",
+    "MiB",
+    "BenchConfig",
+    "BenchContext",
+    "Figure",
+    "Goal",
+    "SuiteResult",
+    "Table",
+    "Verdict",
+    "drop_page_cache",
+    "median",
+    "timed",
+]
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+GB = 1e9  # bandwidths are reported in decimal GB/s, sizes in binary units
+
+
+class Verdict(str, enum.Enum):
+    PASS = "PASS"
+    MISS = "MISS"
+    INFO = "info"  # a figure with no goal: context for the others
+
+
+@dataclass(frozen=True)
+class Goal:
+    """A bound on a figure's ratio: ``ratio >= target`` or ``ratio <= target``."""
+
+    op: str  # ">=" or "<="
+    target: float
+
+    def __post_init__(self) -> None:
+        if self.op not in (">=", "<="):
+            raise ValueError(f"goal op must be '>=' or '<=', got {self.op!r}")
+
+    def check(self, ratio: float) -> Verdict:
+        ok = ratio >= self.target if self.op == ">=" else ratio <= self.target
+        return Verdict.PASS if ok else Verdict.MISS
+
+    def __str__(self) -> str:
+        return f"{'≥' if self.op == '>=' else '≤'} {self.target:g}"
+
+
+def median(samples: Sequence[float]) -> float:
+    if not samples:
+        raise ValueError("median of no samples")
+    return float(statistics.median(samples))
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One measured figure: the median of its samples over the median of its baseline's."""
+
+    suite: str
+    name: str  # what was measured, e.g. "NvmeStore put+flush, 32 MiB blocks"
+    unit: str  # unit of samples and baseline_samples, e.g. "GB/s"
+    samples: tuple[float, ...]  # one per repetition
+    baseline_name: str  # what the baseline is, e.g. "fio write 1 MiB QD16"
+    baseline_samples: tuple[float, ...]  # one per repetition, measured in the same run
+    goal: Goal | None = None
+    note: str = ""  # how to read it, or why it misses
+
+    @property
+    def value(self) -> float:
+        return median(self.samples)
+
+    @property
+    def baseline(self) -> float:
+        return median(self.baseline_samples)
+
+    @property
+    def ratio(self) -> float:
+        return self.value / self.baseline if self.baseline else float("nan")
+
+    @property
+    def verdict(self) -> Verdict:
+        return self.goal.check(self.ratio) if self.goal else Verdict.INFO
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "suite": self.suite,
+            "name": self.name,
+            "unit": self.unit,
+            "value": self.value,
+            "samples": list(self.samples),
+            "baseline_name": self.baseline_name,
+            "baseline": self.baseline,
+            "baseline_samples": list(self.baseline_samples),
+            "ratio": self.ratio,
+            "goal": str(self.goal) if self.goal else None,
+            "verdict": self.verdict.value,
+            "note": self.note,
+        }
+
+
+@dataclass(frozen=True)
+class Table:
+    """A detail table a suite reports beside its figures (fio matrix, I/O size histogram)."""
+
+    title: str
+    headers: tuple[str, ...]
+    rows: tuple[tuple[str, ...], ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"title": self.title, "headers": list(self.headers),
+                "rows": [list(r) for r in self.rows]}
+
+
+@dataclass
+class SuiteResult:
+    name: str
+    command: str  # the command line that reproduces these figures
+    figures: list[Figure] = field(default_factory=list)
+    tables: list[Table] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0  # wall time of the suite
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "command": self.command,
+            "seconds": self.seconds,
+            "figures": [f.to_dict() for f in self.figures],
+            "tables": [t.to_dict() for t in self.tables],
+            "notes": list(self.notes),
+        }
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    dir: Path  # scratch directory for data files; on the filesystem under test
+    reps: int = 3  # repetitions per figure; figures are medians
+    gib: float = 2.0  # bytes moved per measurement of a store, in GiB
+    fio_seconds: float = 3.0  # run time of one fio job
+    out: Path = Path("bench-out")  # where JSON, markdown and plots go
+
+    def __post_init__(self) -> None:
+        if self.reps < 1:
+            raise ValueError(f"reps must be >= 1, got {self.reps}")
+        if self.gib <= 0 or self.fio_seconds <= 0:
+            raise ValueError(f"gib and fio_seconds must be > 0, got {self.gib}, {self.fio_seconds}")
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.gib * GiB)
+
+
+class BenchContext:
+    """The run's settings plus what suites share: a log line sink and the cold-read method."""
+
+    def __init__(self, config: BenchConfig, work: Path,
+                 log: Callable[[str], None] = lambda _m: None) -> None:
+        self.config = config
+        self.work = work  # this run's own directory inside config.dir; removed after the run
+        self.log = log
+        self.can_drop_cache = _can_drop_cache()
+        self.memo: dict[str, Any] = {}  # values one suite computes and another reuses (fio engine)
+
+    @property
+    def cold_read_method(self) -> str:
+        if self.can_drop_cache:
+            return ("O_DIRECT, and the page cache dropped (sync; echo 3 > drop_caches) "
+                    "before each read pass")
+        return ("O_DIRECT only (not root, or /proc/sys/vm/drop_caches not writable: "
+                "page cache not dropped)")
+
+    def drop_cache(self) -> bool:
+        return drop_page_cache() if self.can_drop_cache else False
+
+    def scratch(self, name: str) -> Path:
+        """A directory for data files, inside this run's work directory."""
+        path = self.work / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+
+def _can_drop_cache() -> bool:
+    return os.geteuid() == 0 and os.access("/proc/sys/vm/drop_caches", os.W_OK)
+
+
+def drop_page_cache() -> bool:
+    """Write back dirty pages and drop the page cache; False where not allowed."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def timed(fn: Callable[[], object]) -> float:
+    """Wall seconds of ``fn()``."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0

@@ -1,0 +1,288 @@
+"""Suites "nvme" and "dram": the block stores against the machine's own limits.
+
+- ``nvme``: with 32 MiB blocks (256 tokens of Llama-3-8B) and 2 MiB blocks (16 tokens of the
+  same geometry), ``--gib`` GiB: ``put`` of every block by one caller then ``flush`` (durable);
+  ``get_many`` of every block (in batches of 256 MiB); ``get_into`` of every block, one at a
+  time, into the caller's page-aligned buffer; and ``put`` from four threads then ``flush``.
+  Baselines: fio O_DIRECT sequential write and read, 1 MiB I/Os at queue depth 16, run in the
+  same repetition just before the store's passes. Goals judge put+flush and get_many.
+- ``dram``: DramStore ``put``, ``get_into`` and ``get`` of the same bytes against numpy memcpy
+  into a faulted-in destination of the same size, measured in the same repetition.
+
+Each repetition uses a new store in a new directory, removed afterwards. Payloads come from a
+pool of random blocks (256 MiB in all), each put under its own key.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from cmx.bench.core import GB, BenchContext, Figure, Goal, KiB, MiB, SuiteResult, Table, timed
+from cmx.bench.raw import FioJob, fio_bandwidth, fio_engine
+from cmx.buffers import aligned_empty
+from cmx.keys import BlockHash, block_hash
+
+if TYPE_CHECKING:
+    from cmx.storage import NvmeStore
+
+__all__ = ["block_keys", "payload_pool", "run_dram", "run_nvme"]
+
+# (block bytes, label, goal: ratio to fio 1 MiB QD16)
+NVME_BLOCKS = (
+    (32 * MiB, "32 MiB blocks (256 tokens)", 0.85),
+    (2 * MiB, "2 MiB blocks (16 tokens)", 0.8),
+)
+DRAM_GOAL = Goal(">=", 0.8)
+_POOL_BYTES = 256 * MiB
+
+
+def block_keys(n: int, salt: bytes) -> list[BlockHash]:
+    """``n`` distinct chained keys (the token ids are just the block index)."""
+    keys, parent = [], salt
+    for i in range(n):
+        parent = block_hash(parent, np.array([i], dtype="<u4"))
+        keys.append(parent)
+    return keys
+
+
+def payload_pool(block_bytes: int, total: int = _POOL_BYTES) -> list[np.ndarray]:
+    """Page-aligned random blocks to put from; several, so consecutive puts differ."""
+    rng = np.random.default_rng(1)
+    pool = []
+    for _ in range(max(2, min(64, total // block_bytes))):
+        buf = aligned_empty(block_bytes)
+        buf[:] = rng.integers(0, 256, size=block_bytes, dtype=np.uint8)
+        pool.append(buf)
+    return pool
+
+
+def _put_all(store: NvmeStore, keys: list[BlockHash], pool: list[np.ndarray],
+             threads: int = 1) -> None:
+    """Put every key (``threads`` callers, each its own share of the keys), then flush."""
+    def put_share(first: int) -> None:
+        parent = None
+        for i in range(first, len(keys), threads):
+            store.put(keys[i], pool[i % len(pool)], parent=parent)
+            parent = keys[i]
+
+    if threads == 1:
+        put_share(0)
+    else:
+        with ThreadPoolExecutor(threads) as pool_exec:
+            list(pool_exec.map(put_share, range(threads)))
+    store.flush()
+
+
+def _get_into_all(store: NvmeStore, keys: list[BlockHash], out: np.ndarray) -> None:
+    for key in keys:
+        if not store.get_into(key, out):
+            raise AssertionError(f"NvmeStore lost block {key.hex()[:12]}")
+
+
+def _get_many_all(store: NvmeStore, keys: list[BlockHash], block_bytes: int) -> None:
+    batch = max(1, _POOL_BYTES // block_bytes)  # bounds the memory the results hold
+    for start in range(0, len(keys), batch):
+        if any(b is None for b in store.get_many(keys[start:start + batch])):
+            raise AssertionError("NvmeStore lost a block")
+
+
+def _nvme_pass(ctx: BenchContext, root: Path, block_bytes: int, n: int,
+               pool: list[np.ndarray]) -> tuple[dict[str, float], dict[str, object]]:
+    """Bytes/s of each way to store and load ``n`` blocks in one fresh store, and its stats."""
+    from cmx.storage import NvmeStore
+
+    keys = block_keys(n, root.name.encode() + b"/1")
+    keys_threaded = block_keys(n, root.name.encode() + b"/4")
+    total = n * block_bytes
+    capacity = 2 * total + total // 2 + block_bytes
+    store = NvmeStore(root, capacity_bytes=capacity, block_bytes=block_bytes)
+    rates: dict[str, float] = {}
+    try:
+        rates["put"] = total / timed(lambda: _put_all(store, keys, pool))
+        ctx.drop_cache()
+        out = aligned_empty(block_bytes)
+        out[:] = 0  # faulted in: page faults are not I/O
+        rates["get_into"] = total / timed(lambda: _get_into_all(store, keys, out))
+        ctx.drop_cache()
+        rates["get_many"] = total / timed(lambda: _get_many_all(store, keys, block_bytes))
+        rates["put4"] = total / timed(lambda: _put_all(store, keys_threaded, pool, threads=4))
+        extra = dict(store.stats().extra)
+        store.check_integrity()
+    finally:
+        store.close()
+        shutil.rmtree(root, ignore_errors=True)
+    return {k: v / GB for k, v in rates.items()}, extra
+
+
+def run_nvme(ctx: BenchContext) -> SuiteResult:
+    result = SuiteResult("nvme", command="")
+    engine = fio_engine(ctx)
+    wjob, rjob = FioJob("write", MiB, 16), FioJob("read", MiB, 16)
+    for block_bytes, label, goal in NVME_BLOCKS:
+        n = max(1, ctx.config.nbytes // block_bytes)
+        pool = payload_pool(block_bytes)
+        rates: dict[str, list[float]] = {}
+        fio_w, fio_r = [], []
+        extra: dict[str, object] = {}
+        for rep in range(ctx.config.reps):
+            ctx.log(f"nvme {label}, rep {rep + 1}/{ctx.config.reps}")
+            fio_w.append(fio_bandwidth(ctx, wjob) / GB)
+            fio_r.append(fio_bandwidth(ctx, rjob) / GB)
+            root = ctx.work / f"nvme-{block_bytes // MiB}m-{rep}"
+            got, extra = _nvme_pass(ctx, root, block_bytes, n, pool)
+            for k, v in got.items():
+                rates.setdefault(k, []).append(v)
+        size = f"{n * block_bytes / 2**30:g} GiB"
+        w, r = (f"{wjob.label}, {engine}", tuple(fio_w)), (f"{rjob.label}, {engine}", tuple(fio_r))
+        result.figures += [
+            Figure("nvme", f"NvmeStore put+flush, {label}, {size}", "GB/s",
+                   tuple(rates["put"]), *w, Goal(">=", goal)),
+            Figure("nvme", f"NvmeStore get_many, {label}, {size}", "GB/s",
+                   tuple(rates["get_many"]), *r, Goal(">=", goal)),
+            Figure("nvme", f"NvmeStore get_into one by one, {label}, {size}", "GB/s",
+                   tuple(rates["get_into"]), *r,
+                   note="one block in flight at a time: its own I/Os only"),
+            Figure("nvme", f"NvmeStore put+flush from 4 threads, {label}, {size}", "GB/s",
+                   tuple(rates["put4"]), *w, note="what callers gain by putting concurrently"),
+        ]
+        engine_desc = f"io_engine={extra.get('io_engine')}, queue_depth={extra.get('queue_depth')}"
+        result.tables.append(_histogram_table(
+            f"NvmeStore disk I/O sizes, {label}, last repetition, all passes ({engine_desc})",
+            extra))
+    result.notes += [
+        "put+flush: one caller puts every block in prefix order, then flush() (durable); "
+        "loads are judged on get_many, the call that loads a prefix",
+        f"cold reads: {ctx.cold_read_method}",
+    ]
+    return result
+
+
+# Where NvmeStore.stats().extra keeps its I/O size histograms (bucket bytes -> I/Os).
+_HISTOGRAM_KEYS = {
+    "read": ("io_size_histogram", "read_io_size_histogram", "read_io_sizes"),
+    "write": ("write_io_size_histogram", "write_io_sizes"),
+}
+
+
+def io_histogram(extra: Mapping[str, object], op: str) -> dict[int, int]:
+    """The store's histogram of ``op`` ("read" or "write") I/O sizes; {} if it keeps none."""
+    for name in _HISTOGRAM_KEYS[op]:
+        if name in extra:
+            return {int(k): int(v) for k, v in dict(extra[name]).items()}  # type: ignore[call-overload]
+    return {}
+
+
+def _histogram_table(title: str, extra: dict[str, object]) -> Table:
+    rows = []
+    for op in ("write", "read"):
+        hist = io_histogram(extra, op)
+        rows += [(op, size_label(size), str(count)) for size, count in sorted(hist.items())]
+    return Table(title, ("op", "I/O size (bucket: next power of two)", "count"),
+                 tuple(rows) or (("", "(not reported)", ""),))
+
+
+def size_label(n: int) -> str:
+    """``n`` bytes as "4 KiB", "1.5 MiB" or "512 B"."""
+    for unit, name in ((MiB, "MiB"), (KiB, "KiB")):
+        if n >= unit:
+            return f"{n / unit:g} {name}"
+    return f"{n} B"
+
+
+def _copy_all(dst: np.ndarray, pool: list[np.ndarray], n: int, block_bytes: int) -> None:
+    for i in range(n):
+        np.copyto(dst[i * block_bytes:(i + 1) * block_bytes], pool[i % len(pool)])
+
+
+def _shm_memcpy(pool: list[np.ndarray], n: int, block_bytes: int) -> float:
+    """Bytes/s of numpy memcpy into a faulted-in POSIX shared-memory mapping, as the arena's."""
+    from multiprocessing import shared_memory
+
+    shm = shared_memory.SharedMemory(create=True, size=n * block_bytes)
+    try:
+        dst = np.ndarray((n * block_bytes,), np.uint8, shm.buf)
+        dst[:] = 0
+        t0 = time.perf_counter()
+        _copy_all(dst, pool, n, block_bytes)
+        rate = n * block_bytes / (time.perf_counter() - t0)
+        del dst  # the mapping cannot close while an array still points into it
+    finally:
+        shm.close()
+        shm.unlink()
+    return rate
+
+
+def _dram_pass(block_bytes: int, n: int, pool: list[np.ndarray],
+               dst: np.ndarray) -> dict[str, float]:
+    """GB/s of memcpy (private and shared memory), put, get_into and get over ``n`` blocks."""
+    from cmx.storage import DramStore
+
+    total = n * block_bytes
+    rates = {"memcpy": total / timed(lambda: _copy_all(dst, pool, n, block_bytes)),
+             "shm": _shm_memcpy(pool, n, block_bytes)}
+    keys = block_keys(n, b"dram")
+    store = DramStore(capacity_bytes=total, block_bytes=block_bytes)
+    with store:
+        def put_all() -> None:
+            for i, key in enumerate(keys):
+                store.put(key, pool[i % len(pool)])
+
+        def get_into_all() -> None:
+            for i, key in enumerate(keys):
+                store.get_into(key, dst[i * block_bytes:(i + 1) * block_bytes])
+
+        rates["put"] = total / timed(put_all)
+        rates["get_into"] = total / timed(get_into_all)
+        rates["get"] = total / timed(lambda: [store.get(key) for key in keys])
+        store.check_integrity()
+    return {k: v / GB for k, v in rates.items()}
+
+
+def run_dram(ctx: BenchContext) -> SuiteResult:
+    result = SuiteResult("dram", command="")
+    block_bytes = 32 * MiB
+    n = max(1, ctx.config.nbytes // block_bytes)
+    pool = payload_pool(block_bytes)
+    dst = np.empty(n * block_bytes, dtype=np.uint8)
+    dst[:] = 0  # fault the destination in: page faults are not memcpy
+    _dram_pass(block_bytes, min(n, 8), pool, dst)  # warm-up, not counted
+    rates: dict[str, list[float]] = {}
+    for rep in range(ctx.config.reps):
+        ctx.log(f"dram rep {rep + 1}/{ctx.config.reps}")
+        for k, v in _dram_pass(block_bytes, n, pool, dst).items():
+            rates.setdefault(k, []).append(v)
+    size = f"32 MiB blocks, {n * block_bytes / 2**30:g} GiB"
+    base = ("numpy memcpy into a faulted-in buffer", tuple(rates["memcpy"]))
+    result.figures += [
+        Figure("dram", f"DramStore put, {size}", "GB/s", tuple(rates["put"]), *base, DRAM_GOAL),
+        Figure("dram", f"DramStore get_into (caller's buffer), {size}", "GB/s",
+               tuple(rates["get_into"]), *base, DRAM_GOAL),
+        Figure("dram", f"DramStore get (new buffer each call), {size}", "GB/s",
+               tuple(rates["get"]), *base,
+               note="allocates a 32 MiB result per call; get_into avoids it"),
+        Figure("dram", f"numpy memcpy into POSIX shared memory, {size}", "GB/s",
+               tuple(rates["shm"]), *base,
+               note="the arena's kind of memory (a /dev/shm mapping) with no store in the way: "
+                    "what the arena itself costs against private memory"),
+    ]
+    result.notes.append(f"transparent huge pages here: {_thp('enabled')} for private memory "
+                        f"(numpy asks for them on large arrays), {_thp('shmem_enabled')} for "
+                        f"shared memory")
+    return result
+
+
+def _thp(name: str) -> str:
+    """The mode in force of a transparent huge page setting: "[madvise] never" -> "madvise"."""
+    try:
+        text = Path(f"/sys/kernel/mm/transparent_hugepage/{name}").read_text()
+    except OSError:
+        return "unknown"
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else text.strip()

@@ -1,0 +1,295 @@
+"""``ContextMemory``: what a serving replica uses to store and find KV blocks cluster-wide.
+
+    cm = ContextMemory.connect(address=None)     # None: an embedded local Ray cluster
+    ns = cm.namespace(model="llama-3-8b", layout=KVLayout(...), salt="tenant-a")
+    ns.store(token_ids, kv).wait()               # kv: [layers, 2, kv_heads, tokens, head_dim]
+    ns.lookup(token_ids).num_tokens              # longest committed prefix, and where it is
+    ns.load(token_ids)                           # its KV, moved from the fastest copies
+    cm.shutdown()
+
+Every call is bounded: a part of the service that does not answer in time makes a miss (a
+shorter prefix), never a hang and never wrong bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from cmx.actors.directory import Copy, shard_of
+from cmx.actors.links import RAY_NAMESPACE, RayLink, actor_name
+from cmx.config import ServiceConfig
+from cmx.errors import LayoutMismatchError, UnavailableError
+from cmx.keys import BlockHash, Namespace, chain_keys
+from cmx.layout import KVLayout
+from cmx.storage.arena import SharedArena
+from cmx.tiers import Tier
+
+__all__ = ["BlockLocation", "ContextMemory", "Match", "NamespaceClient", "StoreHandle"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BlockLocation:
+    key: BlockHash
+    tier: Tier  # the fastest tier holding a copy
+    node: str  # where that copy is
+    copies: tuple[Copy, ...]
+
+
+@dataclass(frozen=True)
+class Match:
+    """The longest committed prefix of a token sequence."""
+
+    num_tokens: int
+    blocks: tuple[BlockLocation, ...]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+
+class StoreHandle:
+    """An asynchronous store; ``wait()`` returns once the blocks are committed and visible."""
+
+    def __init__(self, ref: Any, num_blocks: int, timeout_s: float) -> None:
+        self._ref = ref
+        self.num_blocks = num_blocks
+        self._timeout_s = timeout_s
+
+    def wait(self, timeout_s: float | None = None) -> int:
+        """Blocks committed by this store (already-present blocks are not stored again)."""
+        if self._ref is None:
+            return 0
+        import ray
+
+        return int(ray.get(self._ref, timeout=timeout_s or self._timeout_s))
+
+    def done(self) -> bool:
+        import ray
+
+        if self._ref is None:
+            return True
+        ready, _ = ray.wait([self._ref], timeout=0)
+        return bool(ready)
+
+
+class ContextMemory:
+    def __init__(self, config: ServiceConfig, node_id: str, owns_ray: bool) -> None:
+        self.config = config
+        self.node_id = node_id
+        self._owns_ray = owns_ray
+        self.link = RayLink(config.call_timeout_s)
+        self._hbm: tuple[str, SharedArena] | None = None
+
+    @classmethod
+    def connect(
+        cls, address: str | None = None, config: ServiceConfig | None = None,
+        start_service: bool = True, **ray_init: Any,
+    ) -> ContextMemory:
+        """Join the Ray cluster at ``address`` (or start a local one) and the service on it."""
+        import ray
+
+        from cmx.actors.service import ensure_service
+
+        config = config or ServiceConfig.from_env()
+        owns = False
+        if not ray.is_initialized():
+            ray.init(address=address, namespace=RAY_NAMESPACE, **ray_init)
+            owns = address is None
+        if start_service:
+            ensure_service(config)
+        node_id = ray.get_runtime_context().get_node_id()
+        return cls(config, node_id, owns)
+
+    def namespace(
+        self, model: str, layout: KVLayout, salt: str = "", weights: str = ""
+    ) -> NamespaceClient:
+        if layout.block_bytes > self.config.block_bytes:
+            raise LayoutMismatchError(
+                f"a block of this layout is {layout.block_bytes} bytes; the service's slots hold "
+                f"{self.config.block_bytes} (ServiceConfig.block_bytes)"
+            )
+        return NamespaceClient(self, Namespace(model, layout, salt, weights))
+
+    # -- cluster view --------------------------------------------------------------------------
+
+    def nodes(self) -> list[str]:
+        return list(self.link.call("cmx:controller", "nodes"))
+
+    def stats(self) -> dict[str, Any]:
+        """Per node: each tier's figures and the agent's; the directory's shards."""
+        nodes: dict[str, Any] = {}
+        for node in self.nodes():
+            entry: dict[str, Any] = {"tiers": {}}
+            for tier in (Tier.HBM, Tier.DRAM, Tier.NVME):
+                try:
+                    name = actor_name(tier.value, node)
+                    entry["tiers"][tier.value] = self.link.call(name, "stats")
+                except UnavailableError as exc:
+                    entry["tiers"][tier.value] = {"error": str(exc)}
+            try:
+                entry["agent"] = self.link.call(actor_name("agent", node), "stats")
+                entry["agent"]["placement"] = self.link.call(actor_name("agent", node), "placement")
+            except UnavailableError as exc:
+                entry["agent"] = {"error": str(exc)}
+            nodes[node] = entry
+        shards = []
+        for shard in range(self.config.directory_shards):
+            try:
+                shards.append(self.link.call(actor_name("dir", shard), "stats"))
+            except UnavailableError as exc:
+                shards.append({"shard": shard, "error": str(exc)})
+        return {"nodes": nodes, "directory": shards}
+
+    def shutdown(self, stop_service: bool | None = None) -> None:
+        """Disconnect; stop the service too if asked (default: when we started Ray)."""
+        import ray
+
+        from cmx.actors.service import stop_service as stop
+
+        if self._hbm is not None:
+            self._hbm[1].close()
+            self._hbm = None
+        if stop_service if stop_service is not None else self._owns_ray:
+            stop()
+        if self._owns_ray:
+            ray.shutdown()
+
+    # -- used by namespaces --------------------------------------------------------------------
+
+    def _lookup(self, keys: list[BlockHash]) -> list[list[Copy]]:
+        """Copies of each key; one batched call per shard, all in flight together."""
+        import ray
+
+        n = self.config.directory_shards
+        by_shard: dict[int, list[int]] = {}
+        for i, key in enumerate(keys):
+            by_shard.setdefault(shard_of(key, n), []).append(i)
+        refs = {}
+        for shard, idx in by_shard.items():
+            try:
+                refs[shard] = self.link.submit(actor_name("dir", shard), "lookup",
+                                               [keys[i] for i in idx])
+            except UnavailableError:
+                pass
+        out: list[list[Copy]] = [[] for _ in keys]
+        for shard, ref in refs.items():
+            try:
+                answer = ray.get(ref, timeout=self.config.call_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - an unreachable shard answers misses
+                log.warning("directory shard %d did not answer: %s", shard, exc)
+                continue
+            for i, copies in zip(by_shard[shard], answer):
+                out[i] = copies
+        return out
+
+    def _hbm_arena(self, name: str) -> SharedArena:
+        if self._hbm is None or self._hbm[0] != name:
+            if self._hbm is not None:
+                self._hbm[1].close()
+            self._hbm = (name, SharedArena.attach(name))
+        return self._hbm[1]
+
+
+class NamespaceClient:
+    def __init__(self, cm: ContextMemory, namespace: Namespace) -> None:
+        self.cm = cm
+        self.namespace = namespace
+        self.layout = namespace.layout
+
+    def keys(self, token_ids: object) -> list[BlockHash]:
+        return chain_keys(self.namespace.digest, token_ids, self.layout.block_tokens)
+
+    def store(self, token_ids: object, kv: Any) -> StoreHandle:
+        """Hand the full blocks of ``kv`` to this node's agent; returns at once."""
+        import ray
+        import torch
+
+        keys = self.keys(token_ids)
+        self.layout.check_kv(kv)
+        if kv.shape[3] < len(keys) * self.layout.block_tokens:
+            raise LayoutMismatchError(
+                f"kv holds {kv.shape[3]} tokens, token_ids {len(keys) * self.layout.block_tokens}"
+            )
+        if not keys:
+            return StoreHandle(None, 0, self.cm.config.call_timeout_s)
+        payloads = self.layout.split_blocks(kv[:, :, :, : len(keys) * self.layout.block_tokens])
+        payload = torch.cat(payloads).numpy()
+        parents = [None, *keys[:-1]]
+        ref = self.cm.link.submit(actor_name("agent", self.cm.node_id), "store", keys, parents,
+                                  ray.put(payload))
+        return StoreHandle(ref, len(keys), self.cm.config.load_timeout_s)
+
+    def lookup(self, token_ids: object) -> Match:
+        keys = self.keys(token_ids)
+        copies = self.cm._lookup(keys) if keys else []
+        blocks = []
+        for key, found in zip(keys, copies):
+            if not found:
+                break
+            best = min(found, key=lambda c: (c.node != self.cm.node_id, c.tier.rank))
+            blocks.append(BlockLocation(key, best.tier, best.node, tuple(found)))
+        return Match(len(blocks) * self.layout.block_tokens, tuple(blocks))
+
+    def load(self, token_ids: object, match: Match | None = None) -> Any:
+        """KV [layers, 2, kv_heads, n, head_dim] of the longest loadable cached prefix."""
+        import torch
+
+        match = match or self.lookup(token_ids)
+        T = self.layout.block_tokens
+        out = torch.empty(self.layout.shape(match.num_blocks * T), dtype=self.layout.torch_dtype())
+        window = self._window()
+        blocks = list(match.blocks)
+        loaded = 0
+        for start in range(0, len(blocks), window):
+            chunk = blocks[start : start + window]
+            got = self._load_window(chunk, out, start)
+            loaded += got
+            if got < len(chunk):
+                break
+        return out[:, :, :, : loaded * T]
+
+    def prefetch(self, token_ids: object) -> Any:
+        """Start moving the cached prefix toward this node's HBM tier; returns an ObjectRef."""
+        match = self.lookup(token_ids)
+        if not match.blocks:
+            return None
+        blocks = list(match.blocks)[: self._window()]
+        return self.cm.link.submit(
+            actor_name("agent", self.cm.node_id), "prefetch",
+            [b.key for b in blocks], [list(b.copies) for b in blocks],
+        )
+
+    def _window(self) -> int:
+        """Blocks loaded per agent call: half the HBM tier, so loads stream through it."""
+        return max(1, self.cm.config.hbm_bytes // self.cm.config.block_bytes // 2)
+
+    def _load_window(self, blocks: list[BlockLocation], out: Any, first: int) -> int:
+        """Load ``blocks`` into ``out`` from block index ``first``; returns how many arrived."""
+        import ray
+
+        agent = actor_name("agent", self.cm.node_id)
+        try:
+            ref = self.cm.link.submit(agent, "load", [b.key for b in blocks],
+                                      [list(b.copies) for b in blocks])
+            result = ray.get(ref, timeout=self.cm.config.load_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a failed or late load is a miss
+            log.warning("load failed: %s", exc)
+            return 0
+        if not result.blocks:
+            return 0
+        T = self.layout.block_tokens
+        try:
+            arena = self.cm._hbm_arena(result.arena)
+            for i, b in enumerate(result.blocks):
+                block = self.layout.from_payload(arena.slot_view(b.slot)[: b.size])
+                out[:, :, :, (first + i) * T : (first + i + 1) * T].copy_(block)
+            return len(result.blocks)
+        finally:
+            try:
+                self.cm.link.call(agent, "release", [b.key for b in result.blocks])
+            except UnavailableError:
+                pass

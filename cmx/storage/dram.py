@@ -1,0 +1,461 @@
+"""DramStore: the host DRAM tier's block store, one slot per block in a shared-memory arena.
+
+Protocol (see ``cmx.storage.base`` for the common part), in call order:
+
+- ``reserve(key, parent)`` takes a free slot, evicting one unpinned committed block through the
+  eviction policy if none is free (``on_evict`` sees it first); StoreFullError if every block
+  is pinned or reserved. The caller writes ``reservation.buffer``, then ``commit`` (the block
+  becomes visible and a STORED event goes out) or ``abort`` (the slot is free again). Until
+  then the block is invisible to ``get``, ``in``, ``keys`` and ``pin``, and never evicted.
+- ``put`` is reserve + one copy + commit. It returns False, changing nothing, if the key is
+  already stored or being written.
+- ``get`` copies a block out. ``view`` hands out the slot itself without a copy: only while the
+  caller holds a pin (``pin`` ... ``view`` ... ``unpin``); after ``unpin`` the slot may be
+  reused for another block at any time and the view then shows that block's bytes.
+- ``locate`` gives (arena name, slot, offset, size) so the node's offload agent can reach the
+  bytes from its own process (``cmx.storage.arena.read_slot``); it too must be under a pin.
+- Checksums are lazy: ``put``/``commit`` take one if the caller has it; ``checksum_of``
+  computes XXH3 once and caches it. Hashing every put would cost half a memcpy.
+
+Every call takes one lock; ``put`` copies outside it, into a slot no one else can reach. Event
+subscribers and ``on_evict`` run under the lock (an RLock: they may read the store). While
+``on_evict`` runs, its block is pinned, so nothing re-entrant can take that slot.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from cmx.buffers import Buffer, align_up, as_bytes_view
+from cmx.checksum import Checksum, checksum
+from cmx.errors import BlockStateError, BlockTooLargeError, StoreClosedError, StoreFullError
+from cmx.keys import BlockHash, check_key
+from cmx.policies.eviction import EvictionPolicy, make_eviction
+from cmx.storage.arena import SharedArena, SlotAllocator, SlotRef
+from cmx.storage.base import BlockStore, EventKind, StoreStats
+from cmx.storage.blocks import (
+    BlockMeta,
+    OnEvict,
+    Reservation,
+    block_source,
+    check_block_keys,
+    check_checksum,
+    check_size,
+)
+
+__all__ = ["BlockMeta", "DramStore", "OnEvict", "Reservation"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Entry:
+    slot: int
+    parent: BlockHash | None
+    reservation: int
+    committed: bool = False
+    size: int = 0
+    checksum: int | None = None
+    pins: int = 0
+
+
+class DramStore(BlockStore):
+    """Blocks of at most ``block_bytes`` in a ``capacity_bytes`` shared-memory arena.
+
+    Args:
+        capacity_bytes: size of the arena; it holds ``capacity_bytes // slot`` blocks, where a
+            slot is ``block_bytes`` rounded up to 4 KiB.
+        block_bytes: the largest block; smaller ones are stored with their size.
+        eviction: eviction policy name (``cmx.policies.make_eviction``) or a fresh instance.
+        name: shared-memory name of the arena; unique by default.
+        on_evict: called with (key, read-only view, BlockMeta) just before an evicted block's
+            slot is reused, to demote it; an exception drops the block and is counted.
+        populate: fault the whole arena in at creation, so puts run at memcpy speed.
+    """
+
+    def __init__(self, capacity_bytes: int, block_bytes: int,
+                 eviction: str | EvictionPolicy = "lru", name: str | None = None,
+                 on_evict: OnEvict | None = None, populate: bool = True) -> None:
+        super().__init__()
+        for label, value in (("capacity_bytes", capacity_bytes), ("block_bytes", block_bytes)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{label} must be a positive int, got {value!r}")
+        if block_bytes > capacity_bytes:
+            raise BlockTooLargeError(f"block_bytes {block_bytes} > capacity {capacity_bytes}")
+        self._policy = make_eviction(eviction)
+        if len(self._policy):
+            raise ValueError(f"eviction policy already holds {len(self._policy)} keys")
+        self._arena = SharedArena.create(capacity_bytes, align_up(block_bytes), name, populate)
+        self._block_bytes = block_bytes
+        self._slots = SlotAllocator(self._arena.num_slots)
+        self._index: dict[BlockHash, _Entry] = {}  # committed and reserved blocks
+        self._on_evict = on_evict
+        self._lock = threading.RLock()
+        self._closed = False
+        self._next_id = 0
+        self._committed = 0
+        self._reserved = 0
+        self._pinned = 0  # blocks with at least one pin
+        self._used_bytes = 0  # payload bytes of committed blocks
+        self._hits = self._misses = self._evictions = self._hook_errors = 0
+        self._bytes_written = self._bytes_read = 0
+
+    # -- shape ---------------------------------------------------------------------------------
+
+    @property
+    def block_bytes(self) -> int:
+        return self._block_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Payload bytes the store can hold: one block per slot."""
+        return self._arena.num_slots * self._block_bytes
+
+    @property
+    def arena(self) -> SharedArena:
+        """The owner's arena: ``arena.name`` for another process, ``arena.buffer`` for NIXL."""
+        return self._arena
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        return self._policy
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- two-phase writes ----------------------------------------------------------------------
+
+    def reserve(self, key: bytes, parent: bytes | None = None) -> Reservation:
+        """A slot for ``key``; BlockStateError if the key is already stored or reserved."""
+        key, parent = check_block_keys(key, parent)
+        with self._lock:
+            self._check_open()
+            held = self._index.get(key)
+            if held is not None:
+                state = "stored" if held.committed else "reserved"
+                raise BlockStateError(f"block {key.hex()[:12]} is already {state}")
+            if not self._slots.free:
+                self._evict_one()
+            slot = self._slots.alloc()
+            self._next_id += 1
+            self._index[key] = _Entry(slot, parent, self._next_id)
+            self._reserved += 1
+            view = self._arena.slot_view(slot)[: self._block_bytes]
+            return Reservation(key, parent, slot, view, self._next_id)
+
+    def commit(self, reservation: Reservation, size: int | None = None,
+               checksum: int | None = None) -> None:
+        """Make the block visible: ``size`` payload bytes (default block_bytes) of the slot."""
+        size = self._block_bytes if size is None else size
+        check_size(size, self._block_bytes)
+        check_checksum(checksum)
+        with self._lock:
+            self._check_open()
+            entry = self._open_entry(reservation)
+            entry.committed, entry.size, entry.checksum = True, size, checksum
+            self._reserved -= 1
+            self._committed += 1
+            self._used_bytes += size
+            self._bytes_written += size
+            self._policy.insert(reservation.key, entry.parent)
+            self._emit(EventKind.STORED, reservation.key, size, checksum)
+
+    def abort(self, reservation: Reservation) -> None:
+        """Give the slot back; the block was never visible."""
+        with self._lock:
+            self._check_open()
+            entry = self._open_entry(reservation)
+            del self._index[reservation.key]
+            self._slots.release(entry.slot)
+            self._reserved -= 1
+
+    def put(self, key: bytes, data: Buffer, parent: bytes | None = None, *,
+            checksum: int | None = None) -> bool:
+        """Store ``data`` (at most block_bytes, C-contiguous); False if already there."""
+        key, parent = check_block_keys(key, parent)
+        src = block_source(data, self._block_bytes)
+        check_checksum(checksum)
+        with self._lock:
+            self._check_open()
+            if key in self._index:
+                return False
+            reservation = self.reserve(key, parent)
+        try:
+            np.copyto(reservation.buffer[: src.nbytes], src)
+        except BaseException:
+            self.abort(reservation)
+            raise
+        self.commit(reservation, src.nbytes, checksum)
+        return True
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def get(self, key: bytes) -> np.ndarray | None:
+        """A copy of the block (uint8, exactly its size), or None on a miss."""
+        key = check_key(key)
+        with self._lock:
+            entry = self._lookup(key)
+            if entry is None:
+                return None
+            out = np.empty(entry.size, dtype=np.uint8)
+            np.copyto(out, self._payload(entry))
+            self._bytes_read += entry.size
+            return out
+
+    def get_into(self, key: bytes, out: Buffer) -> int | None:
+        """Copy the block into the front of ``out``; its size, or None on a miss."""
+        key = check_key(key)
+        dst = as_bytes_view(out)
+        with self._lock:
+            self._check_open()
+            entry = self._visible(key)
+            if entry is not None and dst.nbytes < entry.size:
+                raise BlockTooLargeError(f"block is {entry.size} bytes, out holds {dst.nbytes}")
+            entry = self._lookup(key)
+            if entry is None:
+                return None
+            np.copyto(dst[: entry.size], self._payload(entry))
+            self._bytes_read += entry.size
+            return entry.size
+
+    def view(self, key: bytes) -> np.ndarray | None:
+        """The block's bytes in the arena, read-only, no copy. Valid only while pinned."""
+        key = check_key(key)
+        with self._lock:
+            self._check_open()
+            entry = self._visible(key)
+            if entry is None:
+                return None
+            if not entry.pins:
+                raise BlockStateError(f"pin block {key.hex()[:12]} before taking a view of it")
+            view = self._payload(entry)
+            view.flags.writeable = False
+            return view
+
+    def locate(self, key: bytes) -> SlotRef | None:
+        """Where the block lies in the arena, for another process. Valid only while pinned."""
+        key = check_key(key)
+        with self._lock:
+            self._check_open()
+            entry = self._visible(key)
+            if entry is None:
+                return None
+            offset = self._arena.slot_offset(entry.slot)
+            return SlotRef(self._arena.name, entry.slot, offset, entry.size, entry.checksum)
+
+    def checksum_of(self, key: bytes) -> Checksum | None:
+        """XXH3-64 of the block, computed on first call and cached; None on a miss."""
+        key = check_key(key)
+        with self._lock:
+            self._check_open()
+            entry = self._visible(key)
+            if entry is None:
+                return None
+            if entry.checksum is None:
+                entry.checksum = checksum(self._payload(entry))
+            return Checksum(entry.checksum)
+
+    def __contains__(self, key: object) -> bool:
+        key = check_key(key)
+        with self._lock:
+            self._check_open()
+            return self._visible(key) is not None
+
+    def __len__(self) -> int:
+        with self._lock:
+            self._check_open()
+            return self._committed
+
+    def keys(self) -> list[BlockHash]:
+        """Committed keys, a snapshot."""
+        with self._lock:
+            self._check_open()
+            return [k for k, e in self._index.items() if e.committed]
+
+    # -- pins and removal ----------------------------------------------------------------------
+
+    def pin(self, key: bytes) -> bool:
+        key = check_key(key)
+        with self._lock:
+            entry = self._lookup(key)
+            if entry is None:
+                return False
+            entry.pins += 1
+            self._pinned += entry.pins == 1
+            return True
+
+    def unpin(self, key: bytes) -> None:
+        key = check_key(key)
+        with self._lock:
+            self._check_open()
+            entry = self._visible(key)
+            if entry is None or not entry.pins:
+                raise BlockStateError(f"block {key.hex()[:12]} is not pinned")
+            entry.pins -= 1
+            self._pinned -= entry.pins == 0
+
+    def delete(self, key: bytes) -> bool:
+        """Remove an unpinned block; False on a miss, BlockStateError if it is pinned."""
+        key = check_key(key)
+        with self._lock:
+            self._check_open()
+            entry = self._visible(key)
+            if entry is None:
+                return False
+            if entry.pins:
+                raise BlockStateError(f"block {key.hex()[:12]} is pinned {entry.pins} times")
+            self._remove(key, entry)
+            return True
+
+    # -- books ---------------------------------------------------------------------------------
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            self._check_open()
+            return StoreStats(
+                capacity_bytes=self.capacity_bytes,
+                used_bytes=self._used_bytes + self._reserved * self._block_bytes,
+                blocks=self._committed,
+                pinned=self._pinned,
+                hits=self._hits,
+                misses=self._misses,
+                evictions=self._evictions,
+                bytes_written=self._bytes_written,
+                bytes_read=self._bytes_read,
+                extra={
+                    "arena": self._arena.name,
+                    "slot_bytes": self._arena.slot_bytes,
+                    "slots": self._slots.capacity,
+                    "free_slots": self._slots.free,
+                    "reserved": self._reserved,
+                    "eviction": self._policy.name,
+                    "evict_hook_errors": self._hook_errors,
+                },
+            )
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            self._check_open()
+            self._slots.check_integrity()
+            if len(self._index) != self._slots.used:
+                raise AssertionError(
+                    f"index holds {len(self._index)} blocks, {self._slots.used} slots in use"
+                )
+            slots: set[int] = set()
+            committed = reserved = pinned = used = 0
+            for key, entry in self._index.items():
+                if entry.slot in slots or not self._slots.is_used(entry.slot):
+                    raise AssertionError(f"slot {entry.slot} of {key.hex()[:12]} is shared or free")
+                slots.add(entry.slot)
+                if not 0 <= entry.size <= self._block_bytes or entry.pins < 0:
+                    raise AssertionError(f"{key.hex()[:12]}: size {entry.size} pins {entry.pins}")
+                if entry.committed != (key in self._policy):
+                    raise AssertionError(f"{key.hex()[:12]}: committed={entry.committed} "
+                                         f"but in policy={key in self._policy}")
+                if not entry.committed and entry.pins:
+                    raise AssertionError(f"{key.hex()[:12]}: reserved but pinned {entry.pins}")
+                committed += entry.committed
+                reserved += not entry.committed
+                pinned += entry.pins > 0
+                used += entry.size if entry.committed else 0
+            counted = (committed, reserved, pinned, used)
+            kept = (self._committed, self._reserved, self._pinned, self._used_bytes)
+            if counted != kept:
+                raise AssertionError(f"(committed, reserved, pinned, used bytes) are {counted}, "
+                                     f"counters say {kept}")
+            if len(self._policy) != committed:
+                raise AssertionError(f"policy holds {len(self._policy)}, {committed} committed")
+            self._policy.check_integrity()
+
+    def close(self) -> None:
+        """Report every block removed, then unmap and unlink the arena. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            for key, entry in list(self._index.items()):
+                if entry.committed:
+                    self._emit(EventKind.REMOVED, key, entry.size, entry.checksum)
+            self._closed = True
+            self._index.clear()
+            self._arena.close()
+            self._arena.unlink()
+
+    # -- internals (callers hold the lock) -----------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"DRAM store {self._arena.name} is closed")
+
+    def _visible(self, key: BlockHash) -> _Entry | None:
+        entry = self._index.get(key)
+        return entry if entry is not None and entry.committed else None
+
+    def _lookup(self, key: BlockHash) -> _Entry | None:
+        """A hit (counted, policy touched) or a miss (counted)."""
+        self._check_open()
+        entry = self._visible(key)
+        if entry is None:
+            self._misses += 1
+            return None
+        self._hits += 1
+        self._policy.touch(key)
+        return entry
+
+    def _payload(self, entry: _Entry) -> np.ndarray:
+        return self._arena.slot_view(entry.slot)[: entry.size]
+
+    def _open_entry(self, reservation: Reservation) -> _Entry:
+        if not isinstance(reservation, Reservation):
+            raise TypeError(f"expected a Reservation, got {type(reservation).__name__}")
+        entry = self._index.get(reservation.key)
+        if entry is None or entry.reservation != reservation.id or entry.committed:
+            raise BlockStateError(
+                f"reservation of {reservation.key.hex()[:12]} is no longer open"
+            )
+        return entry
+
+    def _evict_one(self) -> None:
+        for key in self._policy.victims(self._evictable):
+            entry = self._index[key]
+            if self._on_evict is not None:
+                self._demote(key, entry)
+            self._remove(key, entry)
+            self._evictions += 1
+            return
+        raise StoreFullError(
+            f"no slot can be freed: {self._slots.capacity} slots, {self._pinned} blocks pinned, "
+            f"{self._reserved} reserved"
+        )
+
+    def _evictable(self, key: bytes) -> bool:
+        entry = self._index.get(BlockHash(key))
+        return entry is not None and entry.committed and not entry.pins
+
+    def _demote(self, key: BlockHash, entry: _Entry) -> None:
+        assert self._on_evict is not None
+        view = self._payload(entry)
+        view.flags.writeable = False
+        entry.pins += 1
+        self._pinned += 1
+        try:
+            self._on_evict(key, view, BlockMeta(entry.size, entry.checksum, entry.parent))
+        except Exception:
+            # A cache may always drop a block: a failed demotion costs a later miss, nothing more.
+            self._hook_errors += 1
+            log.exception("on_evict failed for block %s; dropping it", key.hex()[:12])
+        finally:
+            entry.pins -= 1
+            self._pinned -= 1
+
+    def _remove(self, key: BlockHash, entry: _Entry) -> None:
+        del self._index[key]
+        self._policy.remove(key)
+        self._slots.release(entry.slot)
+        self._committed -= 1
+        self._used_bytes -= entry.size
+        self._emit(EventKind.REMOVED, key, entry.size, entry.checksum)

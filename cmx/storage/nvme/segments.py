@@ -1,0 +1,181 @@
+"""Segment files: the log the blocks are appended to, and the books of each file's bytes.
+
+A segment ``seg-<id>.dat`` grows by appending extents at its head until the next extent would
+pass ``segment_bytes``; then it is sealed and a new segment (the next id, never reused) becomes
+the active one. Each byte below a head is live (a committed block), pending (a write in flight)
+or dead (a block that left, or a write that failed): ``head == live + pending + dead``.
+
+A sealed segment with nothing live or pending is *retired*. Its file is deleted once the
+journal records that emptied it are durable (``mark_durable``) and no I/O holds it
+(``io_refs``), so a crash can never replay a record into a deleted file whose id was reused.
+
+Not thread-safe: the store calls every method under its lock.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+from dataclasses import dataclass, field
+
+from cmx.storage.nvme.io import IoEngine
+from cmx.storage.nvme.journal import fsync_dir
+
+__all__ = ["Segment", "SegmentSet", "segment_ids"]
+
+_NAME = re.compile(r"^seg-(\d{6,})\.dat$")
+
+
+def segment_ids(root: str) -> list[int]:
+    """Ids of the segment files under ``root``, ascending."""
+    return sorted(int(m.group(1)) for name in os.listdir(root) if (m := _NAME.match(name)))
+
+
+@dataclass(eq=False)
+class Segment:
+    id: int
+    path: str
+    fd: int
+    head: int = 0  # bytes appended so far; the file is never longer once writes settle
+    live: int = 0  # extent bytes of committed blocks
+    pending: int = 0  # extent bytes reserved by writes in flight
+    keys: set[bytes] = field(default_factory=set)  # committed blocks stored here
+    io_refs: int = 0  # I/Os running outside the store lock
+    sealed: bool = False  # no more appends
+    retired: bool = False  # empty; delete when durable and unreferenced
+    durable: bool = False  # the records that emptied it are in the journal
+
+    @property
+    def dead(self) -> int:
+        return self.head - self.live - self.pending
+
+
+class SegmentSet:
+    def __init__(self, root: str, segment_bytes: int, engine: IoEngine) -> None:
+        self.root = root
+        self.segment_bytes = segment_bytes
+        self.engine = engine
+        self.segs: dict[int, Segment] = {}
+        self.active: Segment | None = None
+        self.next_id = 1
+        self.direct = True  # False where the filesystem refuses O_DIRECT (tmpfs)
+        self.dirty: set[int] = set()  # segments written since the last fdatasync
+
+    def path(self, seg_id: int) -> str:
+        return os.path.join(self.root, f"seg-{seg_id:06d}.dat")
+
+    # -- files ---------------------------------------------------------------------------------
+
+    def open(self, seg_id: int, create: bool = False) -> Segment:
+        path = self.path(seg_id)
+        flags = os.O_RDWR | (os.O_CREAT | os.O_TRUNC if create else 0)
+        fd = -1
+        if self.direct:
+            try:
+                fd = os.open(path, flags | os.O_DIRECT, 0o644)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self.direct = False
+        if fd < 0:
+            fd = os.open(path, flags, 0o644)
+        if create:
+            fsync_dir(self.root)  # the name must survive before any record names the file
+        self.engine.register_file(fd)
+        seg = Segment(seg_id, path, fd, head=os.fstat(fd).st_size)
+        self.segs[seg_id] = seg
+        self.next_id = max(self.next_id, seg_id + 1)
+        return seg
+
+    def delete(self, seg: Segment) -> None:
+        self.engine.unregister_file(seg.fd)
+        os.close(seg.fd)
+        os.unlink(seg.path)
+        del self.segs[seg.id]
+        self.dirty.discard(seg.id)
+        if seg is self.active:
+            self.active = None
+
+    def close(self) -> None:
+        for seg in list(self.segs.values()):
+            self.engine.unregister_file(seg.fd)
+            os.close(seg.fd)
+        self.segs.clear()
+        self.active = None
+
+    # -- the books -----------------------------------------------------------------------------
+
+    def allocate(self, nbytes: int) -> tuple[Segment, int]:
+        """Reserve ``nbytes`` at the log head: (segment, offset). Holds an I/O ref."""
+        seg = self.active
+        if seg is None or seg.head + nbytes > self.segment_bytes:
+            if seg is not None:
+                self.seal(seg)
+            seg = self.active = self.open(self.next_id, create=True)
+        offset = seg.head
+        seg.head += nbytes
+        seg.pending += nbytes
+        seg.io_refs += 1
+        return seg, offset
+
+    def finish_write(self, seg: Segment, nbytes: int, key: bytes | None) -> None:
+        """End a reserved write: committed as ``key``, or dead space if ``key`` is None."""
+        seg.pending -= nbytes
+        if key is not None:
+            seg.live += nbytes
+            seg.keys.add(key)
+            self.dirty.add(seg.id)
+        self.unref(seg)
+        self._maybe_retire(seg)
+
+    def drop(self, seg_id: int, key: bytes, nbytes: int) -> None:
+        """A committed block left segment ``seg_id``: its bytes are dead."""
+        seg = self.segs[seg_id]
+        seg.live -= nbytes
+        seg.keys.discard(key)
+        self._maybe_retire(seg)
+
+    def seal(self, seg: Segment) -> None:
+        seg.sealed = True
+        if seg is self.active:
+            self.active = None
+        self._maybe_retire(seg)
+
+    def ref(self, seg_id: int) -> Segment:
+        seg = self.segs[seg_id]
+        seg.io_refs += 1
+        return seg
+
+    def unref(self, seg: Segment) -> None:
+        seg.io_refs -= 1
+        if seg.retired and seg.durable and seg.io_refs == 0:
+            self.delete(seg)
+
+    def retired_pending(self) -> list[Segment]:
+        """Retired segments still waiting for their journal records to become durable."""
+        return [s for s in self.segs.values() if s.retired and not s.durable]
+
+    def mark_durable(self, segs: list[Segment]) -> None:
+        for seg in segs:
+            seg.durable = True
+            if seg.io_refs == 0 and seg.id in self.segs:
+                self.delete(seg)
+
+    def _maybe_retire(self, seg: Segment) -> None:
+        if seg.sealed and not seg.retired and seg.live == 0 and seg.pending == 0:
+            seg.retired = True
+
+    # -- totals --------------------------------------------------------------------------------
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(s.live + s.pending for s in self.segs.values())
+
+    @property
+    def disk_bytes(self) -> int:
+        return sum(s.head for s in self.segs.values())
+
+    @property
+    def dead_bytes(self) -> int:
+        return sum(s.dead for s in self.segs.values())

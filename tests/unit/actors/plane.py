@@ -1,0 +1,55 @@
+"""Two nodes' tiers, agents and a directory in one process, wired by LocalLink (no Ray)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from cmx.actors.agent import OffloadAgent
+from cmx.actors.arena_tier import ArenaTierService
+from cmx.actors.directory import Copy, DirectoryShard, shard_of
+from cmx.actors.links import LocalLink, actor_name
+from cmx.actors.nvme_tier import NvmeTierService
+from cmx.config import ServiceConfig
+from cmx.tiers import Tier
+
+
+@dataclass
+class Plane:
+    config: ServiceConfig
+    link: LocalLink
+    shards: list[DirectoryShard]
+    agents: dict[str, OffloadAgent]
+    tiers: dict[tuple[str, Tier], Any]
+
+    def lookup(self, keys: list[bytes]) -> list[list[Copy]]:
+        n = len(self.shards)
+        return [self.shards[shard_of(k, n)].lookup([k])[0] for k in keys]
+
+    def close(self) -> None:
+        for agent in self.agents.values():
+            agent.close()
+        for tier in self.tiers.values():
+            tier.close()
+
+
+def make_plane(config: ServiceConfig, nodes: tuple[str, ...] = ("node-a", "node-b")) -> Plane:
+    targets: dict[str, Any] = {}
+    link = LocalLink(targets)
+    shards = [DirectoryShard(i) for i in range(config.directory_shards)]
+    for i, shard in enumerate(shards):
+        targets[actor_name("dir", i)] = shard
+    tiers: dict[tuple[str, Tier], Any] = {}
+    for node in nodes:
+        for tier, capacity in ((Tier.HBM, config.hbm_bytes), (Tier.DRAM, config.dram_bytes)):
+            svc = ArenaTierService(tier, node, capacity, config.block_bytes, link,
+                                   config.directory_shards, emulated=tier is Tier.HBM)
+            tiers[(node, tier)] = targets[actor_name(tier.value, node)] = svc
+        nvme = NvmeTierService(node, f"{config.nvme_dir}/{node}", config.nvme_bytes,
+                               config.block_bytes, link, config.directory_shards,
+                               segment_bytes=config.nvme_segment_bytes)
+        tiers[(node, Tier.NVME)] = targets[actor_name("nvme", node)] = nvme
+    agents = {}
+    for node in nodes:
+        agents[node] = targets[actor_name("agent", node)] = OffloadAgent(node, config, link)
+    return Plane(config, link, shards, agents, tiers)

@@ -1,0 +1,127 @@
+"""The data plane in one process: stores, demotion down the tiers, loads from every source."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from cmx.config import ServiceConfig
+from cmx.keys import Namespace, chain_keys
+from cmx.layout import KVLayout
+from cmx.tiers import Tier
+
+from plane import Plane, make_plane
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16", block_tokens=16)
+BLOCK = LAYOUT.block_bytes  # 8 KiB
+
+
+@pytest.fixture
+def plane(tmp_path) -> Iterator[Plane]:
+    config = ServiceConfig(
+        block_bytes=BLOCK, hbm_bytes=4 * BLOCK, dram_bytes=8 * BLOCK, nvme_bytes=256 * BLOCK,
+        nvme_dir=str(tmp_path), nvme_segment_bytes=16 * BLOCK, directory_shards=2,
+    )
+    p = make_plane(config)
+    yield p
+    p.close()
+
+
+def blocks(n: int, seed: int) -> tuple[list[bytes], np.ndarray]:
+    rng = np.random.default_rng(seed)
+    toks = rng.integers(0, 1000, n * LAYOUT.block_tokens)
+    keys = chain_keys(Namespace("m", LAYOUT).digest, toks, LAYOUT.block_tokens)
+    return keys, rng.integers(0, 256, n * BLOCK, dtype=np.uint8)
+
+
+def store(plane: Plane, node: str, keys: list[bytes], payload: np.ndarray) -> int:
+    return plane.agents[node].store(keys, [None, *keys[:-1]], payload)
+
+
+def load(plane: Plane, node: str, keys: list[bytes]) -> tuple[np.ndarray, list]:
+    agent = plane.agents[node]
+    result = agent.load(keys, plane.lookup(keys))
+    _, hbm = agent._arenas[Tier.HBM]
+    data = np.concatenate(
+        [hbm.slot_view(b.slot)[: b.size] for b in result.blocks]
+        or [np.empty(0, np.uint8)]
+    ).copy()
+    agent.release([b.key for b in result.blocks])
+    return data, result.blocks
+
+
+def check(plane: Plane) -> None:
+    for tier in plane.tiers.values():
+        tier.check_integrity()
+    for shard in plane.shards:
+        shard.check_integrity()
+
+
+def test_store_then_load_locally_from_dram(plane: Plane) -> None:
+    keys, payload = blocks(3, seed=1)
+    assert store(plane, "node-a", keys, payload) == 3
+    assert all(c and c[0].tier is Tier.DRAM for c in plane.lookup(keys))
+    data, loaded = load(plane, "node-a", keys)
+    assert np.array_equal(data, payload)
+    assert {b.source_tier for b in loaded} == {Tier.DRAM}
+    data, loaded = load(plane, "node-a", keys)  # now a hit in HBM
+    assert {b.source_tier for b in loaded} == {Tier.HBM}
+    check(plane)
+
+
+def test_dram_overflow_demotes_to_nvme_and_everything_loads(plane: Plane) -> None:
+    keys, payload = blocks(20, seed=2)  # DRAM holds 8
+    assert store(plane, "node-a", keys, payload) == 20
+    tiers = [{c.tier for c in copies} for copies in plane.lookup(keys)]
+    assert all(t for t in tiers)
+    assert sum(Tier.NVME in t for t in tiers) >= 12
+    data = np.concatenate([load(plane, "node-a", keys[i : i + 2])[0] for i in range(0, 20, 2)])
+    assert np.array_equal(data, payload)
+    moved = plane.agents["node-a"].moved
+    assert moved["dram->nvme"] >= 12 * BLOCK and moved["nvme->hbm"] > 0
+    check(plane)
+
+
+def test_load_from_the_other_node_over_the_transport(plane: Plane) -> None:
+    keys, payload = blocks(12, seed=3)  # some in B's DRAM, some demoted to B's NVMe
+    store(plane, "node-b", keys, payload)
+    got = []
+    for i in range(0, 12, 3):
+        data, loaded = load(plane, "node-a", keys[i : i + 3])
+        assert {b.source_node for b in loaded} == {"node-b"}
+        got.append(data)
+    assert np.array_equal(np.concatenate(got), payload)
+    agent = plane.agents["node-a"]
+    assert agent.moved_via[agent.transport.name] == 12 * BLOCK
+    assert plane.agents["node-b"].moved["nvme->dram"] > 0  # NVMe blocks were staged
+    check(plane)
+
+
+def test_corrupt_nvme_block_is_a_miss_and_quarantined(plane: Plane) -> None:
+    keys, payload = blocks(12, seed=4)
+    store(plane, "node-a", keys, payload)
+    nvme = plane.tiers[("node-a", Tier.NVME)]
+    victim = next(k for k in keys if k in nvme.store and k not in plane.tiers[("node-a", Tier.DRAM)].store)
+    entry = nvme.store.locate(victim)
+    with open(nvme.store.segment_path(entry.seg), "r+b") as f:
+        f.seek(entry.offset + 100)
+        byte = f.read(1)
+        f.seek(entry.offset + 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    i = keys.index(victim)
+    data, loaded = load(plane, "node-a", keys[i : i + 1])
+    assert loaded == [] and data.size == 0
+    assert victim not in nvme.store
+    assert nvme.stats()["quarantined"] == 1
+    assert all(c.tier is not Tier.NVME for c in plane.lookup([victim])[0])
+    check(plane)
+
+
+def test_load_stops_at_the_first_block_no_one_has(plane: Plane) -> None:
+    keys, payload = blocks(4, seed=5)
+    store(plane, "node-a", keys[:2] , payload[: 2 * BLOCK])
+    data, loaded = load(plane, "node-a", keys)
+    assert len(loaded) == 2 and np.array_equal(data, payload[: 2 * BLOCK])
+    check(plane)

@@ -1,0 +1,134 @@
+"""The directory shard and the event publisher, without Ray."""
+
+from __future__ import annotations
+
+import threading
+
+from cmx.actors.directory import ApplyResult, Copy, DirectoryShard, Entry, Source, shard_of
+from cmx.actors.events import EventPublisher
+
+from cmx.storage.base import EventKind, StoreEvent
+from cmx.tiers import Tier
+
+A = Source("node-a", Tier.DRAM)
+B = Source("node-b", Tier.NVME)
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(4, "little") * 8
+
+
+def stored(i: int, size: int = 100) -> Entry:
+    return Entry(key(i), True, size, 1000 + i)
+
+
+def test_apply_in_order_then_lookup_lists_every_copy() -> None:
+    shard = DirectoryShard()
+    assert shard.apply(A, "e1", 2, [stored(1), stored(2)]) is ApplyResult.NEED_RESYNC
+    shard.resync(A, "e1", 0, [])
+    assert shard.apply(A, "e1", 2, [stored(1), stored(2)]) is ApplyResult.OK
+    shard.resync(B, "e9", 1, [stored(2)])
+    found = shard.lookup([key(1), key(2), key(3)])
+    assert found[0] == [Copy(Tier.DRAM, "node-a", 100, 1001)]
+    assert sorted(c.tier.value for c in found[1]) == ["dram", "nvme"]
+    assert found[2] == []
+    shard.check_integrity()
+
+
+def test_gap_new_epoch_and_duplicates() -> None:
+    shard = DirectoryShard()
+    shard.resync(A, "e1", 1, [stored(1)])
+    assert shard.apply(A, "e1", 3, [stored(3)]) is ApplyResult.NEED_RESYNC  # seq 2 lost
+    assert shard.apply(A, "e1", 1, [stored(1)]) is ApplyResult.OK  # duplicate, ignored
+    assert shard.apply(A, "e2", 1, [stored(5)]) is ApplyResult.NEED_RESYNC  # restarted source
+    assert shard.lookup([key(3), key(5)]) == [[], []]
+    shard.check_integrity()
+
+
+def test_removal_and_drop_source() -> None:
+    shard = DirectoryShard()
+    shard.resync(A, "e", 0, [])
+    shard.resync(B, "e", 0, [])
+    shard.apply(A, "e", 2, [stored(1), stored(2)])
+    shard.apply(B, "e", 1, [stored(1)])
+    shard.apply(A, "e", 3, [Entry(key(1), False)])
+    assert shard.lookup([key(1)]) == [[Copy(Tier.NVME, "node-b", 100, 1001)]]
+    assert shard.drop_source(A) == 1
+    assert shard.lookup([key(2)]) == [[]]
+    assert len(shard) == 1
+    shard.check_integrity()
+
+
+class Holdings:
+    def __init__(self) -> None:
+        self.entries: dict[bytes, Entry] = {}
+        self.lock = threading.RLock()
+        self.seq = 0
+
+    def event(self, pub: EventPublisher, i: int, stored_: bool = True) -> None:
+        with self.lock:
+            self.seq += 1
+            if stored_:
+                self.entries[key(i)] = stored(i)
+            else:
+                self.entries.pop(key(i), None)
+            kind = EventKind.STORED if stored_ else EventKind.REMOVED
+            pub.on_event(StoreEvent(self.seq, kind, key(i), 100, 1000 + i))
+
+
+def make(num_shards: int = 3):
+    shards = [DirectoryShard(i) for i in range(num_shards)]
+    holdings = Holdings()
+
+    def send(shard: int, method: str, *args: object) -> object:
+        return getattr(shards[shard], method)(*args)
+
+    pub = EventPublisher(A, "e1", num_shards, send, lambda: list(holdings.entries.values()),
+                         holdings.lock)
+    return shards, holdings, pub
+
+
+def lookup_all(shards: list[DirectoryShard], keys: list[bytes]) -> list[bool]:
+    return [bool(shards[shard_of(k, len(shards))].lookup([k])[0]) for k in keys]
+
+
+def test_publisher_first_contact_resyncs_then_streams() -> None:
+    shards, holdings, pub = make()
+    for i in range(20):
+        holdings.event(pub, i)
+    assert pub.flush()
+    assert all(lookup_all(shards, [key(i) for i in range(20)]))
+    holdings.event(pub, 3, stored_=False)
+    holdings.event(pub, 30)
+    assert pub.flush()
+    assert lookup_all(shards, [key(3), key(30)]) == [False, True]
+    for s in shards:
+        s.check_integrity()
+
+
+def test_restarted_shard_is_rebuilt_by_heartbeat() -> None:
+    shards, holdings, pub = make()
+    for i in range(12):
+        holdings.event(pub, i)
+    pub.flush()
+    victim = shard_of(key(0), 3)
+    shards[victim] = DirectoryShard(victim)  # the shard restarted empty
+    assert not lookup_all(shards, [key(0)])[0]
+    pub.flush()  # an empty batch: a heartbeat
+    assert all(lookup_all(shards, [key(i) for i in range(12)]))
+
+
+def test_unreachable_shard_is_a_failure_not_an_error() -> None:
+    shards, holdings, pub = make(1)
+
+    def broken(shard: int, method: str, *args: object) -> object:
+        raise ConnectionError("down")
+
+    pub._send = broken
+    holdings.event(pub, 1)
+    assert pub.flush() is False
+    assert pub.failures == 1
+    pub._send = lambda shard, method, *args: getattr(shards[shard], method)(*args)
+    holdings.event(pub, 2)
+    assert pub.flush()  # the gap makes the shard ask for a resync: both blocks are back
+    assert lookup_all(shards, [key(1), key(2)]) == [True, True]

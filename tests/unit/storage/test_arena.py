@@ -1,0 +1,205 @@
+"""SharedArena and SlotAllocator: alignment, sharing by name, ownership, the free list."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cmx.errors import BlockStateError, BlockTooLargeError, StoreClosedError, StoreFullError
+from cmx.storage.arena import SHM_DIR, SharedArena, SlotAllocator, SlotRef, read_slot
+
+PREFIX = f"cmx-{os.getpid()}-"
+
+
+def test_slots_are_page_aligned_and_sized_up_to_4k() -> None:
+    with SharedArena.create(capacity_bytes=5 * 8192, slot_bytes=5000) as arena:
+        assert arena.slot_bytes == 8192 and arena.num_slots == 5 and arena.owner
+        assert arena.buffer.nbytes == 5 * 8192 and arena.buffer.dtype == np.uint8
+        for i in range(arena.num_slots):
+            view = arena.slot_view(i)
+            assert view.ctypes.data % 4096 == 0
+            assert view.nbytes == 8192
+            assert view.ctypes.data == arena.buffer.ctypes.data + arena.slot_offset(i)
+        with pytest.raises(IndexError):
+            arena.slot_view(5)
+
+
+def test_a_slot_view_is_the_arena_not_a_copy() -> None:
+    with SharedArena.create(4 * 4096, 4096) as arena:
+        arena.slot_view(2)[:3] = [7, 8, 9]
+        assert arena.buffer[2 * 4096 : 2 * 4096 + 3].tolist() == [7, 8, 9]
+        assert arena.read(2, 3).tolist() == [7, 8, 9]
+
+
+def test_an_attached_arena_shares_bytes_and_never_unlinks() -> None:
+    with SharedArena.create(3 * 4096, 4096) as owner:
+        other = SharedArena.attach(owner.name)
+        assert (other.slot_bytes, other.num_slots, other.owner) == (4096, 3, False)
+        owner.slot_view(1)[:4] = [1, 2, 3, 4]
+        assert other.read(1, 4).tolist() == [1, 2, 3, 4]
+        other.slot_view(0)[0] = 99
+        assert owner.buffer[0] == 99
+        other.close()
+        assert os.path.exists(os.path.join(SHM_DIR, owner.name))
+    assert not os.path.exists(os.path.join(SHM_DIR, owner.name))
+    with pytest.raises(FileNotFoundError):
+        SharedArena.attach(owner.name)
+
+
+def test_views_outlive_close_and_unlink() -> None:
+    arena = SharedArena.create(2 * 4096, 4096, name=PREFIX + "views")
+    view = arena.slot_view(1)
+    view[:2] = [5, 6]
+    arena.close()
+    arena.close()  # idempotent
+    arena.unlink()
+    arena.unlink()
+    assert view[:2].tolist() == [5, 6]  # the mapping lives as long as the view
+    with pytest.raises(StoreClosedError):
+        arena.slot_view(0)
+
+
+def test_an_owner_collected_without_unlink_removes_its_file() -> None:
+    arena = SharedArena.create(4096, 4096)
+    path = os.path.join(SHM_DIR, arena.name)
+    assert os.path.exists(path)
+    del arena
+    gc.collect()
+    assert not os.path.exists(path)
+
+
+def test_bad_arguments_create_nothing() -> None:
+    before = set(os.listdir(SHM_DIR))
+    with pytest.raises(BlockTooLargeError):
+        SharedArena.create(capacity_bytes=4096, slot_bytes=5000)
+    for bad_name in ("a/b", "has:colon", ""):
+        with pytest.raises(ValueError):
+            SharedArena.create(4096, 4096, name=bad_name)
+    for capacity, slot in ((0, 4096), (4096, 0), (4096, -1)):
+        with pytest.raises(ValueError):
+            SharedArena.create(capacity, slot)
+    assert set(os.listdir(SHM_DIR)) == before
+
+
+def test_a_name_is_not_taken_twice() -> None:
+    with SharedArena.create(4096, 4096, name=PREFIX + "twice"):
+        with pytest.raises(FileExistsError):
+            SharedArena.create(4096, 4096, name=PREFIX + "twice")
+
+
+def test_attaching_something_else_is_refused() -> None:
+    path = os.path.join(SHM_DIR, PREFIX + "stranger")
+    with open(path, "wb") as f:
+        f.write(b"x" * 8192)
+    try:
+        with pytest.raises(ValueError, match="not a cmx arena"):
+            SharedArena.attach(PREFIX + "stranger")
+    finally:
+        os.unlink(path)
+
+
+def test_read_slot_checks_the_reference() -> None:
+    with SharedArena.create(2 * 8192, 8192) as arena:
+        arena.slot_view(1)[:3] = [1, 2, 3]
+        assert read_slot(SlotRef(arena.name, 1, 8192, 3)).tolist() == [1, 2, 3]
+        with pytest.raises(ValueError):
+            read_slot(SlotRef(arena.name, 1, 4096, 3))
+        with pytest.raises(BlockTooLargeError):
+            read_slot(SlotRef(arena.name, 1, 8192, 8193))
+
+
+def test_a_spawned_reader_leaves_the_resource_tracker_quiet() -> None:
+    """Python 3.11's tracker warns or unlinks when an attach is tracked; ours is not."""
+    script = textwrap.dedent(
+        """
+        import multiprocessing as mp
+        import numpy as np
+        from cmx.storage.arena import SharedArena, SlotRef, read_slot
+
+        if __name__ == "__main__":
+            arena = SharedArena.create(4 * 8192, 8192)
+            data = np.random.default_rng(1).integers(0, 256, 5000, dtype=np.uint8)
+            arena.slot_view(3)[:5000] = data
+            ref = SlotRef(arena.name, 3, arena.slot_offset(3), 5000)
+            with mp.get_context("spawn").Pool(1) as pool:
+                got = pool.apply(read_slot, (ref,))
+            assert got.tobytes() == data.tobytes()
+            assert SharedArena.attach(arena.name).read(3, 5000).tobytes() == data.tobytes()
+            arena.close()
+            arena.unlink()
+            print("ok")
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ok"
+    for noise in ("leaked", "Traceback", "KeyError", "Warning"):
+        assert noise not in proc.stderr, proc.stderr
+
+
+# -- the allocator ------------------------------------------------------------------------------
+
+
+def test_allocator_hands_out_every_slot_once() -> None:
+    alloc = SlotAllocator(3)
+    slots = [alloc.alloc() for _ in range(3)]
+    assert sorted(slots) == [0, 1, 2] and alloc.free == 0 and alloc.used == 3
+    with pytest.raises(StoreFullError):
+        alloc.alloc()
+    alloc.release(1)
+    assert alloc.alloc() == 1
+    alloc.check_integrity()
+
+
+def test_allocator_refuses_double_and_foreign_release() -> None:
+    alloc = SlotAllocator(2)
+    slot = alloc.alloc()
+    alloc.release(slot)
+    for bad in (slot, 5, -1):
+        with pytest.raises(BlockStateError):
+            alloc.release(bad)
+    alloc.check_integrity()
+    assert (alloc.used, alloc.free) == (0, 2)
+
+
+def test_allocator_integrity_names_the_numbers() -> None:
+    alloc = SlotAllocator(64)
+    for _ in range(40):
+        alloc.alloc()
+    alloc._free = alloc._free[:20]  # corrupt: four slots vanish
+    with pytest.raises(AssertionError, match="used 40 \\+ free 20 != capacity 64"):
+        alloc.check_integrity()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 16), st.lists(st.tuples(st.booleans(), st.integers(0, 15)), max_size=80))
+def test_allocator_matches_a_set_model(capacity: int, ops: list[tuple[bool, int]]) -> None:
+    alloc = SlotAllocator(capacity)
+    held: set[int] = set()
+    for do_alloc, pick in ops:
+        if do_alloc:
+            if len(held) == capacity:
+                with pytest.raises(StoreFullError):
+                    alloc.alloc()
+            else:
+                slot = alloc.alloc()
+                assert slot not in held and 0 <= slot < capacity
+                held.add(slot)
+        elif held:
+            slot = sorted(held)[pick % len(held)]
+            alloc.release(slot)
+            held.remove(slot)
+        else:
+            with pytest.raises(BlockStateError):
+                alloc.release(pick % capacity)
+        alloc.check_integrity()
+        assert (alloc.used, alloc.free) == (len(held), capacity - len(held))

@@ -44,6 +44,7 @@ class Victim:
 class Grant:
     key: BlockHash
     slot: int
+    epoch: str  # of the tier that granted it: a restarted tier has a new arena
     victim: Victim | None = None  # demote it out of ``slot`` before writing
 
 
@@ -53,6 +54,7 @@ class Pinned:
     slot: int
     size: int
     checksum: int | None
+    epoch: str
 
 
 @dataclass(frozen=True)
@@ -124,7 +126,7 @@ class ArenaTierService:
             with self._lock:
                 self._reservations[key] = res
                 victim = self._evicted.pop(res.slot, None)
-            grants.append(Grant(key, res.slot, victim))
+            grants.append(Grant(key, res.slot, self.epoch, victim))
         return grants
 
     def commit(self, items: Sequence[tuple[BlockHash, int, int]]) -> int:
@@ -159,7 +161,7 @@ class ArenaTierService:
                 self.store.unpin(key)
                 out.append(None)
                 continue
-            out.append(Pinned(key, ref.slot, ref.size, ref.checksum))
+            out.append(Pinned(key, ref.slot, ref.size, ref.checksum, self.epoch))
         return out
 
     def unpin(self, keys: Sequence[BlockHash]) -> None:

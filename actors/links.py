@@ -59,12 +59,17 @@ class RayLink:
 
     def call(self, name: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+        from ray.exceptions import (
+            ActorUnavailableError,
+            GetTimeoutError,
+            RayActorError,
+            RayTaskError,
+        )
 
         try:
             ref = self.submit(name, method, *args)
             return ray.get(ref, timeout=timeout_s or self.timeout_s)
-        except (GetTimeoutError, RayActorError) as exc:
+        except (GetTimeoutError, RayActorError, ActorUnavailableError) as exc:
             self._handles.pop(name, None)
             raise UnavailableError(f"{name}.{method} did not answer: {exc}") from exc
         except RayTaskError as exc:

@@ -22,12 +22,7 @@ from cmx.actors.arena_tier import ArenaTierService
 from cmx.actors.directory import DirectoryShard, Source
 from cmx.actors.links import RAY_NAMESPACE, RayLink, actor_name
 from cmx.actors.nvme_tier import NvmeTierService
-from ray.util.scheduling_strategies import (
-    Exists,
-    In,
-    NodeAffinitySchedulingStrategy,
-    NodeLabelSchedulingStrategy,
-)
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cmx.config import ServiceConfig
 from cmx.errors import UnavailableError
@@ -133,16 +128,18 @@ def _is_dpu(node: dict[str, Any], config: ServiceConfig) -> bool:
     return config.dpu_label in (node.get("Labels") or {})
 
 
-def _agent_strategy(node_id: str, config: ServiceConfig, alive: dict[str, dict[str, Any]]) -> Any:
+def _agent_placement(
+    node_id: str, config: ServiceConfig, alive: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """Options placing a node's agent: on the node's DPU if one has joined, else on the node."""
     host = (alive.get(node_id, {}).get("Labels") or {}).get(config.host_label)
     if host is not None:
         for node in alive.values():
             labels = node.get("Labels") or {}
             if config.dpu_label in labels and labels.get(config.host_label) == host:
-                return NodeLabelSchedulingStrategy(
-                    hard={config.dpu_label: Exists(), config.host_label: In(host)}
-                )
-    return NodeAffinitySchedulingStrategy(node_id, soft=False)
+                return {"label_selector": {config.dpu_label: labels[config.dpu_label],
+                                           config.host_label: host}}
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
 
 
 def start_node_actors(
@@ -165,8 +162,7 @@ def start_node_actors(
     ray.get([h.info.remote() for h in handles.values()], timeout=60)
     handles["agent"] = ray.remote(AgentActor).options(
         name=actor_name("agent", node_id),
-        scheduling_strategy=_agent_strategy(node_id, config, alive or {}),
-        max_concurrency=32, **common,
+        max_concurrency=32, **_agent_placement(node_id, config, alive or {}), **common,
     ).remote(node_id, config)
     ray.get(handles["agent"].peer_info.remote(), timeout=60)
     return handles

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from cmx.checksum import checksum
+from cmx.keys import BlockHash
 from cmx.storage.base import EventKind, StoreStats
 from cmx.storage.nvme.chunks import block_sums
 from cmx.storage.nvme.entry import BlockEntry
@@ -24,9 +25,6 @@ __all__ = ["BooksMixin"]
 
 class BooksMixin(NvmeState):
     """The books part of NvmeStore (see state.py for what the parts share)."""
-
-
-    # -- the books -----------------------------------------------------------------------------
 
     def _lookup(self, key: bytes, min_room: int | None = None) -> tuple[BlockEntry, Segment] | None:
         """The entry of ``key`` and its segment with an I/O ref held; None (a miss) if absent."""
@@ -84,7 +82,7 @@ class BooksMixin(NvmeState):
         self._policy.remove(entry.key)
         self._segs.drop(entry.seg, entry.key, entry.extent)
         self._pending.append(JournalDel(entry.key))
-        self._emit(EventKind.REMOVED, entry.key, entry.length, entry.checksum)  # type: ignore[arg-type]
+        self._emit(EventKind.REMOVED, BlockHash(entry.key), entry.length, entry.checksum)
 
     def _finish_put(self, key: bytes, seg: Segment, ext: int, entry: BlockEntry | None) -> None:
         """Commit a written block, or turn a failed write's reservation into dead space."""
@@ -97,7 +95,7 @@ class BooksMixin(NvmeState):
             self._policy.insert(key, entry.parent)
             self._pending.append(entry)
             self._counts["bytes_written"] += entry.length
-            self._emit(EventKind.STORED, entry.key, entry.length, entry.checksum)  # type: ignore[arg-type]
+            self._emit(EventKind.STORED, BlockHash(entry.key), entry.length, entry.checksum)
 
     @staticmethod
     def _sums(view: np.ndarray) -> tuple[int, bytes]:
@@ -141,7 +139,8 @@ class BooksMixin(NvmeState):
                 extra=extra,
             )
 
-    def _count_runs(self, entries: list, bad: set[bytes], requested: int, read: int) -> None:
+    def _count_runs(self, entries: list[BlockEntry | None], bad: set[bytes], requested: int,
+                    read: int) -> None:
         with self._lock:
             c = self._counts
             c["bytes_requested"] += requested

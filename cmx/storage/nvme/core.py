@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from cmx.errors import StoreClosedError, StoreLockedError
-from cmx.policies import make_eviction
+from cmx.policies import EvictionPolicy, make_eviction
 from cmx.storage.nvme.books import BooksMixin
 from cmx.storage.nvme.chunks import extent_bytes
 from cmx.storage.nvme.entry import BlockEntry
@@ -60,7 +60,7 @@ class NvmeCore(BooksMixin, SpaceMixin):
         block_bytes: int,
         *,
         segment_bytes: int | None = None,
-        eviction: object = "lru",
+        eviction: str | EvictionPolicy = "lru",
         io_engine: str = "auto",
         queue_depth: int = 16,
         io_bytes: int = 4 << 20,
@@ -100,7 +100,7 @@ class NvmeCore(BooksMixin, SpaceMixin):
         os.makedirs(self.root, exist_ok=True)
         self._lock_fd = _lock_dir(self.root)
         try:
-            self._policy = make_eviction(eviction)  # type: ignore[arg-type]
+            self._policy = make_eviction(eviction)
             self._engine = make_io_engine(io_engine, queue_depth, io_bytes)
             stage = min(staging_bytes, block_ext)
             self._wstage, self._rstage = Staging(stage), Staging(stage)

@@ -42,9 +42,11 @@ log = logging.getLogger(__name__)
 
 IoRequest = tuple[int, int, np.ndarray]  # (fd, file offset, page-aligned uint8 view)
 
-# "auto" tries these in order. The thread pool measured as fast as NIXL's io_uring backend
-# here for 4 MiB I/Os and is never slower on the get path (see NvmeStore), so it comes first;
-# NIXL stays one argument away for hosts where io_uring wins (see docs in NvmeStore).
+# "auto" tries these in order. Measured here (2 GiB of 32 MiB blocks, 4 MiB I/Os, depth 16,
+# ten alternating pairs): put+flush 2110 MiB/s with threads against 1886 with NIXL (threads
+# ahead in 9 of 10 pairs), get a tie (1654 / 1665 MiB/s), and the thread pool used 25-45%
+# less CPU per GiB than NIXL's polled transfers. NIXL is one argument away where io_uring
+# wins; it is also the fallback should the thread engine ever fail to start.
 AUTO_ORDER = ("threads", "nixl")
 
 

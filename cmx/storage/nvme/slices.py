@@ -22,7 +22,6 @@ RunRequest = tuple[bytes, int, int]  # (key, offset in the block, length)
 class SliceReadsMixin(NvmeState):
     """The slice-read part of NvmeStore (see state.py for what the parts share)."""
 
-
     def read_runs(self, requests: Sequence[RunRequest]) -> list[np.ndarray | None]:
         """Exactly ``length`` bytes at ``offset`` of each block; None where the block misses.
 

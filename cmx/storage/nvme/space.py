@@ -5,7 +5,7 @@ against ``capacity_bytes``, so a put of an extent of ``e`` bytes waits until
 ``disk + e <= capacity``. To get there, in order:
 
 1. Retired segments (nothing live left) are deleted after a flush makes the records that
-   emptied them durable.
+   emptied them durable (and once no read still uses them: a wait of a few milliseconds).
 2. When dead space reaches ``compact_threshold_bytes``, the segment with the most dead space
    is compacted: its live blocks are read, verified, rewritten at the log head and the segment
    retired. The copies may use the one segment of slack above capacity; nothing else does.
@@ -14,8 +14,9 @@ against ``capacity_bytes``, so a put of an extent of ``e`` bytes waits until
    and compaction only copies what hits kept alive in old segments.
 
 Compaction skips segments that hold a pinned block or a write in flight; a block pinned while
-its segment is being compacted stays where it is. With nothing left to evict or compact the
-put raises StoreFullError.
+its segment is being compacted stays where it is. With nothing left to evict or compact, the
+put waits for other writes in flight to commit (they become evictable), and raises
+StoreFullError when there are none: everything left is pinned.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ class SpaceMixin(NvmeState):
         segs = self._segs
         if segs.retired_pending():
             return self._flush
+        if any(s.retired for s in segs.segs.values()):
+            return _wait  # deleted as soon as the reads still using it finish
         if segs.dead_bytes >= self._compact_threshold:
             victim = self._compaction_victim()
             if victim is not None:
@@ -66,11 +69,11 @@ class SpaceMixin(NvmeState):
         victim = self._compaction_victim()
         if victim is not None:
             return partial(self._compact, victim)
-        if any(s.retired for s in segs.segs.values()):
-            return _wait_for_readers
+        if self._reserving:
+            return _wait  # writes in flight commit soon, and can then be evicted
         raise StoreFullError(
             f"no room for {ext} bytes: disk {segs.disk_bytes} of capacity {self._capacity}, "
-            f"{len(self._pins)} pinned, {len(self._reserving)} writes in flight"
+            f"{sum(1 for k in self._pins if k in self._index)} blocks pinned"
         )
 
     def _evict_some(self) -> int:
@@ -159,5 +162,5 @@ def _nothing() -> None:
     pass
 
 
-def _wait_for_readers() -> None:
-    time.sleep(0.001)  # a retired segment is deleted when its last reader finishes
+def _wait() -> None:
+    time.sleep(0.001)

@@ -21,6 +21,7 @@ from cmx.storage.nvme.staging import alloc_aligned
 
 __all__ = ["NvmeLocation", "NvmeStore"]
 
+
 @dataclass(frozen=True)
 class NvmeLocation:
     path: str  # segment file
@@ -91,22 +92,23 @@ class NvmeStore(SliceReadsMixin, NvmeCore):
                 batches[0].wait_started()
                 return self._sums(view)
             with self._wstage.borrow() as buf:
-                pos = direct
-                while True:
-                    k = min(buf.nbytes, ext - pos)
-                    src = view[pos : min(pos + k, n)]
-                    buf[: src.nbytes] = src
-                    buf[src.nbytes : k] = 0
-                    batch = self._engine.submit_write([(seg.fd, offset + pos, buf[:k])])
-                    pos += k
-                    if pos == ext:
-                        batches.append(batch)
-                        for b in batches:
-                            b.wait_started()
-                        sums = self._sums(view)
-                        self._wait(batches)
-                        return sums
-                    batch.wait()  # the staging buffer is refilled next round
+                try:
+                    pos = direct
+                    while True:
+                        k = min(buf.nbytes, ext - pos)
+                        src = view[pos : min(pos + k, n)]
+                        buf[: src.nbytes] = src
+                        buf[src.nbytes : k] = 0
+                        batch = self._engine.submit_write([(seg.fd, offset + pos, buf[:k])])
+                        pos += k
+                        if pos == ext:
+                            batches.append(batch)
+                            for b in batches:
+                                b.wait_started()
+                            return self._sums(view)
+                        batch.wait()  # the staging buffer is refilled next round
+                finally:
+                    self._wait(batches)  # the buffer is lent on only once its writes are done
         finally:
             self._wait(batches)
 

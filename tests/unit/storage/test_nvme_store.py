@@ -247,3 +247,30 @@ def test_public_import_path():
     from cmx.storage import NvmeStore as Exported
 
     assert Exported is NvmeStore
+
+
+def test_a_put_whose_write_fails_leaves_nothing_behind(tmp_path):
+    store = open_store(tmp_path)
+    store.put(key(0), payload(key(0), 5000))
+    real = store._engine.submit_write
+
+    def failing(requests):
+        batch = real(requests)
+        batch.wait()
+        raise OSError(5, "injected write error")
+
+    store._engine.submit_write = failing
+    with pytest.raises(OSError):
+        store.put(key(1), payload(key(1), 70_000))
+    with pytest.raises(OSError):
+        store.put(key(2), aligned_payload(key(2), BLOCK))
+    store._engine.submit_write = real
+    assert key(1) not in store and key(2) not in store and len(store) == 1
+    assert store.stats().bytes_written == 5000
+    store.check_integrity()
+    assert store.put(key(1), payload(key(1), 70_000))  # the key is free to store again
+    store.close()
+    store = open_store(tmp_path)
+    assert sorted(store.keys()) == sorted([key(0), key(1)])
+    np.testing.assert_array_equal(store.get(key(1)), payload(key(1), 70_000))
+    store.close()

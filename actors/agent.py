@@ -20,6 +20,7 @@ Public calls, each bounded:
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections import Counter
 from collections.abc import Sequence
@@ -37,6 +38,7 @@ from cmx.checksum import checksum
 from cmx.config import ServiceConfig
 from cmx.errors import CmxError, UnavailableError
 from cmx.keys import BlockHash
+from cmx.metrics import Histogram
 from cmx.storage.arena import SharedArena
 from cmx.storage.nvme.chunks import block_sums
 from cmx.tiers import Tier
@@ -92,6 +94,7 @@ class OffloadAgent:
         self._peers: dict[str, PeerInfo] = {}
         self.moved: Counter[str] = Counter()  # "src->dst" -> bytes
         self.moved_via: Counter[str] = Counter()  # transport or "local"/"nvme" -> bytes
+        self.latency = {op: Histogram() for op in ("store", "load", "stage", "prefetch")}
         self.nvme = NvmeIo()
         for tier in (Tier.HBM, Tier.DRAM):
             self._attach(tier)
@@ -108,6 +111,7 @@ class OffloadAgent:
         """
         if not keys:
             return 0
+        start_time = time.perf_counter()
         size = payload.nbytes // len(keys)
         window = max(1, self._arenas[Tier.DRAM][0].num_slots // 2)
         done = 0
@@ -116,6 +120,7 @@ class OffloadAgent:
             done += self._store_window(
                 keys[start:stop], parents[start:stop], payload[start * size : stop * size], size
             )
+        self.latency["store"].observe(time.perf_counter() - start_time)
         return done
 
     def _store_window(
@@ -151,6 +156,7 @@ class OffloadAgent:
         priority: Priority = Priority.LOAD,
     ) -> LoadResult:
         """The longest prefix of ``keys`` pinned in HBM; the caller must ``release`` it."""
+        start_time = time.perf_counter()
         pinned: list[Pinned | None] = self._call(Tier.HBM, "pin", list(keys))
         loaded: dict[int, Loaded] = {
             i: Loaded(k, p.slot, p.size, Tier.HBM, self.node, "local", p.checksum or 0)
@@ -167,6 +173,8 @@ class OffloadAgent:
         tail = [loaded[i].key for i in loaded if i >= len(prefix)]
         if tail:
             self._call(Tier.HBM, "unpin", tail)
+        op = "load" if priority is Priority.LOAD else "prefetch"
+        self.latency[op].observe(time.perf_counter() - start_time)
         return LoadResult(self._arenas[Tier.HBM][0].arena, prefix)
 
     def release(self, keys: Sequence[BlockHash]) -> None:
@@ -286,6 +294,7 @@ class OffloadAgent:
 
     def stage(self, keys: Sequence[BlockHash]) -> list[Staged | None]:
         """Pin each block in a memory arena here, promoting NVMe blocks into DRAM."""
+        start_time = time.perf_counter()
         out: list[Staged | None] = [None] * len(keys)
         todo = list(range(len(keys)))
         for tier in (Tier.HBM, Tier.DRAM):
@@ -301,6 +310,7 @@ class OffloadAgent:
         if todo:
             for i, s in self._promote([keys[i] for i in todo]).items():
                 out[todo[i]] = s
+        self.latency["stage"].observe(time.perf_counter() - start_time)
         return out
 
     def unstage(self, staged: Sequence[Staged]) -> None:
@@ -444,6 +454,7 @@ class OffloadAgent:
                 "failures": self.transport.stats.failures,
             },
             "queues": self.scheduler.stats(),
+            "latency_s": {op: h.snapshot() for op, h in self.latency.items()},
             "nvme_io": self.nvme.stats(),
         }
 

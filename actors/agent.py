@@ -102,7 +102,8 @@ class OffloadAgent:
     # -- store ---------------------------------------------------------------------------------
 
     def store(
-        self, keys: Sequence[BlockHash], parents: Sequence[BlockHash | None], payload: np.ndarray
+        self, keys: Sequence[BlockHash], parents: Sequence[BlockHash | None], payload: np.ndarray,
+        namespace: str = "",
     ) -> int:
         """Copy ``len(keys)`` blocks of ``payload`` (concatenated) into DRAM; returns committed.
 
@@ -118,14 +119,15 @@ class OffloadAgent:
         for start in range(0, len(keys), window):
             stop = min(start + window, len(keys))
             done += self._store_window(
-                keys[start:stop], parents[start:stop], payload[start * size : stop * size], size
+                keys[start:stop], parents[start:stop], payload[start * size : stop * size], size,
+                namespace,
             )
         self.latency["store"].observe(time.perf_counter() - start_time)
         return done
 
     def _store_window(
         self, keys: Sequence[BlockHash], parents: Sequence[BlockHash | None],
-        payload: np.ndarray, size: int,
+        payload: np.ndarray, size: int, namespace: str,
     ) -> int:
         grants = self._call(Tier.DRAM, "reserve", list(zip(keys, parents)))
         self._demote_victims(Tier.DRAM, grants)
@@ -142,7 +144,7 @@ class OffloadAgent:
 
             futures.append(self.scheduler.submit(Priority.DEMOTE, copy))
         done = [f.result() for f in futures]
-        self._call(Tier.DRAM, "commit", done)
+        self._call(Tier.DRAM, "commit", done, namespace)
         self.moved["client->dram"] += sum(n for _, n, _ in done)
         self.moved_via["local"] += sum(n for _, n, _ in done)
         if self.config.placement == "write_through":

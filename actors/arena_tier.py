@@ -25,6 +25,7 @@ from cmx.actors.events import EventPublisher
 
 from cmx.errors import BlockStateError, StoreFullError
 from cmx.keys import BlockHash
+from cmx.storage.base import EventKind, StoreEvent
 from cmx.storage.blocks import BlockMeta, Reservation
 from cmx.storage.dram import DramStore
 from cmx.tiers import Tier
@@ -93,6 +94,7 @@ class ArenaTierService:
             on_evict=self._on_evict,
         )
         self._reservations: dict[BlockHash, Reservation] = {}
+        self._tags: dict[BlockHash, str] = {}  # namespace id of blocks stored through here
         self._lock = threading.Lock()
         self.publisher = EventPublisher(
             Source(node, tier),
@@ -103,8 +105,10 @@ class ArenaTierService:
             ),
             self._holdings,
             self.store._lock,
+            lambda key: self._tags.get(key, ""),
         )
         self.store.subscribe(self.publisher.on_event)
+        self.store.subscribe(self._forget_tag)
 
     def info(self) -> ArenaInfo:
         arena = self.store.arena
@@ -129,13 +133,15 @@ class ArenaTierService:
             grants.append(Grant(key, res.slot, self.epoch, victim))
         return grants
 
-    def commit(self, items: Sequence[tuple[BlockHash, int, int]]) -> int:
+    def commit(self, items: Sequence[tuple[BlockHash, int, int]], namespace: str = "") -> int:
         """Commit written blocks and publish them; returns how many were committed."""
         done = 0
         for key, size, csum in items:
             with self._lock:
                 res = self._reservations.pop(key, None)
             if res is not None:
+                if namespace:
+                    self._tags[key] = namespace
                 self.store.commit(res, size, csum)
                 done += 1
         self.publisher.flush()
@@ -223,10 +229,16 @@ class ArenaTierService:
         if slot is not None:
             self._evicted[slot.slot] = Victim(key, meta.size, meta.checksum, meta.parent)
 
+    def _forget_tag(self, event: StoreEvent) -> None:
+        if event.kind is EventKind.REMOVED:
+            self._tags.pop(event.key, None)
+
     def _holdings(self) -> list[Entry]:
         entries = []
         for key in self.store.keys():
             ref = self.store.locate(key)
             if ref is not None:
-                entries.append(Entry(key, True, ref.size, ref.checksum or 0))
+                entries.append(
+                    Entry(key, True, ref.size, ref.checksum or 0, self._tags.get(key, ""))
+                )
         return entries

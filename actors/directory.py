@@ -46,6 +46,7 @@ class Entry:
     stored: bool
     size: int = 0
     checksum: int = 0
+    namespace: str = ""  # namespace id, where the source knows it
 
 
 @dataclass(frozen=True)
@@ -75,8 +76,11 @@ class DirectoryShard:
         self._sources: list[Source] = []  # source index -> source
         self._source_index: dict[Source, int] = {}
         self._cursor: dict[Source, tuple[str, int]] = {}  # source -> (epoch, last seq)
-        # key -> (size, checksum, source indices holding it); one small tuple per block.
-        self._blocks: dict[bytes, tuple[int, int, tuple[int, ...]]] = {}
+        self._namespaces: list[str] = [""]  # namespace index -> id; 0 is "unknown"
+        self._ns_index: dict[str, int] = {"": 0}
+        # key -> (size, checksum, source indices holding it, namespace index): a small tuple
+        # per block, with sources and namespaces interned.
+        self._blocks: dict[bytes, tuple[int, int, tuple[int, ...], int]] = {}
         self.resyncs = 0
         self.lookups = 0
 
@@ -114,7 +118,7 @@ class DirectoryShard:
         if idx is None:
             return 0
         dropped = 0
-        for key in [k for k, (_, _, srcs) in self._blocks.items() if idx in srcs]:
+        for key in [k for k, (_, _, srcs, _) in self._blocks.items() if idx in srcs]:
             self._remove(idx, key)
             dropped += 1
         return dropped
@@ -129,11 +133,19 @@ class DirectoryShard:
             if found is None:
                 out.append([])
                 continue
-            size, csum, srcs = found
+            size, csum, srcs, _ = found
             out.append(
                 [Copy(self._sources[i].tier, self._sources[i].node, size, csum) for i in srcs]
             )
         return out
+
+    def namespace_blocks(self, namespace: str) -> list[tuple[bytes, list[Copy]]]:
+        """Every block tagged with ``namespace``, and its copies."""
+        idx = self._ns_index.get(namespace)
+        if not idx:
+            return []
+        keys = [k for k, v in self._blocks.items() if v[3] == idx]
+        return list(zip(keys, self.lookup(keys)))
 
     def sources(self) -> dict[str, tuple[str, int]]:
         return {str(s): c for s, c in self._cursor.items()}
@@ -152,7 +164,7 @@ class DirectoryShard:
         }
 
     def check_integrity(self) -> None:
-        for key, (size, _, srcs) in self._blocks.items():
+        for key, (size, _, srcs, _) in self._blocks.items():
             if not srcs:
                 raise AssertionError(f"{key.hex()[:12]} is listed with no copies")
             if len(set(srcs)) != len(srcs):
@@ -171,11 +183,16 @@ class DirectoryShard:
         return idx
 
     def _add(self, idx: int, entry: Entry) -> None:
+        ns = self._ns_index.get(entry.namespace)
+        if ns is None:
+            ns = self._ns_index[entry.namespace] = len(self._namespaces)
+            self._namespaces.append(entry.namespace)
         found = self._blocks.get(entry.key)
         if found is None:
-            self._blocks[entry.key] = (entry.size, entry.checksum, (idx,))
-        elif idx not in found[2]:
-            self._blocks[entry.key] = (found[0], found[1], (*found[2], idx))
+            self._blocks[entry.key] = (entry.size, entry.checksum, (idx,), ns)
+        elif idx not in found[2] or (ns and not found[3]):
+            srcs = found[2] if idx in found[2] else (*found[2], idx)
+            self._blocks[entry.key] = (found[0], found[1], srcs, found[3] or ns)
 
     def _remove(self, idx: int, key: bytes) -> None:
         found = self._blocks.get(key)
@@ -183,6 +200,6 @@ class DirectoryShard:
             return
         rest = tuple(i for i in found[2] if i != idx)
         if rest:
-            self._blocks[key] = (found[0], found[1], rest)
+            self._blocks[key] = (found[0], found[1], rest, found[3])
         else:
             del self._blocks[key]

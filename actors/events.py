@@ -33,6 +33,7 @@ class EventPublisher:
         send: Send,
         holdings: Callable[[], Sequence[Entry]],
         atomic: AbstractContextManager[object],
+        tag: Callable[[bytes], str] = lambda key: "",
     ) -> None:
         self.source = source
         self.epoch = epoch
@@ -40,6 +41,7 @@ class EventPublisher:
         self._send = send
         self._holdings = holdings
         self._atomic = atomic  # the store's lock: no event is emitted while it is held
+        self._tag = tag  # a stored block's namespace id, where the tier knows it
         self._lock = threading.Lock()  # guards pending and seq
         self._send_lock = threading.Lock()  # one batch in flight per publisher keeps order
         self._pending: list[list[Entry]] = [[] for _ in range(num_shards)]
@@ -53,6 +55,7 @@ class EventPublisher:
             stored=event.kind is EventKind.STORED,
             size=event.size,
             checksum=event.checksum or 0,
+            namespace=self._tag(event.key) if event.kind is EventKind.STORED else "",
         )
         shard = shard_of(event.key, self.num_shards)
         with self._lock:

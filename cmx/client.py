@@ -144,6 +144,31 @@ class ContextMemory:
                 shards.append({"shard": shard, "error": str(exc)})
         return {"nodes": nodes, "directory": shards}
 
+    def drop_namespace(self, namespace: Namespace | str) -> int:
+        """Evict every unpinned copy of every block of a namespace; returns copies evicted.
+
+        Blocks are found by the namespace tag the directory keeps. A block that only an NVMe
+        tier held across a restart of that tier and of its directory shard has lost its tag
+        and stays until evicted by capacity.
+        """
+        ns_id = namespace.id if isinstance(namespace, Namespace) else namespace
+        by_holder: dict[tuple[Tier, str], list[BlockHash]] = {}
+        for shard in range(self.config.directory_shards):
+            try:
+                found = self.link.call(actor_name("dir", shard), "namespace_blocks", ns_id)
+            except UnavailableError:
+                continue
+            for key, copies in found:
+                for c in copies:
+                    by_holder.setdefault((c.tier, c.node), []).append(key)
+        evicted = 0
+        for (tier, node), keys in by_holder.items():
+            try:
+                evicted += int(self.link.call(actor_name(tier.value, node), "evict", keys))
+            except UnavailableError:
+                pass
+        return evicted
+
     def shutdown(self, stop_service: bool | None = None) -> None:
         """Disconnect; stop the service too if asked (default: when we started Ray)."""
         import ray
@@ -220,7 +245,7 @@ class NamespaceClient:
         payload = torch.cat(payloads).numpy()
         parents = [None, *keys[:-1]]
         ref = self.cm.link.submit(actor_name("agent", self.cm.node_id), "store", keys, parents,
-                                  ray.put(payload))
+                                  ray.put(payload), self.namespace.id)
         return StoreHandle(ref, len(keys), self.cm.config.load_timeout_s)
 
     def lookup(self, token_ids: object) -> Match:

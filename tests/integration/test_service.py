@@ -113,3 +113,27 @@ def test_bad_input_raises_and_stores_nothing(cm: Any) -> None:
     with pytest.raises(LayoutMismatchError, match="1-D"):
         ns.lookup(np.zeros((2, T), dtype=np.int64))
     assert ns.lookup(toks).num_tokens == 0
+
+
+def test_drop_namespace_evicts_only_that_tenant(cm: Any) -> None:
+    toks = tokens(3, seed=6)
+    keep = cm.namespace("m-drop", LAYOUT, "keep")
+    drop = cm.namespace("m-drop", LAYOUT, "drop")
+    keep.store(toks, LAYOUT.random_kv(len(toks), seed=61)).wait()
+    drop.store(toks, LAYOUT.random_kv(len(toks), seed=62)).wait()
+    assert cm.drop_namespace(drop.namespace) >= 3
+    assert drop.lookup(toks).num_tokens == 0
+    assert keep.lookup(toks).num_tokens == len(toks)
+
+
+def test_prefetch_moves_the_prefix_into_hbm(cm: Any, config: Any, nodes: Any) -> None:
+    head, worker = nodes
+    toks = tokens(3, seed=8)
+    kv = LAYOUT.random_kv(len(toks), seed=8)
+    remote = client_on(worker, config)
+    assert ray.get(remote.store.remote("m-prefetch", LAYOUT, "t", toks, kv)) == 3
+    ns = cm.namespace("m-prefetch", LAYOUT, "t")
+    assert ray.get(ns.prefetch(toks), timeout=30) == 3
+    match = ns.lookup(toks)
+    assert all(b.tier.value == "hbm" and b.node == head for b in match.blocks)
+    assert torch.equal(ns.load(toks), kv)

@@ -33,19 +33,24 @@ from cmx.actors.links import actor_name
 from cmx.actors.nvme_io import Extent, NvmeIo
 from cmx.actors.scheduler import Priority, Scheduler
 from cmx.actors.transport import Move, PeerInfo, Region, TransferError, make_transport
+from cmx.actors.wire import Offer, Staged
 
 from cmx.checksum import checksum
 from cmx.config import ServiceConfig
 from cmx.errors import CmxError, UnavailableError
 from cmx.keys import BlockHash
 from cmx.metrics import Histogram
+from cmx.policies.admission import make_admission
+from cmx.policies.rendezvous import owners
 from cmx.storage.arena import SharedArena
 from cmx.storage.nvme.chunks import block_sums
 from cmx.tiers import Tier
 
-__all__ = ["LoadResult", "Loaded", "OffloadAgent", "Staged"]
+__all__ = ["LoadResult", "Loaded", "OffloadAgent"]
 
 log = logging.getLogger(__name__)
+
+POOL_REFRESH_S = 2.0  # how long a view of the pool's membership is reused
 
 
 @dataclass(frozen=True)
@@ -67,19 +72,6 @@ class LoadResult:
     blocks: list[Loaded]  # the loaded prefix, pinned until ``release``
 
 
-@dataclass(frozen=True)
-class Staged:
-    """A block pinned in a memory arena of the peer's node for one transfer."""
-
-    key: BlockHash
-    tier: Tier
-    region: str
-    slot: int
-    size: int
-    checksum: int
-    source_tier: Tier  # where it was before staging (NVMe blocks are promoted first)
-
-
 class OffloadAgent:
     def __init__(self, node: str, config: ServiceConfig, link: object) -> None:
         self.node = node
@@ -96,6 +88,9 @@ class OffloadAgent:
         self.moved_via: Counter[str] = Counter()  # transport or "local"/"nvme" -> bytes
         self.latency = {op: Histogram() for op in ("store", "load", "stage", "prefetch")}
         self.nvme = NvmeIo()
+        self.pool_admission = make_admission("frequency", min_count=config.pool_admission_min_count)
+        self._pool: list[str] = []
+        self._pool_checked = float("-inf")
         for tier in (Tier.HBM, Tier.DRAM):
             self._attach(tier)
 
@@ -103,9 +98,12 @@ class OffloadAgent:
 
     def store(
         self, keys: Sequence[BlockHash], parents: Sequence[BlockHash | None], payload: np.ndarray,
-        namespace: str = "",
+        namespace: str = "", replicas: int | None = None,
     ) -> int:
         """Copy ``len(keys)`` blocks of ``payload`` (concatenated) into DRAM; returns committed.
+
+        Blocks the pool's admission policy lets in are copied to their pool owners too
+        (``replicas`` of them, default ``config.pool_replication``) before this returns.
 
         Blocks go in windows of half the DRAM arena, so a store larger than DRAM streams
         through it: each window's reservations evict (and demote) the blocks of the last.
@@ -120,14 +118,14 @@ class OffloadAgent:
             stop = min(start + window, len(keys))
             done += self._store_window(
                 keys[start:stop], parents[start:stop], payload[start * size : stop * size], size,
-                namespace,
+                namespace, replicas or self.config.pool_replication,
             )
         self.latency["store"].observe(time.perf_counter() - start_time)
         return done
 
     def _store_window(
         self, keys: Sequence[BlockHash], parents: Sequence[BlockHash | None],
-        payload: np.ndarray, size: int, namespace: str,
+        payload: np.ndarray, size: int, namespace: str, replicas: int,
     ) -> int:
         grants = self._call(Tier.DRAM, "reserve", list(zip(keys, parents)))
         self._demote_victims(Tier.DRAM, grants)
@@ -149,6 +147,8 @@ class OffloadAgent:
         self.moved_via["local"] += sum(n for _, n, _ in done)
         if self.config.placement == "write_through":
             self._write_nvme(Tier.DRAM, done, parents_of(keys, parents))
+        self._pool_write([k for k, _, _ in done if self._admit(k)], parents_of(keys, parents),
+                         replicas)
         return len(done)
 
     # -- load ----------------------------------------------------------------------------------
@@ -175,6 +175,7 @@ class OffloadAgent:
         tail = [loaded[i].key for i in loaded if i >= len(prefix)]
         if tail:
             self._call(Tier.HBM, "unpin", tail)
+        self._pool_later(prefix, copies)
         op = "load" if priority is Priority.LOAD else "prefetch"
         self.latency[op].observe(time.perf_counter() - start_time)
         return LoadResult(self._arenas[Tier.HBM][0].arena, prefix)
@@ -222,8 +223,10 @@ class OffloadAgent:
         granted: dict[int, Grant], priority: Priority,
     ) -> dict[int, Loaded]:
         _, hbm = self._arenas[Tier.HBM]
+        if tier is Tier.POOL:
+            return self._fill_remote(actor_name("pool", node), node, keys, idx, granted, priority)
         if node != self.node:
-            return self._fill_remote(node, keys, idx, granted, priority)
+            return self._fill_remote(actor_name("agent", node), node, keys, idx, granted, priority)
         pins = self._call(tier, "pin", [keys[i] for i in idx])
         try:
             jobs = []
@@ -257,15 +260,17 @@ class OffloadAgent:
         return True
 
     def _fill_remote(
-        self, node: str, keys: Sequence[BlockHash], idx: list[int],
+        self, peer_agent: str, node: str, keys: Sequence[BlockHash], idx: list[int],
         granted: dict[int, Grant], priority: Priority,
     ) -> dict[int, Loaded]:
-        peer_agent = actor_name("agent", node)
         staged: list[Staged | None] = self.link.call(  # type: ignore[attr-defined]
             peer_agent, "stage", [keys[i] for i in idx], timeout_s=self.config.load_timeout_s
         )
         try:
-            peer = self._peer(node)
+            peer = self._peer(peer_agent)
+            if any(s is not None and s.region not in {r.name for r in peer.regions}
+                   for s in staged):
+                peer = self._peer(peer_agent, refresh=True)  # the peer re-registered its arenas
             hbm_info, hbm = self._arenas[Tier.HBM]
             pairs = [(i, s) for i, s in zip(idx, staged) if s is not None]
             moves = [Move(s.region, s.slot, hbm_info.arena, granted[i].slot) for i, s in pairs]
@@ -273,7 +278,11 @@ class OffloadAgent:
                 fut = self.scheduler.submit(
                     priority, lambda: self.transport.read(peer, moves, self.config.load_timeout_s)
                 )
-                fut.result()
+                try:
+                    fut.result()
+                except TransferError:
+                    self._peers.pop(peer_agent, None)  # the peer may have restarted
+                    raise
             out: dict[int, Loaded] = {}
             for i, s in pairs:
                 if checksum(hbm.slot_view(granted[i].slot)[: s.size]) != s.checksum:
@@ -440,6 +449,70 @@ class OffloadAgent:
             if pins is not None:
                 self._call(tier, "unpin", [p.key for p in pins if p is not None])
 
+    # -- the pool ------------------------------------------------------------------------------
+
+    def _admit(self, key: BlockHash) -> bool:
+        self.pool_admission.record(key)
+        return self.pool_admission.admit(key)
+
+    def _pool_members(self) -> list[str]:
+        now = time.monotonic()
+        if now - self._pool_checked > POOL_REFRESH_S:
+            try:
+                self._pool = list(self.link.call("cmx:controller", "pool_members"))  # type: ignore[attr-defined]
+            except UnavailableError:
+                pass  # keep the last membership we saw
+            self._pool_checked = now
+        return self._pool
+
+    def _pool_write(
+        self, keys: Sequence[BlockHash], parents: dict[BlockHash, BlockHash | None],
+        replicas: int,
+    ) -> int:
+        """Have each block's pool owners pull it from this node's DRAM; returns copies made."""
+        members = self._pool_members()
+        if not members or not keys:
+            return 0
+        info, _ = self._arenas[Tier.DRAM]
+        pins: list[Pinned | None] = self._call(Tier.DRAM, "pin", list(keys))
+        try:
+            by_owner: dict[str, list[Offer]] = {}
+            for key, p in zip(keys, pins):
+                if p is None:
+                    continue
+                offer = Offer(key, parents.get(key), info.arena, p.slot, p.size, p.checksum or 0)
+                for owner in owners(key, members, replicas):
+                    by_owner.setdefault(owner, []).append(offer)
+            made = 0
+            me = actor_name("agent", self.node)
+            for owner, offers in by_owner.items():
+                try:
+                    n = int(self.link.call(  # type: ignore[attr-defined]
+                        actor_name("pool", owner), "ingest", me, offers,
+                        timeout_s=self.config.load_timeout_s,
+                    ))
+                except (UnavailableError, CmxError) as exc:
+                    log.warning("pool write to %s failed: %s", owner[:8], exc)
+                    continue
+                made += n
+                self.moved["dram->pool"] += sum(o.size for o in offers[:n])
+                self.moved_via[self.transport.name] += sum(o.size for o in offers[:n])
+            return made
+        finally:
+            self._call(Tier.DRAM, "unpin", [p.key for p in pins if p is not None])
+
+    def _pool_later(self, loaded: Sequence[Loaded], copies: Sequence[Sequence[Copy]]) -> None:
+        """Blocks reused often enough and not yet pooled go to the pool in the background."""
+        if not self._pool_members():
+            return
+        todo = [b.key for b, c in zip(loaded, copies)
+                if self._admit(b.key) and not any(x.tier is Tier.POOL for x in c)]
+        if todo:
+            self.scheduler.submit(
+                Priority.DEMOTE,
+                lambda: self._pool_write(todo, {}, self.config.pool_replication),
+            )
+
     # -- plumbing ------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, object]:
@@ -484,24 +557,23 @@ class OffloadAgent:
 
     def _sources(self, copies: Sequence[Copy]) -> list[tuple[Tier, str]]:
         """Where to look for a block, fastest first: this node's DRAM and NVMe, then the
-        other nodes' copies, memory before NVMe."""
+        other nodes' copies, memory before NVMe, and the pool last."""
         local = [(Tier.DRAM, self.node), (Tier.NVME, self.node)]
         remote = sorted(
-            {(c.tier, c.node) for c in copies if c.node != self.node and c.tier is not Tier.POOL},
+            {(c.tier, c.node) for c in copies if c.node != self.node or c.tier is Tier.POOL},
             key=lambda s: s[0].rank,
         )
         return local + remote
 
-    def _peer(self, node: str) -> PeerInfo:
-        info = self._peers.get(node)
+    def _peer(self, actor: str, refresh: bool = False) -> PeerInfo:
+        info = None if refresh else self._peers.get(actor)
         if info is None:
-            info = self.link.call(actor_name("agent", node), "peer_info")  # type: ignore[attr-defined]
-            self._peers[node] = info
+            info = self._peers[actor] = self.link.call(actor, "peer_info")  # type: ignore[attr-defined]
         return info
 
     def _fetch_from_peer(self, peer_agent: str, slots: list[tuple[str, int]]) -> list[np.ndarray]:
-        node = next(n for n, p in self._peers.items() if p.agent == peer_agent)
-        return self.link.call(actor_name("agent", node), "read_slots", slots)  # type: ignore[attr-defined]
+        actor = next(a for a, p in self._peers.items() if p.agent == peer_agent)
+        return self.link.call(actor, "read_slots", slots)  # type: ignore[attr-defined]
 
     def close(self) -> None:
         self.scheduler.close()

@@ -147,6 +147,18 @@ class DirectoryShard:
         keys = [k for k, v in self._blocks.items() if v[3] == idx]
         return list(zip(keys, self.lookup(keys)))
 
+    def pool_replicas(self, want: int) -> dict[str, int]:
+        """Blocks with a copy in the pool, and how many have fewer than ``want`` pool copies."""
+        pooled = under = 0
+        pool_sources = {i for i, s in enumerate(self._sources) if s.tier is Tier.POOL}
+        if pool_sources:
+            for _, _, srcs, _ in self._blocks.values():
+                n = sum(1 for i in srcs if i in pool_sources)
+                if n:
+                    pooled += 1
+                    under += n < want
+        return {"blocks": pooled, "under_replicated": under}
+
     def sources(self) -> dict[str, tuple[str, int]]:
         return {str(s): c for s, c in self._cursor.items()}
 

@@ -22,6 +22,7 @@ from cmx.actors.arena_tier import ArenaTierService
 from cmx.actors.directory import DirectoryShard, Source
 from cmx.actors.links import RAY_NAMESPACE, RayLink, actor_name
 from cmx.actors.nvme_tier import NvmeTierService
+from cmx.actors.pool import PoolNodeService
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cmx.config import ServiceConfig
@@ -76,12 +77,25 @@ class AgentActor(OffloadAgent):
         return {"node": self.node, "placed_on": self.placed_on, "dpu": self.placed_on != self.node}
 
 
+class PoolNodeActor(PoolNodeService):
+    def __init__(self, node: str, pool_id: str, config: ServiceConfig) -> None:
+        super().__init__(
+            node, pool_id, os.path.join(config.nvme_dir, f"pool-{pool_id}"), config.pool_bytes,
+            config.block_bytes, config.pool_staging_bytes, RayLink(config.call_timeout_s),
+            config.directory_shards, config.transport, config.eviction,
+            segment_bytes=config.nvme_segment_bytes,
+        )
+        _heartbeat(self, config.heartbeat_s)
+
+
 class Controller:
-    """Keeps one set of node actors per alive node; forgets the copies of nodes that left."""
+    """Keeps one set of node actors per alive node and a pool actor per pool node; forgets
+    the copies of nodes that left; re-replicates the pool when its membership changes."""
 
     def __init__(self, config: ServiceConfig) -> None:
         self.config = config
         self.known: set[str] = set()
+        self.pool: set[str] = set()
         self._lock = threading.Lock()
         threading.Thread(target=self._loop, name="cmx-controller", daemon=True).start()
 
@@ -93,16 +107,44 @@ class Controller:
                 if node_id not in self.known and not _is_dpu(node, self.config):
                     start_node_actors(node_id, self.config, alive)
                     started.append(node_id)
-            gone = sorted(self.known - alive.keys())
+            gone = sorted((self.known | self.pool) - alive.keys())
             for node_id in gone:
                 self._forget(node_id)
             self.known = {n for n in alive if not _is_dpu(alive[n], self.config)}
-            return {"started": started, "gone": gone, "nodes": sorted(self.known)}
+            pool = self._reconcile_pool(alive)
+            return {"started": started, "gone": gone, "nodes": sorted(self.known),
+                    "pool": pool}
+
+    def _reconcile_pool(self, alive: dict[str, dict[str, Any]]) -> list[str]:
+        pool = {}
+        for node_id, node in alive.items():
+            pool_id = (node.get("Labels") or {}).get(self.config.pool_label)
+            if pool_id:
+                pool[node_id] = pool_id
+        for node_id in pool.keys() - self.pool:
+            start_pool_actor(node_id, pool[node_id], self.config)
+        if pool.keys() != self.pool:
+            self.pool = set(pool)
+            members = sorted(self.pool)
+            for node_id in members:  # re-replicate in the background; nobody waits on it
+                ray.get_actor(actor_name("pool", node_id), namespace=RAY_NAMESPACE) \
+                    .rebalance.remote(members, self.config.pool_replication)
+        return sorted(self.pool)
 
     def nodes(self) -> list[str]:
         return sorted(self.known)
 
+    def pool_members(self) -> list[str]:
+        return sorted(self.pool)
+
     def _forget(self, node_id: str) -> None:
+        # Actors pinned to a node that left would wait forever for it to restart them.
+        for kind in ("hbm", "dram", "nvme", "agent", "pool"):
+            try:
+                ray.kill(ray.get_actor(actor_name(kind, node_id), namespace=RAY_NAMESPACE),
+                         no_restart=True)
+            except ValueError:
+                pass
         link = RayLink(self.config.call_timeout_s)
         for shard in range(self.config.directory_shards):
             for tier in Tier:
@@ -166,6 +208,16 @@ def start_node_actors(
     ).remote(node_id, config)
     ray.get(handles["agent"].peer_info.remote(), timeout=60)
     return handles
+
+
+def start_pool_actor(node_id: str, pool_id: str, config: ServiceConfig) -> Any:
+    handle = ray.remote(PoolNodeActor).options(
+        name=actor_name("pool", node_id), namespace=RAY_NAMESPACE, get_if_exists=True,
+        num_cpus=0, max_concurrency=16,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False), **_RESTART,
+    ).remote(node_id, pool_id, config)
+    ray.get(handle.peer_info.remote(), timeout=60)
+    return handle
 
 
 def ensure_service(config: ServiceConfig) -> Any:

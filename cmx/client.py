@@ -105,14 +105,19 @@ class ContextMemory:
         return cls(config, node_id, owns)
 
     def namespace(
-        self, model: str, layout: KVLayout, salt: str = "", weights: str = ""
+        self, model: str, layout: KVLayout, salt: str = "", weights: str = "",
+        replication: int | None = None,
     ) -> NamespaceClient:
+        """A namespace; ``replication`` is how many pool nodes keep each of its pooled blocks
+        (default ``config.pool_replication``)."""
         if layout.block_bytes > self.config.block_bytes:
             raise LayoutMismatchError(
                 f"a block of this layout is {layout.block_bytes} bytes; the service's slots hold "
                 f"{self.config.block_bytes} (ServiceConfig.block_bytes)"
             )
-        return NamespaceClient(self, Namespace(model, layout, salt, weights))
+        if replication is not None and replication < 1:
+            raise ValueError(f"replication must be >= 1, got {replication}")
+        return NamespaceClient(self, Namespace(model, layout, salt, weights), replication)
 
     # -- cluster view --------------------------------------------------------------------------
 
@@ -142,7 +147,34 @@ class ContextMemory:
                 shards.append(self.link.call(actor_name("dir", shard), "stats"))
             except UnavailableError as exc:
                 shards.append({"shard": shard, "error": str(exc)})
-        return {"nodes": nodes, "directory": shards}
+        return {"nodes": nodes, "directory": shards, "pool": self.pool_stats()}
+
+    def pool_stats(self) -> dict[str, Any]:
+        """The pool (G4): its nodes, capacity, use, and blocks with too few replicas."""
+        members = list(self.link.call("cmx:controller", "pool_members"))
+        nodes = []
+        for node in members:
+            try:
+                nodes.append(self.link.call(actor_name("pool", node), "stats"))
+            except UnavailableError as exc:
+                nodes.append({"node": node, "error": str(exc)})
+        want = min(self.config.pool_replication, len(members)) if members else 0
+        pooled = under = 0
+        for shard in range(self.config.directory_shards):
+            try:
+                counts = self.link.call(actor_name("dir", shard), "pool_replicas", want)
+            except UnavailableError:
+                continue
+            pooled += counts["blocks"]
+            under += counts["under_replicated"]
+        return {
+            "nodes": nodes,
+            "replication": self.config.pool_replication,
+            "capacity_bytes": sum(int(n.get("capacity_bytes", 0)) for n in nodes),
+            "used_bytes": sum(int(n.get("used_bytes", 0)) for n in nodes),
+            "blocks": pooled,
+            "under_replicated": under,
+        }
 
     def drop_namespace(self, namespace: Namespace | str) -> int:
         """Evict every unpinned copy of every block of a namespace; returns copies evicted.
@@ -220,10 +252,13 @@ class ContextMemory:
 
 
 class NamespaceClient:
-    def __init__(self, cm: ContextMemory, namespace: Namespace) -> None:
+    def __init__(
+        self, cm: ContextMemory, namespace: Namespace, replication: int | None = None
+    ) -> None:
         self.cm = cm
         self.namespace = namespace
         self.layout = namespace.layout
+        self.replication = replication
 
     def keys(self, token_ids: object) -> list[BlockHash]:
         return chain_keys(self.namespace.digest, token_ids, self.layout.block_tokens)
@@ -245,7 +280,7 @@ class NamespaceClient:
         payload = torch.cat(payloads).numpy()
         parents = [None, *keys[:-1]]
         ref = self.cm.link.submit(actor_name("agent", self.cm.node_id), "store", keys, parents,
-                                  ray.put(payload), self.namespace.id)
+                                  ray.put(payload), self.namespace.id, self.replication)
         return StoreHandle(ref, len(keys), self.cm.config.load_timeout_s)
 
     def lookup(self, token_ids: object) -> Match:

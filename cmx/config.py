@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-__all__ = ["ServiceConfig"]
+__all__ = ["AdminConfig", "ServiceConfig"]
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -28,6 +28,11 @@ class ServiceConfig:
     eviction: str = "lru"  # eviction policy of every tier ("lru", "s3fifo")
     placement: str = "write_back"  # "write_back" (NVMe on DRAM eviction) or "write_through"
     nvme_admission_min_count: int = 1  # times a block must be seen before it goes to NVMe
+    pool_label: str = "cmx.io/pool"  # node label of pool (G4) storage nodes; its value names the disk
+    pool_bytes: int = 16 * GiB  # per pool node, segment files under nvme_dir/pool-<label value>
+    pool_replication: int = 2  # owners of a pooled block (fewer if fewer pool nodes)
+    pool_admission_min_count: int = 2  # times a block is seen (stored or loaded) before pooling
+    pool_staging_bytes: int = 64 * MiB  # a pool node's DRAM for staging and caching blocks
     transport: str = "auto"  # "auto" (NIXL where it loads), "nixl" or "ray"
     dpu_label: str = "cmx.io/dpu"  # node label of DPU nodes; their agent serves a host node
     host_label: str = "cmx.io/host-id"  # names the host a node (or a DPU) belongs to
@@ -64,10 +69,75 @@ class ServiceConfig:
         return cls(**values)  # type: ignore[arg-type]
 
     def __post_init__(self) -> None:
-        for name in ("block_bytes", "hbm_bytes", "dram_bytes", "nvme_bytes", "directory_shards"):
+        for name in ("block_bytes", "hbm_bytes", "dram_bytes", "nvme_bytes", "directory_shards",
+                     "pool_bytes", "pool_replication", "pool_staging_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if self.placement not in ("write_back", "write_through"):
             raise ValueError(f"placement {self.placement!r} is not write_back or write_through")
         if self.transport not in ("auto", "nixl", "ray"):
             raise ValueError(f"transport {self.transport!r} is not auto, nixl or ray")
+
+
+@dataclass(frozen=True)
+class AdminConfig:
+    """The admin API and the ``cmx`` command line's service state.
+
+    Read from ``CMX_ADMIN_<FIELD>`` (e.g. CMX_ADMIN_TOKEN, CMX_ADMIN_TOKEN_ALL=1) and
+    ``CMX_STATE_DIR``. Without a token, mutating endpoints are refused; reads stay open unless
+    ``token_all`` is set.
+    """
+
+    host: str = "127.0.0.1"  # the API binds loopback unless told otherwise
+    port: int = 8470  # 0: any free port
+    token: str | None = field(default=None, repr=False)  # bearer token; None: no mutations
+    token_all: bool = False  # every endpoint (reads too) needs the token
+    sample_s: float = 2.0  # seconds between stats samples (bandwidth, history, ray metrics)
+    history_s: float = 900.0  # how far back the dashboard's history reaches
+    state_dir: str = ""  # where `cmx up` records its state; "" means ~/.cache/cmx
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides: object) -> AdminConfig:
+        env = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        for f in dataclasses.fields(cls):
+            var = "CMX_STATE_DIR" if f.name == "state_dir" else f"CMX_ADMIN_{f.name.upper()}"
+            raw = env.get(var)
+            if raw is None:
+                continue
+            try:
+                values[f.name] = _parse(str(f.type), raw)
+            except ValueError as exc:
+                raise ValueError(f"{var}={raw!r}: {exc}") from None
+        values.update(overrides)
+        return cls(**values)  # type: ignore[arg-type]
+
+    def replace(self, **changes: object) -> AdminConfig:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    @property
+    def state_path(self) -> str:
+        root = self.state_dir or os.path.join(os.path.expanduser("~"), ".cache", "cmx")
+        return os.path.join(root, "state.json")
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port {self.port} is not in 0..65535")
+        if self.sample_s <= 0 or self.history_s < self.sample_s:
+            raise ValueError("sample_s must be positive and history_s at least sample_s")
+        if self.token is not None and len(self.token) < 16:
+            raise ValueError("an admin token must be at least 16 characters")
+
+
+def _parse(kind: str, raw: str) -> object:
+    if kind.startswith("bool"):
+        if raw.strip().lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.strip().lower() in ("0", "false", "no", "off", ""):
+            return False
+        raise ValueError("not a boolean (1/0, true/false)")
+    if kind.startswith("int"):
+        return int(raw)
+    if kind.startswith("float"):
+        return float(raw)
+    return raw or None if "None" in kind else raw

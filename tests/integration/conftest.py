@@ -54,6 +54,9 @@ def config() -> Iterator[ServiceConfig]:
         call_timeout_s=10.0,
         load_timeout_s=20.0,
         heartbeat_s=0.5,
+        pool_bytes=256 * BLOCK,
+        pool_staging_bytes=16 * BLOCK,
+        pool_admission_min_count=1,  # every stored block is pooled, where a pool exists
     )
     shutil.rmtree(root, ignore_errors=True)
 

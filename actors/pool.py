@@ -1,0 +1,253 @@
+"""A pool node (G4): NVMe on a storage node, pooled for every node of the cluster.
+
+A pool node is its own small data plane: an NVMe store (``ExtentStore``), a DRAM staging arena
+registered with its transport, and the same pull protocol as the offload agents:
+
+- ``ingest(source, items)``: pull blocks from the arena of ``source`` (an agent or another
+  pool node that has them pinned) over the transport, verify, write to NVMe, commit, announce.
+- ``stage(keys)`` / ``unstage(staged)``: for a reader: pin each block in the staging arena
+  (reading it from NVMe and verifying it first), so the reader pulls it with one transfer.
+- ``rebalance(members, replicas)``: after membership changed, push every block held here to
+  its owners (rendezvous hashing over the live members) that lack it.
+
+The store lives under ``<nvme_dir>/pool-<pool id>``, the pool id being the node's label value,
+so a node that comes back with the same label offers what its disk still holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Sequence
+from cmx.actors.directory import Entry, Source
+from cmx.actors.events import EventPublisher
+from cmx.actors.nvme_io import Extent, NvmeIo
+from cmx.actors.transport import Move, PeerInfo, Region, TransferError, make_transport
+from cmx.actors.wire import Offer, Staged
+from cmx.checksum import checksum
+from cmx.errors import BlockStateError, StoreFullError, UnavailableError
+from cmx.keys import BlockHash
+from cmx.policies.rendezvous import owners
+from cmx.storage.dram import DramStore
+from cmx.storage.nvme.chunks import block_sums
+from cmx.storage.nvme.extents import ExtentStore
+from cmx.tiers import Tier
+
+__all__ = ["PoolNodeService"]
+
+log = logging.getLogger(__name__)
+
+
+class PoolNodeService:
+    def __init__(
+        self, node: str, pool_id: str, root: str, capacity_bytes: int, block_bytes: int,
+        staging_bytes: int, link: object, num_shards: int, transport: str = "auto",
+        eviction: str = "lru", segment_bytes: int = 256 << 20,
+    ) -> None:
+        self.node = node
+        self.pool_id = pool_id
+        self.link = link
+        self.epoch = uuid.uuid4().hex[:8]
+        self.name = f"cmx-pool-{pool_id}-{self.epoch}"
+        self.store = ExtentStore(root, capacity_bytes=capacity_bytes, block_bytes=block_bytes,
+                                 eviction=eviction, segment_bytes=segment_bytes)
+        self.staging = DramStore(staging_bytes, block_bytes, name=self.name)
+        self.io = NvmeIo()
+        self.transport = make_transport(self.name, transport, self._fetch)
+        arena = self.staging.arena
+        self.transport.register(
+            Region(arena.name, arena.buffer.ctypes.data, arena.slot_bytes, arena.num_slots),
+            arena.buffer,
+        )
+        self._peers: dict[str, PeerInfo] = {}
+        self._lock = threading.Lock()
+        self.ingested = self.served = self.pushed = 0
+        self.publisher = EventPublisher(
+            Source(node, Tier.POOL), self.epoch, num_shards,
+            lambda shard, method, *args: link.call(  # type: ignore[attr-defined]
+                f"cmx:dir:{shard}", method, *args
+            ),
+            self._holdings, self.store.event_lock,
+        )
+        self.store.subscribe(self.publisher.on_event)
+
+    def peer_info(self) -> PeerInfo:
+        return self.transport.info()
+
+    # -- writes into the pool ------------------------------------------------------------------
+
+    def ingest(self, source: str, offers: Sequence[Offer]) -> int:
+        """Pull ``offers`` from the actor ``source``; returns blocks now stored here."""
+        todo = [o for o in offers if o.key not in self.store]
+        if not todo:
+            return 0
+        grants = []
+        for o in todo:
+            try:
+                grants.append((o, self.staging.reserve(o.key, o.parent)))
+            except (BlockStateError, StoreFullError):
+                continue
+        try:
+            peer = self._peer(source)
+            moves = [Move(o.region, o.slot, self.staging.arena.name, r.slot) for o, r in grants]
+            self.transport.read(peer, moves)
+        except (TransferError, UnavailableError) as exc:
+            log.warning("ingest from %s failed: %s", source, exc)
+            for _, r in grants:
+                self.staging.abort(r)
+            self._peers.pop(source, None)
+            return 0
+        stored = 0
+        for o, r in grants:
+            data = r.buffer[: o.size]
+            if checksum(data) != o.checksum:
+                self.staging.abort(r)
+                continue
+            pending = self.store.reserve_extent(o.key, o.parent, o.size)
+            if pending is None:
+                self.staging.abort(r)
+                continue
+            try:
+                self.io.write(Extent(o.key, pending.path, pending.offset, o.size), r.buffer)
+            except OSError:
+                self.store.abort_extent(pending)
+                self.staging.abort(r)
+                continue
+            whole, sums = block_sums(data)
+            self.store.commit_extent(pending, whole, sums)
+            self.staging.commit(r, o.size, o.checksum)
+            stored += 1
+        self.store.flush()
+        self.publisher.flush()
+        self.ingested += stored
+        return stored
+
+    # -- reads out of the pool -----------------------------------------------------------------
+
+    def stage(self, keys: Sequence[BlockHash]) -> list[Staged | None]:
+        out: list[Staged | None] = []
+        region = self.staging.arena.name
+        for key in keys:
+            if not self.staging.pin(key) and not self._load_into_staging(key):
+                out.append(None)
+                continue
+            ref = self.staging.locate(key)
+            out.append(Staged(key, Tier.POOL, region, ref.slot, ref.size, ref.checksum or 0,
+                              Tier.POOL))
+            self.served += 1
+        return out
+
+    def unstage(self, staged: Sequence[Staged]) -> None:
+        for s in staged:
+            try:
+                self.staging.unpin(s.key)
+            except BlockStateError:
+                pass
+
+    def _load_into_staging(self, key: BlockHash) -> bool:
+        """Read a block from NVMe into a pinned staging slot; False on a miss."""
+        if not self.store.pin(key):
+            return False
+        try:
+            entry = self.store.locate(key)
+            if entry is None:
+                return False
+            try:
+                res = self.staging.reserve(key, entry.parent)
+            except (BlockStateError, StoreFullError):
+                return False
+            ext = Extent(key, self.store.segment_path(entry.seg), entry.offset, entry.length)
+            self.io.read(ext, res.buffer)
+            if checksum(res.buffer[: entry.length]) != entry.checksum:
+                self.staging.abort(res)
+                self.store.unpin(key)
+                self.store.quarantine(key)
+                self.publisher.flush()
+                return False
+            self.staging.commit(res, entry.length, entry.checksum)
+            return self.staging.pin(key)
+        finally:
+            if key in self.store:
+                self.store.unpin(key)
+
+    def read_slots(self, slots: Sequence[tuple[str, int]]) -> list[object]:
+        arena = self.staging.arena
+        return [arena.slot_view(slot).copy() for region, slot in slots if region == arena.name]
+
+    # -- membership ----------------------------------------------------------------------------
+
+    def contains(self, keys: Sequence[BlockHash]) -> list[bool]:
+        return [k in self.store for k in keys]
+
+    def rebalance(self, members: Sequence[str], replicas: int) -> int:
+        """Push blocks held here to the owners that lack them; returns blocks pushed."""
+        want: dict[str, list[BlockHash]] = {}
+        for key in self.store.keys():
+            for owner in owners(key, members, replicas):
+                if owner != self.node:
+                    want.setdefault(owner, []).append(key)
+        pushed = 0
+        me = f"cmx:pool:{self.node}"
+        for owner, keys in want.items():
+            target = f"cmx:pool:{owner}"
+            try:
+                have = self.link.call(target, "contains", keys)  # type: ignore[attr-defined]
+                missing = [k for k, h in zip(keys, have) if not h]
+                for start in range(0, len(missing), 16):
+                    staged = [s for s in self.stage(missing[start : start + 16]) if s is not None]
+                    try:
+                        offers = [Offer(s.key, None, s.region, s.slot, s.size, s.checksum)
+                                  for s in staged]
+                        pushed += int(self.link.call(target, "ingest", me, offers))  # type: ignore[attr-defined]
+                    finally:
+                        self.unstage(staged)
+            except UnavailableError as exc:
+                log.warning("rebalance to %s failed: %s", owner[:8], exc)
+        self.pushed += pushed
+        return pushed
+
+    # -- upkeep --------------------------------------------------------------------------------
+
+    def heartbeat(self) -> bool:
+        return self.publisher.flush()
+
+    def stats(self) -> dict[str, object]:
+        s = self.store.stats()
+        return {
+            "tier": Tier.POOL.value, "node": self.node, "pool_id": self.pool_id,
+            "epoch": self.epoch, "emulated": False,
+            "capacity_bytes": s.capacity_bytes, "used_bytes": s.used_bytes, "blocks": s.blocks,
+            "hits": s.hits, "misses": s.misses, "evictions": s.evictions,
+            "quarantined": s.quarantined, "bytes_in": s.bytes_written, "bytes_out": s.bytes_read,
+            "ingested": self.ingested, "served": self.served, "pushed": self.pushed,
+            "transport": self.transport.name,
+        }
+
+    def check_integrity(self) -> None:
+        self.store.check_integrity()
+        self.staging.check_integrity()
+
+    def close(self) -> None:
+        self.transport.close()
+        self.io.close()
+        self.staging.close()
+        self.store.close()
+
+    def _peer(self, actor: str) -> PeerInfo:
+        info = self._peers.get(actor)
+        if info is None:
+            info = self._peers[actor] = self.link.call(actor, "peer_info")  # type: ignore[attr-defined]
+        return info
+
+    def _fetch(self, peer_agent: str, slots: list[tuple[str, int]]) -> list[object]:
+        actor = next(a for a, p in self._peers.items() if p.agent == peer_agent)
+        return self.link.call(actor, "read_slots", slots)  # type: ignore[attr-defined]
+
+    def _holdings(self) -> list[Entry]:
+        entries = []
+        for key in self.store.keys():
+            entry = self.store.locate(key)
+            if entry is not None:
+                entries.append(Entry(key, True, entry.length, entry.checksum))
+        return entries

@@ -1,0 +1,108 @@
+"""The pooled NVMe tier (G4) on three pool nodes: replication, loss, and return."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+from support import LAYOUT
+
+from cmx.actors.links import RAY_NAMESPACE, actor_name
+from cmx.policies.rendezvous import owners
+from cmx.tiers import Tier
+
+T = LAYOUT.block_tokens
+N = 8  # one-block prefixes per namespace, so every block is found or missed on its own
+
+
+def reconcile() -> dict[str, Any]:
+    controller = ray.get_actor("cmx:controller", namespace=RAY_NAMESPACE)
+    return ray.get(controller.reconcile.remote(), timeout=180)
+
+
+def prompts(seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 50_000, T, dtype=np.uint32) for _ in range(N)]
+
+
+def drop_local_copies(cm: Any, ns: Any, toks: list[np.ndarray]) -> None:
+    """Evict a namespace's blocks from every node's own tiers, leaving only the pool."""
+    keys = [ns.keys(t)[0] for t in toks]
+    for node in cm.nodes():
+        for tier in (Tier.HBM, Tier.DRAM, Tier.NVME):
+            ray.get(ray.get_actor(actor_name(tier.value, node), namespace=RAY_NAMESPACE)
+                    .evict.remote(keys))
+
+
+def until(predicate: Any, timeout_s: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def test_pool_replicas_survive_a_lost_node_and_a_returning_node_offers_its_disk(
+    cluster: Any, cm: Any
+) -> None:
+    labels = {"p1": None, "p2": None, "p3": None}
+    for pool_id in labels:
+        labels[pool_id] = cluster.add_node(num_cpus=0, labels={"cmx.io/pool": pool_id})
+    cluster.wait_for_nodes()
+    members = reconcile()["pool"]
+    assert len(members) == 3
+
+    two = cm.namespace("m-pool", LAYOUT, "r2", replication=2)
+    one = cm.namespace("m-pool", LAYOUT, "r1", replication=1)
+    toks2, toks1 = prompts(21), prompts(22)
+    kv2 = [LAYOUT.random_kv(T, seed=100 + i) for i in range(N)]
+    kv1 = [LAYOUT.random_kv(T, seed=200 + i) for i in range(N)]
+    for t, kv in zip(toks2, kv2):
+        two.store(t, kv).wait()
+    for t, kv in zip(toks1, kv1):
+        one.store(t, kv).wait()
+    for t in toks2:
+        pool_copies = [c for c in two.lookup(t).blocks[0].copies if c.tier is Tier.POOL]
+        assert len(pool_copies) == 2
+    pool = cm.stats()["pool"]
+    assert pool["blocks"] == 2 * N and pool["under_replicated"] == N  # r1 blocks have one
+    assert len(pool["nodes"]) == 3 and pool["used_bytes"] > 0
+
+    # Lose p2. Only the pool has these blocks now.
+    drop_local_copies(cm, two, toks2)
+    drop_local_copies(cm, one, toks1)
+    lost = labels["p2"]
+    lost_keys = {one.keys(t)[0] for t in toks1 if owners(one.keys(t)[0], members, 1) == [lost.node_id]}
+    assert lost_keys, "rendezvous gave p2 no block of eight: pick other seeds"
+    cluster.remove_node(lost)
+    assert lost.node_id not in reconcile()["pool"]
+
+    for t, kv in zip(toks2, kv2):  # replication 2: everything still loads, bit-identical
+        assert torch.equal(two.load(t), kv)
+    for t, kv in zip(toks1, kv1):  # replication 1: p2's blocks are misses, the rest load
+        got = one.load(t)
+        if one.keys(t)[0] in lost_keys:
+            assert got.shape[3] == 0
+        else:
+            assert torch.equal(got, kv)
+    # The surviving replicas are copied again in the background.
+    two_keys = [two.keys(t)[0] for t in toks2]
+
+    def replicated() -> bool:
+        copies = cm._lookup(two_keys)
+        return all(sum(c.tier is Tier.POOL for c in cs) >= 2 for cs in copies)
+
+    assert until(replicated), "the pool did not re-replicate after losing a node"
+
+    # p2 comes back with its disk: what it held is found again.
+    labels["p2"] = cluster.add_node(num_cpus=0, labels={"cmx.io/pool": "p2"})
+    cluster.wait_for_nodes()
+    reconcile()
+    lost_toks = [(t, kv) for t, kv in zip(toks1, kv1) if one.keys(t)[0] in lost_keys]
+    assert until(lambda: all(one.lookup(t).num_tokens == T for t, _ in lost_toks))
+    for t, kv in lost_toks:
+        assert torch.equal(one.load(t), kv)

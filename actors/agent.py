@@ -24,55 +24,35 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
+
+from cmx.actors.agent_demote import Demotion
+from cmx.actors.agent_peers import PeerServing
+from cmx.actors.agent_pool import PoolWrites
 from cmx.actors.arena_tier import ArenaInfo, Grant, Pinned
 from cmx.actors.directory import Copy
 from cmx.actors.links import actor_name
 from cmx.actors.nvme_io import Extent, NvmeIo
 from cmx.actors.scheduler import Priority, Scheduler
-from cmx.actors.transport import Move, PeerInfo, Region, TransferError, make_transport
-from cmx.actors.wire import Offer, Staged
-
+from cmx.actors.transport import Move, PeerInfo, TransferError, make_transport
+from cmx.actors.wire import Loaded, LoadResult, Staged
 from cmx.checksum import checksum
 from cmx.config import ServiceConfig
 from cmx.errors import CmxError, UnavailableError
 from cmx.keys import BlockHash
 from cmx.metrics import Histogram
 from cmx.policies.admission import make_admission
-from cmx.policies.rendezvous import owners
 from cmx.storage.arena import SharedArena
-from cmx.storage.nvme.chunks import block_sums
 from cmx.tiers import Tier
 
 __all__ = ["LoadResult", "Loaded", "OffloadAgent"]
 
 log = logging.getLogger(__name__)
 
-POOL_REFRESH_S = 2.0  # how long a view of the pool's membership is reused
 
 
-@dataclass(frozen=True)
-class Loaded:
-    """A block now pinned in this node's HBM arena, and where it came from."""
-
-    key: BlockHash
-    slot: int
-    size: int
-    source_tier: Tier
-    source_node: str
-    via: str  # "local", "nvme", or the transport's name
-    checksum: int = 0
-
-
-@dataclass(frozen=True)
-class LoadResult:
-    arena: str  # the HBM arena the slots are in
-    blocks: list[Loaded]  # the loaded prefix, pinned until ``release``
-
-
-class OffloadAgent:
+class OffloadAgent(PeerServing, Demotion, PoolWrites):
     def __init__(self, node: str, config: ServiceConfig, link: object) -> None:
         self.node = node
         self.config = config
@@ -301,218 +281,6 @@ class OffloadAgent:
                 except UnavailableError:
                     pass  # the peer restarted: its pins went with it
 
-    # -- serving peers -------------------------------------------------------------------------
-
-    def stage(self, keys: Sequence[BlockHash]) -> list[Staged | None]:
-        """Pin each block in a memory arena here, promoting NVMe blocks into DRAM."""
-        start_time = time.perf_counter()
-        out: list[Staged | None] = [None] * len(keys)
-        todo = list(range(len(keys)))
-        for tier in (Tier.HBM, Tier.DRAM):
-            if not todo:
-                break
-            info, _ = self._arenas[tier]
-            pins = self._call(tier, "pin", [keys[i] for i in todo])
-            for i, p in zip(list(todo), pins):
-                if p is not None:
-                    out[i] = Staged(keys[i], tier, info.arena, p.slot, p.size,
-                                    p.checksum or 0, tier)
-                    todo.remove(i)
-        if todo:
-            for i, s in self._promote([keys[i] for i in todo]).items():
-                out[todo[i]] = s
-        self.latency["stage"].observe(time.perf_counter() - start_time)
-        return out
-
-    def unstage(self, staged: Sequence[Staged]) -> None:
-        by_tier: dict[Tier, list[BlockHash]] = {}
-        for s in staged:
-            by_tier.setdefault(s.tier, []).append(s.key)
-        for tier, keys in by_tier.items():
-            self._call(tier, "unpin", keys)
-
-    def _promote(self, keys: list[BlockHash]) -> dict[int, Staged]:
-        """NVMe -> DRAM for blocks a peer wants; each returned block is pinned in DRAM."""
-        pins = self._call(Tier.NVME, "pin", keys)
-        present = [(i, p) for i, p in enumerate(pins) if p is not None]
-        try:
-            grants = self._call(Tier.DRAM, "reserve", [(keys[i], None) for i, _ in present])
-            self._demote_victims(Tier.DRAM, grants)
-            info, dram = self._arenas[Tier.DRAM]
-            ok: list[tuple[int, Pinned, Grant]] = []
-            for (i, p), g in zip(present, grants):
-                if g is None:
-                    continue
-                dst = dram.slot_view(g.slot)
-                if self.scheduler.submit(
-                    Priority.LOAD, lambda p=p, dst=dst: self._read_local(Tier.NVME, p, dst)
-                ).result():
-                    ok.append((i, p, g))
-                else:
-                    self._call(Tier.DRAM, "abort", [g.key])
-            self._call(Tier.DRAM, "commit", [(g.key, p.size, p.checksum) for _, p, g in ok])
-            self.moved["nvme->dram"] += sum(p.size for _, p, _ in ok)
-            self.moved_via["nvme"] += sum(p.size for _, p, _ in ok)
-            repinned = self._call(Tier.DRAM, "pin", [g.key for _, _, g in ok])
-            return {
-                i: Staged(g.key, Tier.DRAM, info.arena, rp.slot, rp.size, rp.checksum or 0,
-                          Tier.NVME)
-                for (i, _, g), rp in zip(ok, repinned) if rp is not None
-            }
-        finally:
-            self._call(Tier.NVME, "unpin", [p.key for _, p in present])
-
-    def read_slots(self, slots: Sequence[tuple[str, int]]) -> list[np.ndarray]:
-        """The fallback transport's server side: copies of whole slots of local arenas."""
-        arenas = {info.arena: arena for info, arena in self._arenas.values()}
-        missing = {region for region, _ in slots} - arenas.keys()
-        if missing:
-            raise UnavailableError(f"no region {sorted(missing)} here")
-        return [arenas[region].slot_view(slot).copy() for region, slot in slots]
-
-    def peer_info(self) -> PeerInfo:
-        return self.transport.info()
-
-    # -- demotion ------------------------------------------------------------------------------
-
-    def _demote_victims(self, tier: Tier, grants: Sequence[Grant | None]) -> None:
-        """Move blocks evicted from ``tier`` one tier down before their slots are rewritten."""
-        victims = [g for g in grants if g is not None and g.victim is not None]
-        if not victims:
-            return
-        if tier is Tier.HBM:
-            self._demote_to_dram(victims)
-        elif tier is Tier.DRAM:
-            items = [(g.victim.key, g.victim.size, g.victim.checksum) for g in victims]  # type: ignore[union-attr]
-            parents = {g.victim.key: g.victim.parent for g in victims}  # type: ignore[union-attr]
-            self._write_nvme(Tier.DRAM, items, parents, slots=[g.slot for g in victims])
-
-    def _demote_to_dram(self, victims: list[Grant]) -> None:
-        keys = [g.victim.key for g in victims]  # type: ignore[union-attr]
-        have = self._call(Tier.DRAM, "contains", keys)
-        todo = [g for g, h in zip(victims, have) if not h]
-        if not todo:
-            return
-        grants = self._call(
-            Tier.DRAM, "reserve", [(g.victim.key, g.victim.parent) for g in todo]  # type: ignore[union-attr]
-        )
-        self._demote_victims(Tier.DRAM, grants)
-        _, hbm = self._arenas[Tier.HBM]
-        _, dram = self._arenas[Tier.DRAM]
-        commits = []
-        for src, dst in zip(todo, grants):
-            if dst is None:
-                continue
-            v = src.victim
-            np.copyto(dram.slot_view(dst.slot)[: v.size], hbm.slot_view(src.slot)[: v.size])  # type: ignore[union-attr]
-            commits.append((v.key, v.size, v.checksum))  # type: ignore[union-attr]
-            self.moved["hbm->dram"] += v.size  # type: ignore[union-attr]
-            self.moved_via["local"] += v.size  # type: ignore[union-attr]
-        self._call(Tier.DRAM, "commit", commits)
-
-    def _write_nvme(
-        self, tier: Tier, items: Sequence[tuple[BlockHash, int, int | None]],
-        parents: dict[BlockHash, BlockHash | None], slots: Sequence[int] | None = None,
-    ) -> None:
-        """Write blocks of ``tier``'s arena to NVMe (slots given, or pinned by key)."""
-        if not items:
-            return
-        extents = self._call(
-            Tier.NVME, "reserve", [(k, parents.get(k), n) for k, n, _ in items]
-        )
-        _, arena = self._arenas[tier]
-        if slots is None:
-            pins = self._call(tier, "pin", [k for k, _, _ in items])
-            slot_of = [p.slot if p is not None else None for p in pins]
-        else:
-            pins, slot_of = None, list(slots)
-        try:
-            futures = []
-            for (key, size, csum), ext, slot in zip(items, extents, slot_of):
-                if ext is None or slot is None:
-                    continue
-                src = arena.slot_view(slot)
-                futures.append((key, size, csum, src, self.scheduler.submit(
-                    Priority.DEMOTE, lambda ext=ext, src=src: self.nvme.write(ext, src))))
-            commits = []
-            for key, size, csum, src, fut in futures:
-                fut.result()
-                whole, chunk_sums = block_sums(src[:size])
-                if csum is not None and csum != whole:
-                    log.warning("block %s changed in %s; not demoted", key.hex()[:12], tier.value)
-                    continue
-                commits.append((key, size, whole, chunk_sums))
-            self._call(Tier.NVME, "commit", commits)
-            self.moved[f"{tier.value}->nvme"] += sum(c[1] for c in commits)
-            self.moved_via["nvme"] += sum(c[1] for c in commits)
-        finally:
-            if pins is not None:
-                self._call(tier, "unpin", [p.key for p in pins if p is not None])
-
-    # -- the pool ------------------------------------------------------------------------------
-
-    def _admit(self, key: BlockHash) -> bool:
-        self.pool_admission.record(key)
-        return self.pool_admission.admit(key)
-
-    def _pool_members(self) -> list[str]:
-        now = time.monotonic()
-        if now - self._pool_checked > POOL_REFRESH_S:
-            try:
-                self._pool = list(self.link.call("cmx:controller", "pool_members"))  # type: ignore[attr-defined]
-            except UnavailableError:
-                pass  # keep the last membership we saw
-            self._pool_checked = now
-        return self._pool
-
-    def _pool_write(
-        self, keys: Sequence[BlockHash], parents: dict[BlockHash, BlockHash | None],
-        replicas: int,
-    ) -> int:
-        """Have each block's pool owners pull it from this node's DRAM; returns copies made."""
-        members = self._pool_members()
-        if not members or not keys:
-            return 0
-        info, _ = self._arenas[Tier.DRAM]
-        pins: list[Pinned | None] = self._call(Tier.DRAM, "pin", list(keys))
-        try:
-            by_owner: dict[str, list[Offer]] = {}
-            for key, p in zip(keys, pins):
-                if p is None:
-                    continue
-                offer = Offer(key, parents.get(key), info.arena, p.slot, p.size, p.checksum or 0)
-                for owner in owners(key, members, replicas):
-                    by_owner.setdefault(owner, []).append(offer)
-            made = 0
-            me = actor_name("agent", self.node)
-            for owner, offers in by_owner.items():
-                try:
-                    n = int(self.link.call(  # type: ignore[attr-defined]
-                        actor_name("pool", owner), "ingest", me, offers,
-                        timeout_s=self.config.load_timeout_s,
-                    ))
-                except (UnavailableError, CmxError) as exc:
-                    log.warning("pool write to %s failed: %s", owner[:8], exc)
-                    continue
-                made += n
-                self.moved["dram->pool"] += sum(o.size for o in offers[:n])
-                self.moved_via[self.transport.name] += sum(o.size for o in offers[:n])
-            return made
-        finally:
-            self._call(Tier.DRAM, "unpin", [p.key for p in pins if p is not None])
-
-    def _pool_later(self, loaded: Sequence[Loaded], copies: Sequence[Sequence[Copy]]) -> None:
-        """Blocks reused often enough and not yet pooled go to the pool in the background."""
-        if not self._pool_members():
-            return
-        todo = [b.key for b, c in zip(loaded, copies)
-                if self._admit(b.key) and not any(x.tier is Tier.POOL for x in c)]
-        if todo:
-            self.scheduler.submit(
-                Priority.DEMOTE,
-                lambda: self._pool_write(todo, {}, self.config.pool_replication),
-            )
-
     # -- plumbing ------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, object]:
@@ -533,28 +301,6 @@ class OffloadAgent:
             "nvme_io": self.nvme.stats(),
         }
 
-    def _call(self, tier: Tier, method: str, *args: object) -> object:
-        result = self.link.call(actor_name(tier.value, self.node), method, *args)  # type: ignore[attr-defined]
-        self._check_epoch(tier, result)
-        return result
-
-    def _check_epoch(self, tier: Tier, result: object) -> None:
-        """A tier that restarted has a new arena: re-attach before using its slots."""
-        if tier not in self._arenas or not isinstance(result, list):
-            return
-        epochs = {getattr(r, "epoch", None) for r in result} - {None}
-        if epochs and epochs != {self._arenas[tier][0].epoch}:
-            self._attach(tier)
-
-    def _attach(self, tier: Tier) -> None:
-        info: ArenaInfo = self.link.call(actor_name(tier.value, self.node), "info")  # type: ignore[attr-defined]
-        arena = SharedArena.attach(info.arena)
-        self._arenas[tier] = (info, arena)
-        self.transport.register(
-            Region(info.arena, arena.buffer.ctypes.data, info.slot_bytes, info.num_slots),
-            arena.buffer,
-        )
-
     def _sources(self, copies: Sequence[Copy]) -> list[tuple[Tier, str]]:
         """Where to look for a block, fastest first: this node's DRAM and NVMe, then the
         other nodes' copies, memory before NVMe, and the pool last."""
@@ -564,12 +310,6 @@ class OffloadAgent:
             key=lambda s: s[0].rank,
         )
         return local + remote
-
-    def _peer(self, actor: str, refresh: bool = False) -> PeerInfo:
-        info = None if refresh else self._peers.get(actor)
-        if info is None:
-            info = self._peers[actor] = self.link.call(actor, "peer_info")  # type: ignore[attr-defined]
-        return info
 
     def _fetch_from_peer(self, peer_agent: str, slots: list[tuple[str, int]]) -> list[np.ndarray]:
         actor = next(a for a, p in self._peers.items() if p.agent == peer_agent)

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 from cmx.actors.directory import Entry, Source
 from cmx.actors.events import EventPublisher
-
 from cmx.errors import BlockStateError, StoreFullError
 from cmx.keys import BlockHash
 from cmx.storage.base import EventKind, StoreEvent

@@ -16,7 +16,6 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 
 from cmx.actors.directory import ApplyResult, Entry, Source, shard_of
-
 from cmx.storage.base import EventKind, StoreEvent
 
 __all__ = ["EventPublisher"]

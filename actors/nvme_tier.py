@@ -21,7 +21,6 @@ from collections.abc import Sequence
 from cmx.actors.directory import Entry, Source
 from cmx.actors.events import EventPublisher
 from cmx.actors.nvme_io import Extent
-
 from cmx.errors import BlockStateError
 from cmx.keys import BlockHash
 from cmx.storage.nvme.extents import ExtentStore, PendingExtent

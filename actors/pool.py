@@ -20,6 +20,7 @@ import logging
 import threading
 import uuid
 from collections.abc import Sequence
+
 from cmx.actors.directory import Entry, Source
 from cmx.actors.events import EventPublisher
 from cmx.actors.nvme_io import Extent, NvmeIo

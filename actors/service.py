@@ -17,14 +17,14 @@ import time
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
 from cmx.actors.agent import OffloadAgent
 from cmx.actors.arena_tier import ArenaTierService
 from cmx.actors.directory import DirectoryShard, Source
 from cmx.actors.links import RAY_NAMESPACE, RayLink, actor_name
 from cmx.actors.nvme_tier import NvmeTierService
 from cmx.actors.pool import PoolNodeService
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
 from cmx.config import ServiceConfig
 from cmx.errors import UnavailableError
 from cmx.tiers import Tier

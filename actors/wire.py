@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from cmx.keys import BlockHash
 from cmx.tiers import Tier
 
-__all__ = ["Offer", "Staged"]
+__all__ = ["LoadResult", "Loaded", "Offer", "Staged"]
 
 
 @dataclass(frozen=True)
@@ -33,3 +33,22 @@ class Offer:
     slot: int
     size: int
     checksum: int
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A block now pinned in this node's HBM arena, and where it came from."""
+
+    key: BlockHash
+    slot: int
+    size: int
+    source_tier: Tier
+    source_node: str
+    via: str  # "local", "nvme", or the transport's name
+    checksum: int = 0
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    arena: str  # the HBM arena the slots are in
+    blocks: list[Loaded]  # the loaded prefix, pinned until ``release``

@@ -28,7 +28,7 @@ class ServiceConfig:
     eviction: str = "lru"  # eviction policy of every tier ("lru", "s3fifo")
     placement: str = "write_back"  # "write_back" (NVMe on DRAM eviction) or "write_through"
     nvme_admission_min_count: int = 1  # times a block must be seen before it goes to NVMe
-    pool_label: str = "cmx.io/pool"  # node label of pool (G4) storage nodes; its value names the disk
+    pool_label: str = "cmx.io/pool"  # label of pool (G4) storage nodes; its value names the disk
     pool_bytes: int = 16 * GiB  # per pool node, segment files under nvme_dir/pool-<label value>
     pool_replication: int = 2  # owners of a pooled block (fewer if fewer pool nodes)
     pool_admission_min_count: int = 2  # times a block is seen (stored or loaded) before pooling

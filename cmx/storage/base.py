@@ -134,7 +134,7 @@ class BlockStore(ABC):
     @abstractmethod
     def check_integrity(self) -> None: ...
 
-    def flush(self) -> None:
+    def flush(self) -> None:  # noqa: B027 - a no-op where writes are durable at once
         """Return once every block put before the call is durable."""
 
     @abstractmethod

@@ -6,13 +6,12 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from plane import Plane, make_plane
 
 from cmx.config import ServiceConfig
 from cmx.keys import Namespace, chain_keys
 from cmx.layout import KVLayout
 from cmx.tiers import Tier
-
-from plane import Plane, make_plane
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16", block_tokens=16)
 BLOCK = LAYOUT.block_bytes  # 8 KiB
@@ -103,7 +102,8 @@ def test_corrupt_nvme_block_is_a_miss_and_quarantined(plane: Plane) -> None:
     keys, payload = blocks(12, seed=4)
     store(plane, "node-a", keys, payload)
     nvme = plane.tiers[("node-a", Tier.NVME)]
-    victim = next(k for k in keys if k in nvme.store and k not in plane.tiers[("node-a", Tier.DRAM)].store)
+    dram = plane.tiers[("node-a", Tier.DRAM)].store
+    victim = next(k for k in keys if k in nvme.store and k not in dram)
     entry = nvme.store.locate(victim)
     with open(nvme.store.segment_path(entry.seg), "r+b") as f:
         f.seek(entry.offset + 100)

@@ -6,7 +6,6 @@ import threading
 
 from cmx.actors.directory import ApplyResult, Copy, DirectoryShard, Entry, Source, shard_of
 from cmx.actors.events import EventPublisher
-
 from cmx.storage.base import EventKind, StoreEvent
 from cmx.tiers import Tier
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+
 from cmx.actors.scheduler import BusyError, Priority, Scheduler
 
 

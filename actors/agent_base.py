@@ -1,0 +1,68 @@
+"""What the offload agent's parts share: its state and the plumbing every part calls.
+
+The agent is split by concern (``agent.py`` stores and loads, ``agent_peers.py`` serves other
+nodes, ``agent_demote.py`` moves evicted blocks down, ``agent_pool.py`` writes to the pool);
+each part is a mixin over this base, which holds the state and the calls into the tiers.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from cmx.actors.arena_tier import ArenaInfo
+from cmx.actors.links import actor_name
+from cmx.actors.nvme_io import NvmeIo
+from cmx.actors.scheduler import Scheduler
+from cmx.actors.transport import PeerInfo, Region, Transport
+from cmx.config import ServiceConfig
+from cmx.metrics import Histogram
+from cmx.policies.admission import AdmissionPolicy
+from cmx.storage.arena import SharedArena
+from cmx.tiers import Tier
+
+__all__ = ["AgentBase"]
+
+
+class AgentBase:
+    node: str
+    name: str
+    config: ServiceConfig
+    link: Any
+    scheduler: Scheduler
+    transport: Transport
+    nvme: NvmeIo
+    pool_admission: AdmissionPolicy
+    moved: Counter[str]  # "src->dst" -> bytes
+    moved_via: Counter[str]  # transport, "local" or "nvme" -> bytes
+    latency: dict[str, Histogram]
+    _arenas: dict[Tier, tuple[ArenaInfo, SharedArena]]
+    _peers: dict[str, PeerInfo]  # actor name -> what it published
+
+    def _call(self, tier: Tier, method: str, *args: object) -> Any:
+        result = self.link.call(actor_name(tier.value, self.node), method, *args)
+        self._check_epoch(tier, result)
+        return result
+
+    def _check_epoch(self, tier: Tier, result: object) -> None:
+        """A tier that restarted has a new arena: re-attach before using its slots."""
+        if tier not in self._arenas or not isinstance(result, list):
+            return
+        epochs = {getattr(r, "epoch", None) for r in result} - {None}
+        if epochs and epochs != {self._arenas[tier][0].epoch}:
+            self._attach(tier)
+
+    def _attach(self, tier: Tier) -> None:
+        info: ArenaInfo = self.link.call(actor_name(tier.value, self.node), "info")
+        arena = SharedArena.attach(info.arena)
+        self._arenas[tier] = (info, arena)
+        self.transport.register(
+            Region(info.arena, arena.buffer.ctypes.data, info.slot_bytes, info.num_slots),
+            arena.buffer,
+        )
+
+    def _peer(self, actor: str, refresh: bool = False) -> PeerInfo:
+        info = None if refresh else self._peers.get(actor)
+        if info is None:
+            info = self._peers[actor] = self.link.call(actor, "peer_info")
+        return info

@@ -1,0 +1,92 @@
+"""The agent writing blocks to the pool (G4): each block's owners pull it from DRAM here."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from cmx.actors.agent_base import AgentBase
+from cmx.actors.arena_tier import Pinned
+from cmx.actors.directory import Copy
+from cmx.actors.links import actor_name
+from cmx.actors.scheduler import Priority
+from cmx.actors.wire import Loaded, Offer
+from cmx.errors import CmxError, UnavailableError
+from cmx.keys import BlockHash
+from cmx.policies.rendezvous import owners
+from cmx.tiers import Tier
+
+__all__ = ["PoolWrites"]
+
+log = logging.getLogger(__name__)
+
+POOL_REFRESH_S = 2.0  # how long a view of the pool's membership is reused
+
+
+class PoolWrites(AgentBase):
+    _pool: list[str]
+    _pool_checked: float
+
+    def _admit(self, key: BlockHash) -> bool:
+        self.pool_admission.record(key)
+        return self.pool_admission.admit(key)
+
+    def _pool_members(self) -> list[str]:
+        now = time.monotonic()
+        if now - self._pool_checked > POOL_REFRESH_S:
+            try:
+                self._pool = list(self.link.call("cmx:controller", "pool_members"))  # type: ignore[attr-defined]
+            except UnavailableError:
+                pass  # keep the last membership we saw
+            self._pool_checked = now
+        return self._pool
+
+    def _pool_write(
+        self, keys: Sequence[BlockHash], parents: dict[BlockHash, BlockHash | None],
+        replicas: int,
+    ) -> int:
+        """Have each block's pool owners pull it from this node's DRAM; returns copies made."""
+        members = self._pool_members()
+        if not members or not keys:
+            return 0
+        info, _ = self._arenas[Tier.DRAM]
+        pins: list[Pinned | None] = self._call(Tier.DRAM, "pin", list(keys))
+        try:
+            by_owner: dict[str, list[Offer]] = {}
+            for key, p in zip(keys, pins):
+                if p is None:
+                    continue
+                offer = Offer(key, parents.get(key), info.arena, p.slot, p.size, p.checksum or 0)
+                for owner in owners(key, members, replicas):
+                    by_owner.setdefault(owner, []).append(offer)
+            made = 0
+            me = actor_name("agent", self.node)
+            for owner, offers in by_owner.items():
+                try:
+                    n = int(self.link.call(  # type: ignore[attr-defined]
+                        actor_name("pool", owner), "ingest", me, offers,
+                        timeout_s=self.config.load_timeout_s,
+                    ))
+                except (UnavailableError, CmxError) as exc:
+                    log.warning("pool write to %s failed: %s", owner[:8], exc)
+                    continue
+                made += n
+                self.moved["dram->pool"] += sum(o.size for o in offers[:n])
+                self.moved_via[self.transport.name] += sum(o.size for o in offers[:n])
+            return made
+        finally:
+            self._call(Tier.DRAM, "unpin", [p.key for p in pins if p is not None])
+
+    def _pool_later(self, loaded: Sequence[Loaded], copies: Sequence[Sequence[Copy]]) -> None:
+        """Blocks reused often enough and not yet pooled go to the pool in the background."""
+        if not self._pool_members():
+            return
+        todo = [b.key for b, c in zip(loaded, copies)
+                if self._admit(b.key) and not any(x.tier is Tier.POOL for x in c)]
+        if todo:
+            self.scheduler.submit(
+                Priority.DEMOTE,
+                lambda: self._pool_write(todo, {}, self.config.pool_replication),
+            )
+

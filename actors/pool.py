@@ -172,6 +172,16 @@ class PoolNodeService:
             if key in self.store:
                 self.store.unpin(key)
 
+    def drop_staging(self) -> int:
+        """Empty the staging cache of unpinned blocks (cold reads in benchmarks)."""
+        return sum(1 for key in list(self.staging.keys()) if self._drop_staged(key))
+
+    def _drop_staged(self, key: BlockHash) -> bool:
+        try:
+            return self.staging.delete(key)
+        except BlockStateError:
+            return False  # pinned by a reader
+
     def read_slots(self, slots: Sequence[tuple[str, int]]) -> list[object]:
         arena = self.staging.arena
         return [arena.slot_view(slot).copy() for region, slot in slots if region == arena.name]

@@ -263,25 +263,35 @@ class NamespaceClient:
     def keys(self, token_ids: object) -> list[BlockHash]:
         return chain_keys(self.namespace.digest, token_ids, self.layout.block_tokens)
 
-    def store(self, token_ids: object, kv: Any) -> StoreHandle:
-        """Hand the full blocks of ``kv`` to this node's agent; returns at once."""
+    def store(self, token_ids: object, kv: Any, start: int = 0) -> StoreHandle:
+        """Hand the full blocks of ``kv`` to this node's agent; returns at once.
+
+        ``kv`` holds the KV of ``token_ids[start:]``; ``start`` is a multiple of the block
+        size, so an engine that already stored a prefix hands over only what is new.
+        """
         import ray
         import torch
 
+        T = self.layout.block_tokens
+        if start < 0 or start % T:
+            raise LayoutMismatchError(f"start {start} is not a multiple of {T} tokens")
         keys = self.keys(token_ids)
+        first = start // T
         self.layout.check_kv(kv)
-        if kv.shape[3] < len(keys) * self.layout.block_tokens:
+        if first > len(keys) or kv.shape[3] < (len(keys) - first) * T:
             raise LayoutMismatchError(
-                f"kv holds {kv.shape[3]} tokens, token_ids {len(keys) * self.layout.block_tokens}"
+                f"kv holds {kv.shape[3]} tokens from {start}; token_ids have "
+                f"{len(keys) * T} in full blocks"
             )
-        if not keys:
+        if first >= len(keys):
             return StoreHandle(None, 0, self.cm.config.call_timeout_s)
-        payloads = self.layout.split_blocks(kv[:, :, :, : len(keys) * self.layout.block_tokens])
+        new = keys[first:]
+        payloads = self.layout.split_blocks(kv[:, :, :, : len(new) * T])
         payload = torch.cat(payloads).numpy()
-        parents = [None, *keys[:-1]]
-        ref = self.cm.link.submit(actor_name("agent", self.cm.node_id), "store", keys, parents,
+        parents = [keys[first - 1] if first else None, *new[:-1]]
+        ref = self.cm.link.submit(actor_name("agent", self.cm.node_id), "store", new, parents,
                                   ray.put(payload), self.namespace.id, self.replication)
-        return StoreHandle(ref, len(keys), self.cm.config.load_timeout_s)
+        return StoreHandle(ref, len(new), self.cm.config.load_timeout_s)
 
     def lookup(self, token_ids: object) -> Match:
         keys = self.keys(token_ids)

@@ -9,6 +9,8 @@ here. Every figure is a ratio to a baseline measured in the same run (see ``core
     raw      "limits": fio O_DIRECT matrix and memcpy; the baselines other suites call
     storage  "nvme", "dram": NvmeStore and DramStore bandwidth against fio and memcpy
     slices   "slices": one KV head as 512-byte pieces, served by NvmeStore.read_runs
+    service  "transfer", "directory", "pool": the service on a local multi-node Ray cluster
+    cluster  that cluster
     report   JSON, markdown, plots, docs/BENCHMARKS.md
     runner   runs suites in order and collects a BenchReport
 """
@@ -25,4 +27,7 @@ SUITES: dict[str, str] = {
     "nvme": "cmx.bench.storage:run_nvme",
     "dram": "cmx.bench.storage:run_dram",
     "slices": "cmx.bench.slices:run_slices",
+    "transfer": "cmx.bench.service:run_transfer",
+    "directory": "cmx.bench.service:run_directory",
+    "pool": "cmx.bench.service:run_pool",
 }

@@ -20,6 +20,7 @@ checksum, and every mover verifies it.
 from __future__ import annotations
 
 import enum
+import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -78,9 +79,9 @@ class DirectoryShard:
         self._cursor: dict[Source, tuple[str, int]] = {}  # source -> (epoch, last seq)
         self._namespaces: list[str] = [""]  # namespace index -> id; 0 is "unknown"
         self._ns_index: dict[str, int] = {"": 0}
-        # key -> (size, checksum, source indices holding it, namespace index): a small tuple
-        # per block, with sources and namespaces interned.
-        self._blocks: dict[bytes, tuple[int, int, tuple[int, ...], int]] = {}
+        # key -> packed record (see _pack): one small bytes object per block, sources and
+        # namespaces interned as uint16 indices, so a block costs ~200 bytes of index.
+        self._blocks: dict[bytes, bytes] = {}
         self.resyncs = 0
         self.lookups = 0
 
@@ -118,7 +119,7 @@ class DirectoryShard:
         if idx is None:
             return 0
         dropped = 0
-        for key in [k for k, (_, _, srcs, _) in self._blocks.items() if idx in srcs]:
+        for key in [k for k, v in self._blocks.items() if idx in _unpack(v)[2]]:
             self._remove(idx, key)
             dropped += 1
         return dropped
@@ -133,7 +134,7 @@ class DirectoryShard:
             if found is None:
                 out.append([])
                 continue
-            size, csum, srcs, _ = found
+            size, csum, srcs, _ = _unpack(found)
             out.append(
                 [Copy(self._sources[i].tier, self._sources[i].node, size, csum) for i in srcs]
             )
@@ -144,7 +145,7 @@ class DirectoryShard:
         idx = self._ns_index.get(namespace)
         if not idx:
             return []
-        keys = [k for k, v in self._blocks.items() if v[3] == idx]
+        keys = [k for k, v in self._blocks.items() if _unpack(v)[3] == idx]
         return list(zip(keys, self.lookup(keys)))
 
     def pool_replicas(self, want: int) -> dict[str, int]:
@@ -152,7 +153,8 @@ class DirectoryShard:
         pooled = under = 0
         pool_sources = {i for i, s in enumerate(self._sources) if s.tier is Tier.POOL}
         if pool_sources:
-            for _, _, srcs, _ in self._blocks.values():
+            for record in self._blocks.values():
+                srcs = _unpack(record)[2]
                 n = sum(1 for i in srcs if i in pool_sources)
                 if n:
                     pooled += 1
@@ -169,14 +171,15 @@ class DirectoryShard:
         return {
             "shard": self.shard_id,
             "blocks": len(self._blocks),
-            "copies": sum(len(v[2]) for v in self._blocks.values()),
+            "copies": sum(len(_unpack(v)[2]) for v in self._blocks.values()),
             "sources": len(self._cursor),
             "resyncs": self.resyncs,
             "lookups": self.lookups,
         }
 
     def check_integrity(self) -> None:
-        for key, (size, _, srcs, _) in self._blocks.items():
+        for key, record in self._blocks.items():
+            size, _, srcs, _ = _unpack(record)
             if not srcs:
                 raise AssertionError(f"{key.hex()[:12]} is listed with no copies")
             if len(set(srcs)) != len(srcs):
@@ -196,22 +199,42 @@ class DirectoryShard:
 
     def _add(self, idx: int, entry: Entry) -> None:
         ns = self._ns_index.get(entry.namespace)
-        if ns is None:
+        if ns is None and len(self._namespaces) < 0xFFFF:
             ns = self._ns_index[entry.namespace] = len(self._namespaces)
             self._namespaces.append(entry.namespace)
-        found = self._blocks.get(entry.key)
-        if found is None:
-            self._blocks[entry.key] = (entry.size, entry.checksum, (idx,), ns)
-        elif idx not in found[2] or (ns and not found[3]):
-            srcs = found[2] if idx in found[2] else (*found[2], idx)
-            self._blocks[entry.key] = (found[0], found[1], srcs, found[3] or ns)
+        ns = ns or 0  # past 65,535 namespaces a shard stops tagging new ones
+        record = self._blocks.get(entry.key)
+        if record is None:
+            self._blocks[entry.key] = _pack(entry.size, entry.checksum, (idx,), ns)
+            return
+        size, csum, srcs, old_ns = _unpack(record)
+        if idx not in srcs or (ns and not old_ns):
+            srcs = srcs if idx in srcs else (*srcs, idx)
+            self._blocks[entry.key] = _pack(size, csum, srcs, old_ns or ns)
 
     def _remove(self, idx: int, key: bytes) -> None:
-        found = self._blocks.get(key)
-        if found is None or idx not in found[2]:
+        record = self._blocks.get(key)
+        if record is None:
             return
-        rest = tuple(i for i in found[2] if i != idx)
+        size, csum, srcs, ns = _unpack(record)
+        if idx not in srcs:
+            return
+        rest = tuple(i for i in srcs if i != idx)
         if rest:
-            self._blocks[key] = (found[0], found[1], rest, found[3])
+            self._blocks[key] = _pack(size, csum, rest, ns)
         else:
             del self._blocks[key]
+
+
+# A block's record: checksum u64, size u32, namespace index u16, then one u16 per source.
+_HEAD = struct.Struct("<QIH")
+
+
+def _pack(size: int, csum: int, srcs: tuple[int, ...], ns: int) -> bytes:
+    return _HEAD.pack(csum, size, ns) + struct.pack(f"<{len(srcs)}H", *srcs)
+
+
+def _unpack(record: bytes) -> tuple[int, int, tuple[int, ...], int]:
+    csum, size, ns = _HEAD.unpack_from(record)
+    n = (len(record) - _HEAD.size) // 2
+    return size, csum, struct.unpack_from(f"<{n}H", record, _HEAD.size), ns

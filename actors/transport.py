@@ -193,11 +193,14 @@ class NixlTransport(Transport):
                 handles.append(h)
             deadline = time.monotonic() + timeout_s
             for h in handles:
+                pause = 20e-6  # back off while polling: a spinning poller starves UCX's progress
                 while (state := self._nixl.check_xfer_state(h)) != "DONE":
                     if state == "ERR":
                         raise TransferError(f"transfer from {peer.agent} failed")
                     if time.monotonic() > deadline:
                         raise TransferError(f"transfer from {peer.agent} timed out")
+                    time.sleep(pause)
+                    pause = min(pause * 2, 1e-3)
         finally:
             for h in handles:
                 try:

@@ -125,3 +125,22 @@ def test_load_stops_at_the_first_block_no_one_has(plane: Plane) -> None:
     data, loaded = load(plane, "node-a", keys)
     assert len(loaded) == 2 and np.array_equal(data, payload[: 2 * BLOCK])
     check(plane)
+
+
+def test_fallback_transport_moves_the_same_bytes_and_says_so(tmp_path) -> None:
+    config = ServiceConfig(
+        block_bytes=BLOCK, hbm_bytes=4 * BLOCK, dram_bytes=8 * BLOCK, nvme_bytes=64 * BLOCK,
+        nvme_dir=str(tmp_path), nvme_segment_bytes=16 * BLOCK, transport="ray",
+    )
+    plane = make_plane(config)
+    try:
+        keys, payload = blocks(3, seed=6)
+        store(plane, "node-b", keys, payload)
+        data, loaded = load(plane, "node-a", keys)
+        assert np.array_equal(data, payload)
+        agent = plane.agents["node-a"]
+        assert agent.transport.name == "ray"
+        assert agent.moved_via["ray"] == 3 * BLOCK and "nixl-ucx" not in agent.moved_via
+        check(plane)
+    finally:
+        plane.close()

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +20,8 @@ from cmx.buffers import align_up
 from cmx.storage.nvme.io import IoEngine, make_io_engine
 
 __all__ = ["Extent", "NvmeIo"]
+
+MAX_OPEN_SEGMENTS = 64
 
 
 @dataclass(frozen=True)
@@ -33,30 +38,56 @@ class Extent:
 class NvmeIo:
     def __init__(self, engine: str = "auto", queue_depth: int = 16) -> None:
         self.engine: IoEngine = make_io_engine(engine, queue_depth=queue_depth)
-        self._fds: dict[str, int] = {}
+        # Open segment files, most recently used last. Bounded: a segment that compaction
+        # deleted keeps its disk space until its descriptor here is closed.
+        self._fds: OrderedDict[str, int] = OrderedDict()
+        self._users: dict[int, int] = {}  # descriptor -> I/Os using it now
         self._lock = threading.Lock()
         self.bytes_read = 0
         self.bytes_written = 0
 
     def read(self, ext: Extent, slot: np.ndarray) -> None:
         """Read the extent into the front of ``slot`` (a page-aligned arena slot)."""
-        self.engine.read([(self._fd(ext.path), ext.offset, _front(slot, ext.size))])
+        with self._open(ext.path) as fd:
+            self.engine.read([(fd, ext.offset, _front(slot, ext.size))])
         self.bytes_read += ext.size
 
     def write(self, ext: Extent, slot: np.ndarray) -> None:
         """Write the front of ``slot`` (a page-aligned arena slot) to the extent."""
-        self.engine.write([(self._fd(ext.path), ext.offset, _front(slot, ext.size))])
+        with self._open(ext.path) as fd:
+            self.engine.write([(fd, ext.offset, _front(slot, ext.size))])
         self.bytes_written += ext.size
 
-    def _fd(self, path: str) -> int:
+    @contextmanager
+    def _open(self, path: str) -> Iterator[int]:
+        """A descriptor of ``path`` held open for the duration of one I/O."""
         # Segment names are never reused, so a cached descriptor never points at another file.
         with self._lock:
             fd = self._fds.get(path)
             if fd is None:
-                fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+                fd = self._fds[path] = os.open(path, os.O_RDWR | os.O_DIRECT)
                 self.engine.register_file(fd)
-                self._fds[path] = fd
-            return fd
+            self._fds.move_to_end(path)
+            self._users[fd] = self._users.get(fd, 0) + 1
+        try:
+            yield fd
+        finally:
+            with self._lock:
+                self._users[fd] -= 1
+                if not self._users[fd]:
+                    del self._users[fd]
+                self._trim()
+
+    def _trim(self) -> None:
+        """Close the least recently used descriptors no I/O is using, down to the bound."""
+        for path in list(self._fds):
+            if len(self._fds) <= MAX_OPEN_SEGMENTS:
+                return
+            fd = self._fds[path]
+            if fd not in self._users:
+                del self._fds[path]
+                self.engine.unregister_file(fd)
+                os.close(fd)
 
     def stats(self) -> dict[str, object]:
         return {

@@ -109,7 +109,7 @@ class NvmeTierService:
             if not self.store.pin(key):
                 out.append(None)
                 continue
-            entry = self.store.locate(key)
+            entry = self.store.entry_of(key)
             if entry is None:
                 self.store.unpin(key)
                 out.append(None)
@@ -182,7 +182,7 @@ class NvmeTierService:
     def _holdings(self) -> list[Entry]:
         entries = []
         for key in self.store.keys():
-            entry = self.store.locate(key)
+            entry = self.store.entry_of(key)
             if entry is not None:
                 entries.append(Entry(key, True, entry.length, entry.checksum))
         return entries

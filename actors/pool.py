@@ -151,7 +151,7 @@ class PoolNodeService:
         if not self.store.pin(key):
             return False
         try:
-            entry = self.store.locate(key)
+            entry = self.store.entry_of(key)
             if entry is None:
                 return False
             try:
@@ -258,7 +258,7 @@ class PoolNodeService:
     def _holdings(self) -> list[Entry]:
         entries = []
         for key in self.store.keys():
-            entry = self.store.locate(key)
+            entry = self.store.entry_of(key)
             if entry is not None:
                 entries.append(Entry(key, True, entry.length, entry.checksum))
         return entries

@@ -78,7 +78,8 @@ class ExtentStore(NvmeStore):
         with self._op():
             self._finish_put(pending.key, pending.seg, extent_bytes(pending.size), None)
 
-    def locate(self, key: bytes) -> BlockEntry | None:
+    def entry_of(self, key: bytes) -> BlockEntry | None:
+        """The index entry of a committed block (segment id, offset, checksums), or None."""
         with self._op(), self._lock:
             return self._index.get(key)
 

@@ -104,7 +104,7 @@ def test_corrupt_nvme_block_is_a_miss_and_quarantined(plane: Plane) -> None:
     nvme = plane.tiers[("node-a", Tier.NVME)]
     dram = plane.tiers[("node-a", Tier.DRAM)].store
     victim = next(k for k in keys if k in nvme.store and k not in dram)
-    entry = nvme.store.locate(victim)
+    entry = nvme.store.entry_of(victim)
     with open(nvme.store.segment_path(entry.seg), "r+b") as f:
         f.seek(entry.offset + 100)
         byte = f.read(1)

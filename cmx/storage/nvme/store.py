@@ -76,6 +76,67 @@ class NvmeStore(SliceReadsMixin, NvmeCore):
                 self._finish_put(key, seg, extent_bytes(n), entry)
         return True
 
+    def put_many(
+        self, items: Sequence[tuple[bytes, Buffer, bytes | None]]
+    ) -> list[bool]:
+        """``put`` of every (key, data, parent), with the writes of all blocks in flight at once.
+
+        Page-aligned blocks go to the disk together (the engine keeps ``queue_depth`` I/Os in
+        flight across them); any other block is put on its own. Each block is readable once
+        this returns; a block whose write fails is not stored and its error is raised after
+        the others are settled. Returns, per item, whether it was stored (False: already there).
+        """
+        checked = []
+        for key, data, parent in items:
+            view = as_bytes_view(data)
+            if view.nbytes > self._block_bytes or extent_bytes(view.nbytes) > self._capacity:
+                raise BlockTooLargeError(
+                    f"block of {view.nbytes} bytes exceeds block_bytes {self._block_bytes} "
+                    f"or capacity {self._capacity}"
+                )
+            checked.append((check_key(key), view, None if parent is None else check_key(parent)))
+        done = [False] * len(checked)
+        direct = [i for i, (_, v, _) in enumerate(checked)
+                  if is_aligned(v) and v.nbytes % ALIGN == 0 and v.nbytes]
+        for i in sorted(set(range(len(checked))) - set(direct)):
+            done[i] = self.put(checked[i][0], checked[i][1], checked[i][2])
+        with self._op():
+            writes: list[tuple[int, Segment, int, IoBatch]] = []
+            failure: BaseException | None = None
+            try:
+                for i in direct:
+                    key, view, _ = checked[i]
+                    reserved = self._reserve(key, view.nbytes)
+                    if reserved is None:
+                        continue
+                    seg, offset = reserved
+                    try:
+                        batch = self._engine.submit_write([(seg.fd, offset, view)])
+                    except BaseException:
+                        self._finish_put(key, seg, view.nbytes, None)
+                        raise
+                    writes.append((i, seg, offset, batch))
+            finally:
+                for i, seg, offset, batch in writes:  # settle every write, even after a failure
+                    key, view, parent = checked[i]
+                    entry = None
+                    try:
+                        if failure is None:
+                            batch.wait_started()
+                            checksum, sums = self._sums(view)
+                        batch.wait()
+                        if failure is None:
+                            entry = BlockEntry(key, parent, seg.id, offset, view.nbytes,
+                                               checksum, sums)
+                    except BaseException as exc:
+                        failure = failure or exc
+                    finally:
+                        self._finish_put(key, seg, view.nbytes, entry)
+                        done[i] = entry is not None
+            if failure is not None:
+                raise failure
+        return done
+
     def _write_extent(self, view: np.ndarray, seg: Segment, offset: int) -> tuple[int, bytes]:
         """Write ``view`` padded to its extent at ``offset``; return its checksums.
 

@@ -15,6 +15,7 @@ Protocol, in call order (the agent is the only caller that writes):
 
 from __future__ import annotations
 
+import os
 import threading
 import uuid
 from collections.abc import Sequence
@@ -24,6 +25,7 @@ from cmx.actors.directory import Entry, Source
 from cmx.actors.events import EventPublisher
 from cmx.errors import BlockStateError, StoreFullError
 from cmx.keys import BlockHash
+from cmx.storage.arena import SHM_DIR
 from cmx.storage.base import EventKind, StoreEvent
 from cmx.storage.blocks import BlockMeta, Reservation
 from cmx.storage.dram import DramStore
@@ -85,6 +87,7 @@ class ArenaTierService:
         self.emulated = emulated
         self.epoch = uuid.uuid4().hex[:8]
         self._evicted: dict[int, Victim] = {}  # slot -> block evicted from it, until granted
+        _unlink_stale_arenas(f"cmx-{tier.value}-{node[:12]}-")
         self.store = DramStore(
             capacity_bytes,
             block_bytes,
@@ -241,3 +244,21 @@ class ArenaTierService:
                     Entry(key, True, ref.size, ref.checksum or 0, self._tags.get(key, ""))
                 )
         return entries
+
+
+def _unlink_stale_arenas(prefix: str) -> None:
+    """Remove arenas an earlier incarnation of this tier left behind (it was killed).
+
+    One tier of a kind runs per node, so every arena with this node's and kind's prefix is
+    from a dead process; a reader still mapping one keeps its mapping until it re-attaches.
+    """
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(prefix):
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+            except OSError:
+                pass

@@ -13,6 +13,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from cmx.bench import SUITES
+
 __all__ = ["app"]
 
 app = typer.Typer(
@@ -30,8 +32,8 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(code=2)
 
 
-@app.command()
-def demo(
+@app.command("demo-storage")
+def demo_storage(
     tokens: Annotated[int, typer.Option(help="Prompt prefix length (256-token blocks).")] = 24_576,
     workdir: Annotated[Path | None, typer.Option(
         "--dir", help="Work directory for the NVMe store (default: a new one in /var/tmp).",
@@ -63,7 +65,7 @@ def demo(
 @app.command()
 def bench(
     suites: Annotated[list[str] | None, typer.Argument(
-        help="Suites to run (default: all): limits, nvme, dram, slices.", show_default=False,
+        help=f"Suites to run (default: all): {', '.join(SUITES)}.", show_default=False,
     )] = None,
     workdir: Annotated[Path, typer.Option(
         "--dir", help="Scratch directory, on the filesystem under test.",
@@ -105,6 +107,17 @@ def bench(
     console.print(f"wrote {written.describe()}")
     if strict and any(f.verdict is Verdict.MISS for f in report.figures):
         raise typer.Exit(code=1)
+
+
+# up, status, lookup, block, evict, down
+from cmx.operate.cli import app as _operate  # noqa: E402 - mounted after this module's commands
+
+app.add_typer(_operate)
+
+# demo (the LLM workload, the main job), serve
+from cmx.deploy.cli import app as _deploy  # noqa: E402 - mounted after this module's commands
+
+app.add_typer(_deploy)
 
 
 def main() -> None:

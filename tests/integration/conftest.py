@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-
 from support import BLOCK
 
 from cmx.config import ServiceConfig
@@ -78,3 +77,21 @@ def nodes(cm: Any) -> tuple[str, str]:
     head = cm.node_id
     other = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != head]
     return head, other[0]
+
+
+@pytest.fixture(scope="session")
+def admin_api(cm: Any) -> Iterator[Any]:
+    """The admin API on a free loopback port over the session's service: ``.url``, ``.token``."""
+    from types import SimpleNamespace
+
+    from cmx.api.app import create_app
+    from cmx.api.backend import ServiceBackend
+    from cmx.api.ray_metrics import RayMetricsMirror
+    from cmx.api.server import ServerThread
+    from cmx.config import AdminConfig
+
+    admin = AdminConfig(token="integration-admin-token", sample_s=0.5, history_s=300.0)
+    app = create_app(lambda: ServiceBackend(cm), admin, mirror=RayMetricsMirror())
+    server = ServerThread(app, "127.0.0.1", 0).start()
+    yield SimpleNamespace(url=server.url, token=admin.token)
+    server.stop()

@@ -1,0 +1,223 @@
+"""``cmx up`` and ``cmx down``: the Ray head, the service, the admin API actor and the state file.
+
+up:   a cluster (the one at ``address``, or a local head started now if none answers there)
+      -> the service on it (``ensure_service``) -> the admin API actor on this node, with a
+      token (CMX_ADMIN_TOKEN, else the one recorded, else a new one) -> wait until it is ready
+      -> record the state.
+down: the admin API and the service actors -> the Ray head if ``up`` started it -> forget.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from cmx.config import AdminConfig, ServiceConfig
+from cmx.errors import CmxError
+from cmx.operate.client import AdminApiError, AdminClient
+from cmx.operate.local_ray import (
+    HeadOptions,
+    is_local,
+    is_our_head,
+    port_open,
+    split_address,
+    start_head,
+)
+from cmx.operate.local_ray import stop_head as stop_local_head
+from cmx.operate.state import ServiceState
+
+__all__ = ["DownResult", "UpOptions", "UpResult", "down", "up"]
+
+Step = Callable[[str], None]  # reports the step under way
+
+
+@dataclass(frozen=True)
+class UpOptions:
+    address: str | None  # a cluster's host:port or "auto"; None: 127.0.0.1:<head.port>
+    head: HeadOptions  # for a local head, if one must be started
+    admin: AdminConfig  # host, port, token (None: recorded or new), token_all, state_dir
+    service: ServiceConfig
+    ready_timeout_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class UpResult:
+    state: ServiceState
+    already_up: bool  # a healthy API was recorded: nothing was started
+
+
+@dataclass(frozen=True)
+class DownResult:
+    actors_stopped: int
+    ray_stopped: bool
+    had_state: bool
+
+
+def up(opts: UpOptions, step: Step = lambda s: None) -> UpResult:
+    path = opts.admin.state_path
+    prior = ServiceState.load(path)
+    step("looking for a running service")
+    if prior is not None and _ready(AdminClient(prior.admin_url, prior.token, 5.0)):
+        return UpResult(prior, already_up=True)
+
+    address = opts.address or f"127.0.0.1:{opts.head.port}"
+    _match_ray_auth()
+    pid = None
+    ray_dashboard: str | None = None
+    log_path = os.path.join(os.path.dirname(path), "ray-head.log")
+    if prior is not None and prior.started_ray and prior.ray_address == address and \
+            prior.ray_pid and is_our_head(prior.ray_pid):
+        pid = prior.ray_pid  # our head still runs (only the API went away): still ours to stop
+        ray_dashboard = prior.ray_dashboard
+    elif address != "auto":
+        host, port = split_address(address)
+        if not port_open(host, port):
+            if not is_local(host):
+                raise CmxError(f"no Ray cluster answers at {address}")
+            step(f"starting a local Ray head on port {port}")
+            head = replace(opts.head, port=port).with_free_ports()
+            pid = start_head(head, log_path)
+            if head.dashboard:
+                ray_dashboard = f"http://127.0.0.1:{head.dashboard_port}"
+    try:
+        token = opts.admin.token or (prior.token if prior else None) or secrets.token_urlsafe(32)
+        url, node = _start_on_cluster(address, opts, opts.admin.replace(token=token), step)
+        step("waiting for the admin API to be ready")
+        _wait_ready(AdminClient(url, token, 5.0), opts.ready_timeout_s)
+    except BaseException:
+        if pid is not None and pid != (prior.ray_pid if prior else None):
+            stop_local_head(pid)
+        raise
+    state = ServiceState(admin_url=url, token=token, ray_address=address,
+                         started_ray=pid is not None, ray_pid=pid,
+                         ray_log=log_path if pid is not None else None, node_id=node,
+                         ray_dashboard=ray_dashboard, started_at=time.time())
+    state.save(path)
+    return UpResult(state, already_up=False)
+
+
+def down(admin: AdminConfig, address: str | None = None, step: Step = lambda s: None
+         ) -> DownResult:
+    path = admin.state_path
+    state = ServiceState.load(path)
+    address = address or (state.ray_address if state else None)
+    stopped = 0
+    if address is not None and _reachable(address):
+        step("stopping the admin API and the service's actors")
+        stopped = _stop_on_cluster(address)
+    ray_stopped = False
+    if state is not None and state.started_ray and state.ray_pid:
+        step("stopping the local Ray head")
+        ray_stopped = stop_local_head(state.ray_pid)
+    ServiceState.clear(path)
+    return DownResult(stopped, ray_stopped, state is not None)
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def _start_on_cluster(address: str, opts: UpOptions, admin: AdminConfig, step: Step
+                      ) -> tuple[str, str]:
+    import ray
+
+    from cmx.api.server import start_admin_actor, stop_admin_actor
+    from cmx.client import ContextMemory
+
+    step("starting the service (tiers, agents, directory)")
+    cm = ContextMemory.connect(address=address, config=opts.service,
+                               logging_level=logging.WARNING, log_to_driver=False)
+    try:
+        step("starting the admin API")
+        stop_admin_actor()  # a new token or port takes effect
+        url = start_admin_actor(opts.service, admin, cm.node_id)
+        return url, cm.node_id
+    finally:
+        ray.shutdown()
+
+
+def _stop_on_cluster(address: str) -> int:
+    import ray
+
+    from cmx.actors.links import RAY_NAMESPACE
+    from cmx.actors.service import stop_service
+    from cmx.api.server import stop_admin_actor
+
+    _match_ray_auth()
+    ray.init(address=address, namespace=RAY_NAMESPACE, logging_level=logging.WARNING,
+             log_to_driver=False)
+    try:
+        stopped = int(stop_admin_actor())
+        _close_stores()
+        return stopped + stop_service()
+    finally:
+        ray.shutdown()
+
+
+def _close_stores(timeout_s: float = 30.0) -> None:
+    """Close the agents, then the tiers, before they are killed: a killed tier leaves its
+    shared-memory arena behind (GiBs of /dev/shm), a closed one unlinks it."""
+    import ray
+
+    from cmx.actors.links import RAY_NAMESPACE
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a.get("namespace") == RAY_NAMESPACE]
+    for kinds in (("agent",), ("hbm", "dram", "nvme", "pool")):
+        refs: list[Any] = []
+        for name in names:
+            if name.split(":")[1:2] and name.split(":")[1] in kinds:
+                try:
+                    refs.append(ray.get_actor(name, namespace=RAY_NAMESPACE).close.remote())
+                except (ValueError, AttributeError):
+                    continue
+        try:
+            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        except Exception:  # noqa: BLE001 - they are killed next anyway
+            pass
+
+
+def _match_ray_auth() -> None:
+    """Ray's token authentication, as `ray start` decides it: on when a token exists
+    (~/.ray/auth_token, which any local ``ray.init()`` creates) and RAY_AUTH_MODE is unset.
+    This process, the head it starts and the drivers it runs must agree, or they cannot talk."""
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:  # a Ray without token authentication
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+def _reachable(address: str) -> bool:
+    if address == "auto":
+        return True
+    try:
+        return port_open(*split_address(address))
+    except ValueError:
+        return False
+
+
+def _ready(client: AdminClient) -> bool:
+    try:
+        return bool(client.get("/readyz").get("ready"))
+    except AdminApiError:
+        return False
+
+
+def _wait_ready(client: AdminClient, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        try:
+            if client.get("/readyz").get("ready"):
+                return
+        except AdminApiError as exc:
+            last = str(exc)
+        time.sleep(0.5)
+    raise CmxError(f"the admin API at {client.url} was not ready in {timeout_s:.0f} s: {last}")

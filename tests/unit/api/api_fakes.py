@@ -1,0 +1,139 @@
+"""A service in memory for the admin API's unit tests: two nodes, three tiers each, no Ray."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from cmx.actors.directory import Copy
+from cmx.api.backend import Backend, NotSupportedError
+from cmx.config import AdminConfig
+from cmx.errors import UnavailableError
+from cmx.keys import BlockHash
+from cmx.metrics import Histogram
+from cmx.tiers import Tier
+
+NODE_A = "a1" * 28
+NODE_B = "b2" * 28
+TOKEN = "test-token-0123456789"
+BLOCK = 32 << 10
+CAPACITY = {Tier.HBM: 8 * BLOCK, Tier.DRAM: 16 * BLOCK, Tier.NVME: 1024 * BLOCK}
+
+
+class FakeTier:
+    def __init__(self, tier: Tier, node: str) -> None:
+        self.tier, self.node = tier, node
+        self.blocks: dict[bytes, int] = {}  # key -> pins
+        self.hits = self.misses = self.bytes_in = self.bytes_out = self.evictions = 0
+        self.epoch = "e1"
+        self.down = False
+
+    def stats(self) -> dict[str, Any]:
+        if self.down:
+            return {"error": f"cmx:{self.tier.value}:{self.node} did not answer"}
+        return {
+            "tier": self.tier.value, "node": self.node, "emulated": self.tier is Tier.HBM,
+            "epoch": self.epoch, "capacity_bytes": CAPACITY[self.tier],
+            "used_bytes": len(self.blocks) * BLOCK, "blocks": len(self.blocks),
+            "pinned": sum(1 for p in self.blocks.values() if p), "hits": self.hits,
+            "misses": self.misses, "evictions": self.evictions, "bytes_in": self.bytes_in,
+            "bytes_out": self.bytes_out, "directory_failures": 0, "directory_resyncs": 0,
+            **({"segments": 1, "io_engine": "pwritev"} if self.tier is Tier.NVME else {}),
+        }
+
+
+class FakeBackend(Backend):
+    def __init__(self) -> None:
+        self.node_ids = [NODE_A, NODE_B]
+        self.tiers = {(n, t): FakeTier(t, n) for n in self.node_ids
+                      for t in (Tier.HBM, Tier.DRAM, Tier.NVME)}
+        self.latency = Histogram()
+        self.pool: dict[str, Any] | None = None
+        self.dropped: list[str] = []
+        self.can_drop = False
+        self.calls = 0
+
+    # -- scenario helpers ----------------------------------------------------------------------
+
+    def put(self, key: bytes, node: str, tier: Tier) -> None:
+        t = self.tiers[(node, tier)]
+        t.blocks.setdefault(key, 0)
+        t.bytes_in += BLOCK
+
+    # -- Backend -------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        self.calls += 1
+        nodes = {}
+        for n in self.node_ids:
+            nodes[n] = {
+                "tiers": {t.value: self.tiers[(n, t)].stats()
+                          for t in (Tier.HBM, Tier.DRAM, Tier.NVME)},
+                "agent": {
+                    "agent": f"cmx-agent-{n[:12]}", "node": n, "transport": "nixl-ucx",
+                    "moved_bytes": {"client->dram": 3 * BLOCK, "dram->nvme": BLOCK},
+                    "moved_via": {"local": 3 * BLOCK, "nvme": BLOCK},
+                    "transport_stats": {"reads": 0, "bytes": 0, "seconds": 0.0, "failures": 0},
+                    "queues": {"queued": {"load": 1, "prefetch": 0, "demote": 2},
+                               "done": {"load": 5, "prefetch": 0, "demote": 1},
+                               "staging_bytes_in_use": 0, "staging_bytes": 1 << 20},
+                    "latency_s": {"store": self.latency.snapshot(),
+                                  "load": Histogram().snapshot()},
+                    "nvme_io": {"engine": "pwritev", "bytes_read": 0, "bytes_written": 0},
+                    "placement": {"node": n, "placed_on": n, "dpu": False},
+                },
+            }
+        out: dict[str, Any] = {"nodes": nodes, "directory": [
+            {"shard": 0, "blocks": 2, "copies": 3, "sources": 6, "resyncs": 0, "lookups": 4},
+            {"shard": 1, "error": "cmx:dir:1 did not answer"}]}
+        if self.pool is not None:
+            out["pool"] = self.pool
+        return out
+
+    def nodes(self) -> list[str]:
+        return list(self.node_ids)
+
+    def copies(self, keys: Sequence[BlockHash]) -> list[list[Copy]]:
+        out = []
+        for key in keys:
+            out.append([Copy(t, n, BLOCK, 7) for (n, t), ft in self.tiers.items()
+                        if key in ft.blocks])
+        return out
+
+    def tier_call(self, node: str, tier: Tier, method: str, keys: Sequence[BlockHash]) -> Any:
+        t = self.tiers[(node, tier)]
+        if t.down:
+            raise UnavailableError(f"cmx:{tier.value}:{node} did not answer")
+        if method == "pin":
+            out: list[Any] = []
+            for k in keys:
+                if k in t.blocks:
+                    t.blocks[k] += 1
+                    out.append(("pinned", k))
+                else:
+                    out.append(None)
+            return out
+        if method == "unpin":
+            for k in keys:
+                if t.blocks.get(k):
+                    t.blocks[k] -= 1
+            return None
+        if method == "contains":
+            return [k in t.blocks for k in keys]
+        if method == "evict":
+            gone = [k for k in keys if k in t.blocks and not t.blocks[k]]
+            for k in gone:
+                del t.blocks[k]
+            t.evictions += len(gone)
+            return len(gone)
+        raise AssertionError(method)
+
+    def drop_namespace(self, namespace_id: str) -> int:
+        if not self.can_drop:
+            raise NotSupportedError("this version of the service cannot drop a namespace")
+        self.dropped.append(namespace_id)
+        return 3
+
+
+def admin(**changes: Any) -> AdminConfig:
+    return AdminConfig(**{"token": TOKEN, "sample_s": 0.05, "history_s": 60.0, **changes})

@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 import ray
 import torch
-from cmx.actors.links import RAY_NAMESPACE, actor_name
+from support import LAYOUT, client_on
 
 from cmx import LayoutMismatchError
-
-from support import LAYOUT, client_on
+from cmx.actors.links import RAY_NAMESPACE, actor_name
 
 T = LAYOUT.block_tokens
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from cmx.policies import (
     ADMISSION_POLICIES,
     AdmissionPolicy,
@@ -10,8 +13,6 @@ from cmx.policies import (
     FrequencyAdmission,
     make_admission,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 
 def key(i: int) -> bytes:

@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from cmx.policies import EVICTION_POLICIES, EvictionPolicy, make_eviction
 from cmx.policies.eviction.lru import LRUPolicy
 from cmx.policies.eviction.s3fifo import S3FIFOPolicy
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 POLICIES = sorted(EVICTION_POLICIES)
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from cmx.policies import PLACEMENTS, Placement, WriteBack, WriteThrough, make_placement
 
+from cmx.policies import PLACEMENTS, Placement, WriteBack, WriteThrough, make_placement
 from cmx.tiers import Tier
 
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections import Counter
 
 import numpy as np
-from cmx.policies import make_eviction
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from cmx.errors import BlockStateError, StoreFullError
+from cmx.policies import make_eviction
 from cmx.storage.base import EventKind, StoreEvent
 from cmx.storage.blocks import Reservation
 from cmx.storage.dram import DramStore

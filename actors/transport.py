@@ -14,9 +14,11 @@ returns partial data silently.
 
 from __future__ import annotations
 
+import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -126,7 +128,8 @@ class NixlTransport(Transport):
         super().__init__(agent)
         from nixl._api import nixl_agent, nixl_agent_config
 
-        self._nixl = nixl_agent(agent, nixl_agent_config(backends=["UCX"]))
+        with _progress_thread_delay(PROGRESS_DELAY_US):
+            self._nixl = nixl_agent(agent, nixl_agent_config(backends=["UCX"]))
         self._local: dict[str, object] = {}  # region -> prepared local dlist
         self._remote: dict[tuple[str, str], object] = {}  # (peer, region) -> prepared dlist
         self._peers: dict[str, bytes] = {}  # peer agent -> metadata it was connected with
@@ -258,6 +261,37 @@ def make_transport(
             if prefer == "nixl":
                 raise
     return RayTransport(agent, fetch)
+
+
+# The NIXL agent's progress thread serves peers' reads (UCX wire-up needs the target to
+# progress). The Python wrapper starts it with no delay between polls, which keeps a core busy
+# per agent: on a 2-core node, two agents and a pool node starve everything else. A 100 us
+# pause costs at most that much latency per transfer and brings an idle agent to ~2% of a core.
+PROGRESS_DELAY_US = 100
+_config_lock = threading.Lock()
+
+
+@contextmanager
+def _progress_thread_delay(delay_us: int) -> Iterator[None]:
+    """While held, NIXL agents are created with ``delay_us`` between progress polls."""
+    import nixl._api as api
+
+    bind = api.nixlBind
+    original = bind.nixlAgentConfig
+
+    try:
+        class DelayedConfig(original):  # type: ignore[misc, valid-type]
+            def __setattr__(self, name: str, value: object) -> None:
+                super().__setattr__(name, delay_us if name == "pthrDelay" else value)
+    except TypeError:  # the binding cannot be subclassed: keep NIXL's default
+        yield
+        return
+    with _config_lock:
+        bind.nixlAgentConfig = DelayedConfig
+        try:
+            yield
+        finally:
+            bind.nixlAgentConfig = original
 
 
 def _strided(region: Region) -> np.ndarray:

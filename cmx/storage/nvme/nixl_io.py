@@ -31,8 +31,10 @@ class NixlIoEngine(IoEngine):
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         self.agent_name = f"cmx-nvme-{os.getpid()}-{next(_names)}"
+        # No progress thread: it spins a core, and file transfers progress when polled.
         config = nixl_agent_config(
-            backends=[], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+            enable_prog_thread=False, backends=[],
+            sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
         )
         self._agent = nixl_agent(self.agent_name, config)
         self._agent.create_backend("POSIX", {"use_uring": "true"})

@@ -1,4 +1,4 @@
-"""The ``cmx`` command line: the demo end to end (small), and bench's argument checks."""
+"""The ``cmx`` command line: the storage demo end to end (small), and bench's argument checks."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ runner = CliRunner()
 
 def test_demo_stores_loads_and_verifies_a_small_prefix(tmp_path: Path) -> None:
     workdir = tmp_path / "demo"
-    result = runner.invoke(app, ["demo", "--tokens", "2048", "--dir", str(workdir)])
+    result = runner.invoke(app, ["demo-storage", "--tokens", "2048", "--dir", str(workdir)])
     assert result.exit_code == 0, result.output
     out = " ".join(result.output.split())  # undo the console's line wrapping
     assert "loaded 8/8 blocks, 8 byte-identical" in out
@@ -23,7 +23,7 @@ def test_demo_stores_loads_and_verifies_a_small_prefix(tmp_path: Path) -> None:
 
 
 def test_demo_keeps_its_store_when_asked_and_refuses_to_overwrite_it(tmp_path: Path) -> None:
-    args = ["demo", "--tokens", "256", "--dram-mib", "32", "--dir", str(tmp_path), "--keep"]
+    args = ["demo-storage", "--tokens", "256", "--dram-mib", "32", "--dir", str(tmp_path), "--keep"]
     assert runner.invoke(app, args).exit_code == 0
     assert any((tmp_path / "cmx-demo-nvme").iterdir())
     again = runner.invoke(app, args)
@@ -31,7 +31,7 @@ def test_demo_keeps_its_store_when_asked_and_refuses_to_overwrite_it(tmp_path: P
 
 
 def test_demo_needs_a_full_block(tmp_path: Path) -> None:
-    result = runner.invoke(app, ["demo", "--tokens", "100", "--dir", str(tmp_path)])
+    result = runner.invoke(app, ["demo-storage", "--tokens", "100", "--dir", str(tmp_path)])
     assert result.exit_code == 2 and "at least one block" in result.output
 
 
@@ -40,3 +40,9 @@ def test_bench_rejects_unknown_suites_before_touching_the_disk(tmp_path: Path) -
     assert result.exit_code == 2
     assert "limits, nvme, dram, slices" in " ".join(result.output.split())
     assert not (tmp_path / "b").exists()
+
+
+def test_demo_and_serve_are_commands_and_serve_rejects_an_unknown_policy() -> None:
+    assert "two LLM replicas" in runner.invoke(app, ["demo", "--help"]).output
+    result = runner.invoke(app, ["serve", "--prefetch", "eager"])
+    assert result.exit_code == 2 and "best_effort" in result.output

@@ -1,0 +1,61 @@
+"""The Serve application: ``OpenAIIngress`` -> ``LLMServer`` x N, routed by ``PrefixAwareRouter``.
+
+    from ray import serve
+    from cmx.deploy.app import build
+    from cmx.deploy.config import ServeOptions
+    serve.run(build(ServeOptions(replicas=2)), name="cmx-llm", route_prefix="/")
+
+or from a Serve config (``deploy/serve_config.yaml``, KubeRay's ``serveConfigV2``):
+``import_path: cmx.deploy.app:build_app`` with ``ServeOptions.to_args()`` as ``args``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cmx.deploy.config import ServeOptions
+
+__all__ = ["ROUTER_CLASS", "build", "build_app", "router_kwargs"]
+
+ROUTER_CLASS = "cmx.deploy.router:PrefixAwareRouter"
+
+
+def router_kwargs(options: ServeOptions) -> dict[str, Any]:
+    shards = options.service.directory_shards if options.service else options.directory_shards
+    return {"block_tokens": options.engine.block_tokens,
+            "chunk_tokens": options.engine.chunk_tokens, "directory_shards": shards,
+            "lookup_timeout_s": options.route_lookup_timeout_s}
+
+
+def build(options: ServeOptions) -> Any:
+    """The bound application (pass it to ``serve.run``)."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from cmx.deploy.ingress import OpenAIIngress
+    from cmx.deploy.server import LLMServer
+
+    args = options.to_args()
+    placement: dict[str, Any] = {}
+    if options.max_replicas_per_node is not None:
+        placement["max_replicas_per_node"] = options.max_replicas_per_node
+    router_options: dict[str, Any] = {
+        "request_router_class": ROUTER_CLASS, "request_router_kwargs": router_kwargs(options),
+        "request_routing_stats_period_s": 2.0, "request_routing_stats_timeout_s": 5.0}
+    router = RequestRouterConfig(**router_options)
+    llm = serve.deployment(
+        name="LLMServer", num_replicas=options.replicas,
+        max_ongoing_requests=options.max_ongoing_requests,
+        ray_actor_options={"num_cpus": options.replica_cpus},
+        request_router_config=router, health_check_timeout_s=120.0, **placement,
+    )(LLMServer)
+    ingress = serve.deployment(
+        name="OpenAIIngress", num_replicas=1, max_ongoing_requests=256,
+        ray_actor_options={"num_cpus": 0},
+    )(OpenAIIngress)
+    return ingress.bind(llm.bind(args), args)
+
+
+def build_app(args: dict[str, Any] | None = None) -> Any:
+    """Application builder for Serve config files and ``serve run cmx.deploy.app:build_app``."""
+    return build(ServeOptions.from_args(args))

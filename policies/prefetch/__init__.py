@@ -1,0 +1,43 @@
+"""Prefetch policies, one per sibling file, behind ``make_prefetch(name)``.
+
+A request's prefix starts moving toward its replica's node when the request arrives (py-kvcache's
+scheduler-aware preloading); the policy decides how long the replica, once free, waits for that
+move before it starts the request (SGLang HiCache's ``best_effort``, ``wait_complete`` and
+``timeout``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from cmx.policies.prefetch.base import PendingPrefetch, PrefetchOutcome, PrefetchPolicy, Waited
+
+__all__ = [
+    "PREFETCH_POLICIES",
+    "PendingPrefetch",
+    "PrefetchOutcome",
+    "PrefetchPolicy",
+    "Waited",
+    "make_prefetch",
+]
+
+# name -> "module:class"; modules load only when their policy is asked for.
+PREFETCH_POLICIES: dict[str, str] = {
+    "best_effort": "cmx.policies.prefetch.best_effort:BestEffort",
+    "wait_complete": "cmx.policies.prefetch.wait_complete:WaitComplete",
+    "timeout": "cmx.policies.prefetch.timeout:Timeout",
+}
+
+
+def make_prefetch(name: str | PrefetchPolicy = "wait_complete", **options: Any) -> PrefetchPolicy:
+    """A policy by registry name (or ``name`` itself if it is already a policy)."""
+    if isinstance(name, PrefetchPolicy):
+        return name
+    try:
+        module, cls = PREFETCH_POLICIES[name].split(":")
+    except KeyError:
+        raise ValueError(
+            f"unknown prefetch policy {name!r}; known: {sorted(PREFETCH_POLICIES)}"
+        ) from None
+    return getattr(importlib.import_module(module), cls)(**options)  # type: ignore[no-any-return]

@@ -220,7 +220,8 @@ def run_pool(ctx: BenchContext) -> SuiteResult:
         block_bytes=LLAMA.block_bytes, hbm_bytes=nbytes + 4 * LLAMA.block_bytes,
         dram_bytes=8 * LLAMA.block_bytes, nvme_bytes=4 * nbytes, pool_bytes=4 * nbytes,
         pool_staging_bytes=4 * LLAMA.block_bytes, pool_admission_min_count=1,
-        pool_replication=1, nvme_dir=str(ctx.scratch("pool")), load_timeout_s=300)
+        pool_replication=1, placement="write_through", nvme_dir=str(ctx.scratch("pool")),
+        load_timeout_s=300)
     with bench_cluster(config, pool_nodes=2) as bc:
         ctx.log("pool: storing 512 MiB on node a (pooled as stored)")
         ns, toks = _store_prefix(bc.cm, LLAMA, blocks, seed=3)

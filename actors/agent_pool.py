@@ -12,7 +12,7 @@ from cmx.actors.directory import Copy
 from cmx.actors.links import actor_name
 from cmx.actors.scheduler import Priority
 from cmx.actors.wire import Loaded, Offer
-from cmx.errors import CmxError, UnavailableError
+from cmx.errors import UnavailableError
 from cmx.keys import BlockHash
 from cmx.policies.rendezvous import owners
 from cmx.tiers import Tier
@@ -68,7 +68,7 @@ class PoolWrites(AgentBase):
                         actor_name("pool", owner), "ingest", me, offers,
                         timeout_s=self.config.load_timeout_s,
                     ))
-                except (UnavailableError, CmxError) as exc:
+                except Exception as exc:  # noqa: BLE001 - the pool failing never fails a store
                     log.warning("pool write to %s failed: %s", owner[:8], exc)
                     continue
                 made += n

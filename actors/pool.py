@@ -27,7 +27,7 @@ from cmx.actors.nvme_io import Extent, NvmeIo
 from cmx.actors.transport import Move, PeerInfo, Region, TransferError, make_transport
 from cmx.actors.wire import Offer, Staged
 from cmx.checksum import checksum
-from cmx.errors import BlockStateError, StoreFullError, UnavailableError
+from cmx.errors import BlockStateError, CmxError, StoreFullError, UnavailableError
 from cmx.keys import BlockHash
 from cmx.policies.rendezvous import owners
 from cmx.storage.dram import DramStore
@@ -93,7 +93,7 @@ class PoolNodeService:
             peer = self._peer(source)
             moves = [Move(o.region, o.slot, self.staging.arena.name, r.slot) for o, r in grants]
             self.transport.read(peer, moves)
-        except (TransferError, UnavailableError) as exc:
+        except (TransferError, UnavailableError, CmxError) as exc:
             log.warning("ingest from %s failed: %s", source, exc)
             for _, r in grants:
                 self.staging.abort(r)
@@ -190,6 +190,18 @@ class PoolNodeService:
 
     def contains(self, keys: Sequence[BlockHash]) -> list[bool]:
         return [k in self.store for k in keys]
+
+    def evict(self, keys: Sequence[BlockHash]) -> int:
+        """Drop unpinned blocks from this pool node; returns how many left."""
+        gone = 0
+        for key in keys:
+            self._drop_staged(key)
+            try:
+                gone += bool(self.store.delete(key))
+            except BlockStateError:
+                pass
+        self.publisher.flush()
+        return gone
 
     def rebalance(self, members: Sequence[str], replicas: int) -> int:
         """Push blocks held here to the owners that lack them; returns blocks pushed."""

@@ -176,7 +176,6 @@ class NixlTransport(Transport):
             pass
 
     def _read(self, peer: PeerInfo, moves: Sequence[Move], timeout_s: float) -> None:
-        self.connect(peer)
         groups: dict[tuple[str, str], tuple[list[int], list[int]]] = {}
         for m in moves:
             src, dst = groups.setdefault((m.src_region, m.dst_region), ([], []))
@@ -184,32 +183,44 @@ class NixlTransport(Transport):
             dst.append(m.dst_slot)
         handles = []
         try:
-            for (src_region, dst_region), (src, dst) in groups.items():
-                remote = self._remote.get((peer.agent, src_region))
-                if remote is None:
-                    raise TransferError(f"peer {peer.agent} has no region {src_region}")
-                h = self._nixl.make_prepped_xfer(
-                    "READ", self._local[dst_region], dst, remote, src
-                )
-                if self._nixl.transfer(h) == "ERR":
-                    raise TransferError(f"transfer from {peer.agent} could not start")
-                handles.append(h)
-            deadline = time.monotonic() + timeout_s
-            for h in handles:
-                pause = 20e-6  # back off while polling: a spinning poller starves UCX's progress
-                while (state := self._nixl.check_xfer_state(h)) != "DONE":
-                    if state == "ERR":
-                        raise TransferError(f"transfer from {peer.agent} failed")
-                    if time.monotonic() > deadline:
-                        raise TransferError(f"transfer from {peer.agent} timed out")
-                    time.sleep(pause)
-                    pause = min(pause * 2, 1e-3)
+            self.connect(peer)
+            self._start_and_wait(peer, groups, handles, timeout_s)
+        except TransferError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - NIXL raises its own kinds (a peer gone, ...)
+            raise TransferError(f"transfer from {peer.agent} failed: {exc}") from exc
         finally:
             for h in handles:
                 try:
                     self._nixl.release_xfer_handle(h)
                 except Exception:  # noqa: BLE001 - a failed transfer may refuse release
                     pass
+
+    def _start_and_wait(
+        self, peer: PeerInfo, groups: dict[tuple[str, str], tuple[list[int], list[int]]],
+        handles: list[object], timeout_s: float,
+    ) -> None:
+        """Start one prepared READ per (source, destination) region pair; wait for all."""
+        for (src_region, dst_region), (src, dst) in groups.items():
+            remote = self._remote.get((peer.agent, src_region))
+            if remote is None:
+                raise TransferError(f"peer {peer.agent} has no region {src_region}")
+            h = self._nixl.make_prepped_xfer(
+                "READ", self._local[dst_region], dst, remote, src
+            )
+            if self._nixl.transfer(h) == "ERR":
+                raise TransferError(f"transfer from {peer.agent} could not start")
+            handles.append(h)
+        deadline = time.monotonic() + timeout_s
+        for h in handles:
+            pause = 20e-6  # back off while polling: a spinning poller starves UCX's progress
+            while (state := self._nixl.check_xfer_state(h)) != "DONE":
+                if state == "ERR":
+                    raise TransferError(f"transfer from {peer.agent} failed")
+                if time.monotonic() > deadline:
+                    raise TransferError(f"transfer from {peer.agent} timed out")
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)
 
     def close(self) -> None:
         for peer in list(self._peers):

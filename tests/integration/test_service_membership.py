@@ -14,6 +14,16 @@ from cmx.actors.links import RAY_NAMESPACE, actor_name
 T = LAYOUT.block_tokens
 
 
+def loads_whole(ns: Any, toks: Any, kv: Any, tries: int = 5) -> bool:
+    """A load under a bound may miss (a shorter prefix) on a loaded machine; never wrong bytes."""
+    for _ in range(tries):
+        got = ns.load(toks)
+        assert torch.equal(got, kv[:, :, :, : got.shape[3]])
+        if got.shape == kv.shape:
+            return True
+    return False
+
+
 def controller() -> Any:
     return ray.get_actor("cmx:controller", namespace=RAY_NAMESPACE)
 
@@ -41,7 +51,7 @@ def test_join_with_dpu_then_leave(cluster: Any, cm: Any, config: Any) -> None:
     assert ray.get(remote.store.remote("m-join", LAYOUT, "t", toks, kv)) == 3
     ns = cm.namespace("m-join", LAYOUT, "t")
     assert {b.node for b in ns.lookup(toks).blocks} == {host.node_id}
-    assert torch.equal(ns.load(toks), kv)
+    assert loads_whole(ns, toks, kv)
     nodes = cm.stats()["nodes"]
     assert nodes[host.node_id]["agent"]["placement"]["dpu"] is True
 
@@ -54,4 +64,4 @@ def test_join_with_dpu_then_leave(cluster: Any, cm: Any, config: Any) -> None:
     assert host.node_id in result["gone"] or host.node_id not in result["nodes"]
     match = ns.lookup(toks)
     assert all(c.node != host.node_id for b in match.blocks for c in b.copies)
-    assert torch.equal(ns.load(toks), kv)
+    assert loads_whole(ns, toks, kv)

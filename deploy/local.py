@@ -86,7 +86,10 @@ def local_app(
     config = service_config_for(options, root, **(service or {}))
     options = options.replace(service=config, max_replicas_per_node=1)
     step("starting a two-node Ray cluster")
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    # Ray runs its workers at nice 15 so that its own daemons stay responsive; here the
+    # workers (the replicas above all) are the workload, and run at the machine's priority.
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "include_dashboard": False, "_system_config": {"worker_niceness": 0}})
     cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
     cm = None
@@ -96,6 +99,7 @@ def local_app(
         step("starting the context memory service")
         cm = ContextMemory.connect(address=cluster.address, config=config)
         step(f"starting {options.replicas} LLM replicas")
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the steps say it all
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port},
                     logging_config={"log_level": "WARNING"})
@@ -105,10 +109,8 @@ def local_app(
         info = httpx.get(f"{base}/cmx/info", timeout=60).json()
         yield LocalApp(base, replicas, info, cm, options)
     finally:
-        try:
-            serve.shutdown()
-        except Exception:  # noqa: BLE001 - tearing down: keep going
-            pass
+        # Serve goes down with the cluster; the service is stopped first so that its tiers
+        # unlink their shared-memory arenas.
         if cm is not None:
             cm.shutdown(stop_service=True)
         ray.shutdown()

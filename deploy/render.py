@@ -35,7 +35,9 @@ def _served(row: Any) -> str:
     if not row.cached_tokens:
         return "-"
     sources = row.prefetched_from or row.served_from
-    return "+".join(sources) + ("*" if row.prefetched_from else "")
+    names = sorted(sources, key=lambda t: -sources[t])  # most tokens first
+    text = names[0] + ("+…" if len(names) > 1 else "")
+    return text + ("*" if row.prefetched_from else "")
 
 
 def requests_table(result: LLMDemoResult) -> Table:
@@ -43,8 +45,8 @@ def requests_table(result: LLMDemoResult) -> Table:
                     + ", ".join(f"{r} on the {n} node" for r, n in result.replicas.items()) + ")",
               title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False,
               collapse_padding=True,
-              caption="Requests of one wave (w) arrive together. from: where the cached "
-                      "tokens were (* moved to the replica's node on "
+              caption="Requests of one wave (w) arrive together. from: where most cached "
+                      "tokens were (+…: and elsewhere; * moved to the replica's node on "
                       "arrival, by prefetch). Questions are greedy, chats sampled with a seed; "
                       "same: the same output tokens with and without the cache.",
               caption_justify="left")

@@ -244,7 +244,7 @@ def run_lmcache(ctx: BenchContext) -> SuiteResult:
     result.figures += _disk_figures(ours, theirs, nbytes)
     result.figures += _dram_figures(dram_ours, dram_theirs, nbytes)
     result.tables.append(_detail_table(ours, theirs, fio))
-    result.notes += _notes(ctx, peer, theirs) + problems
+    result.notes += _notes(ctx, peer) + problems
     return result
 
 
@@ -318,7 +318,7 @@ def _detail_table(ours: dict[int, Samples], theirs: dict[int, Samples], fio: Sam
                   "LMCache samples"), tuple(rows))
 
 
-def _notes(ctx: BenchContext, peer: Peer, theirs: dict[int, Samples]) -> list[str]:
+def _notes(ctx: BenchContext, peer: Peer) -> list[str]:
     return [
         f"peer: {peer.describe()}; engine built with LMCacheEngineBuilder, local_cpu=False, "
         f"local_disk under {ctx.config.dir}, extra_config use_odirect=True, its default 4 "

@@ -26,7 +26,7 @@ from cmx.keys import BlockHash
 from cmx.storage.nvme.extents import ExtentStore, PendingExtent
 from cmx.tiers import Tier
 
-__all__ = ["NvmeTierService"]
+__all__ = ["NvmeTierService", "extent_holdings"]
 
 STALE_WRITE_S = 120.0  # a reserved extent not committed by then belongs to a dead writer
 
@@ -180,9 +180,14 @@ class NvmeTierService:
         self.store.close()
 
     def _holdings(self) -> list[Entry]:
-        entries = []
-        for key in self.store.keys():
-            entry = self.store.entry_of(key)
-            if entry is not None:
-                entries.append(Entry(key, True, entry.length, entry.checksum))
-        return entries
+        return extent_holdings(self.store)
+
+
+def extent_holdings(store: ExtentStore) -> list[Entry]:
+    """Every committed block of an NVMe store as a directory entry, for a resync."""
+    entries = []
+    for key in store.keys():
+        entry = store.entry_of(key)
+        if entry is not None:
+            entries.append(Entry(key, True, entry.length, entry.checksum))
+    return entries

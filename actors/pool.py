@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from cmx.actors.directory import Entry, Source
 from cmx.actors.events import EventPublisher
 from cmx.actors.nvme_io import Extent, NvmeIo
+from cmx.actors.nvme_tier import extent_holdings
 from cmx.actors.transport import Move, PeerInfo, Region, TransferError, make_transport
 from cmx.actors.wire import Offer, Staged
 from cmx.checksum import checksum
@@ -268,9 +269,4 @@ class PoolNodeService:
         return self.link.call(actor, "read_slots", slots)  # type: ignore[attr-defined]
 
     def _holdings(self) -> list[Entry]:
-        entries = []
-        for key in self.store.keys():
-            entry = self.store.entry_of(key)
-            if entry is not None:
-                entries.append(Entry(key, True, entry.length, entry.checksum))
-        return entries
+        return extent_holdings(self.store)

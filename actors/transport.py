@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cmx.errors import CmxError
+from cmx.nixl_api import nixl_api
 
 __all__ = [
     "Move",
@@ -126,10 +127,9 @@ class NixlTransport(Transport):
 
     def __init__(self, agent: str) -> None:
         super().__init__(agent)
-        from nixl._api import nixl_agent, nixl_agent_config
-
+        api = nixl_api()
         with _progress_thread_delay(PROGRESS_DELAY_US):
-            self._nixl = nixl_agent(agent, nixl_agent_config(backends=["UCX"]))
+            self._nixl = api.nixl_agent(agent, api.nixl_agent_config(backends=["UCX"]))
         self._local: dict[str, object] = {}  # region -> prepared local dlist
         self._remote: dict[tuple[str, str], object] = {}  # (peer, region) -> prepared dlist
         self._peers: dict[str, bytes] = {}  # peer agent -> metadata it was connected with
@@ -285,9 +285,7 @@ _config_lock = threading.Lock()
 @contextmanager
 def _progress_thread_delay(delay_us: int) -> Iterator[None]:
     """While held, NIXL agents are created with ``delay_us`` between progress polls."""
-    import nixl._api as api
-
-    bind = api.nixlBind
+    bind = nixl_api().nixlBind
     original = bind.nixlAgentConfig
 
     try:

@@ -15,6 +15,7 @@ import os
 import threading
 import time
 
+from cmx.nixl_api import nixl_api
 from cmx.storage.nvme.io import IoBatch, IoEngine, IoRequest
 
 __all__ = ["NixlIoEngine"]
@@ -28,7 +29,9 @@ class NixlIoEngine(IoEngine):
 
     def __init__(self, queue_depth: int = 16, io_bytes: int = 4 << 20) -> None:
         super().__init__(queue_depth, io_bytes)
-        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+        api = nixl_api()
+        nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
+        nixl_thread_sync_t = api.nixl_thread_sync_t
 
         self.agent_name = f"cmx-nvme-{os.getpid()}-{next(_names)}"
         # No progress thread: it spins a core, and file transfers progress when polled.

@@ -54,7 +54,7 @@ class AgentBase:
 
     def _attach(self, tier: Tier) -> None:
         info: ArenaInfo = self.link.call(actor_name(tier.value, self.node), "info")
-        arena = SharedArena.attach(info.arena)
+        arena = SharedArena.attach(info.arena, populate=True)  # every block passes through here
         self._arenas[tier] = (info, arena)
         self.transport.register(
             Region(info.arena, arena.buffer.ctypes.data, info.slot_bytes, info.num_slots),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,13 +152,24 @@ def render_markdown(report: BenchReport) -> str:
     return "\n".join(parts) + "\n"
 
 
-def update_docs(path: Path, report: BenchReport) -> None:
-    """Rewrite each run suite's marked section of ``path``; add sections and the file as needed."""
+def update_docs(path: Path, report: BenchReport, plots: Sequence[Path] = ()) -> None:
+    """Rewrite each run suite's marked section of ``path``; add sections and the file as needed.
+
+    A suite's plot among ``plots`` is copied next to the page, into ``bench/``, and shown in
+    its section.
+    """
     text = path.read_text() if path.exists() else DOCS_HEADER
+    shown = {p.stem: p for p in plots}
     for suite in report.suites:
         begin = f"<!-- cmx-bench:{suite.name}:begin -->"
         end = f"<!-- cmx-bench:{suite.name}:end -->"
-        block = f"{begin}\n{_suite_markdown(suite, report)}\n{end}"
+        section = _suite_markdown(suite, report)
+        if suite.name in shown:
+            copy = path.parent / "bench" / f"{suite.name}.png"
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(shown[suite.name], copy)
+            section += f"\n\n![cmx bench {suite.name}: ratios and goals](bench/{suite.name}.png)"
+        block = f"{begin}\n{section}\n{end}"
         pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
         found = pattern.search(text)
         if found:
@@ -227,7 +239,7 @@ def write_outputs(report: BenchReport, out: Path, json_out: Path | None,
     md_path.write_text(render_markdown(report))
     plots = write_plots(out, report)
     if docs is not None:
-        update_docs(docs, report)
+        update_docs(docs, report, [] if isinstance(plots, str) else plots)
     if isinstance(plots, str):
         return Written(json_path, md_path, [], plots, docs)
     return Written(json_path, md_path, plots, None, docs)

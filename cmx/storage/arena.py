@@ -164,15 +164,20 @@ class SharedArena:
         return cls(name, mm, slot_bytes, num_slots, owner=True)
 
     @classmethod
-    def attach(cls, name: str) -> SharedArena:
-        """Map an arena another process created. Closing it never unlinks the owner's file."""
+    def attach(cls, name: str, populate: bool = False) -> SharedArena:
+        """Map an arena another process created. Closing it never unlinks the owner's file.
+
+        ``populate`` maps every page now: a process that will touch the whole arena (the agent,
+        which moves every block) then pays no fault per 4 KiB on its first transfers.
+        """
         _check_name(name)
         fd = os.open(_path(name), os.O_RDWR)
         try:
             size = os.fstat(fd).st_size
             if size < HEADER_BYTES:
                 raise ValueError(f"shared memory {name!r} is {size} bytes, not a cmx arena")
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+            mm = mmap.mmap(fd, size, flags=flags)
         finally:
             os.close(fd)
         magic, version, _, slot_bytes, num_slots = _HEADER.unpack_from(mm, 0)

@@ -84,6 +84,16 @@ def test_outputs_are_json_markdown_and_optional_plots(tmp_path: Path) -> None:
     assert written.plot_note or [p.name for p in written.plots] == ["dram.png"]
 
 
+def test_the_docs_page_shows_each_suites_plot_from_beside_it(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    suite = SuiteResult("dram", "cmx bench dram", [figure((5.0,), (10.0,), Goal(">=", 0.8))])
+    docs = tmp_path / "docs" / "BENCHMARKS.md"
+    written = write_outputs(report(suite), tmp_path / "out", None, docs)
+    copy = tmp_path / "docs" / "bench" / "dram.png"
+    assert copy.read_bytes() == written.plots[0].read_bytes()
+    assert "](bench/dram.png)" in docs.read_text().split("cmx-bench:dram:end")[0]
+
+
 def test_suites_resolve_in_registry_order_and_commands_reproduce_the_settings() -> None:
     assert resolve_suites([])[:4] == ["limits", "nvme", "dram", "slices"]
     assert resolve_suites(["slices", "nvme"]) == ["nvme", "slices"]

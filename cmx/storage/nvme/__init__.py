@@ -2,7 +2,8 @@
 
 Map of the package:
 
-- ``store``: NvmeStore, the public surface (put, get, get_into, get_many, pins, delete).
+- ``store``: NvmeStore, the public surface (put, put_many, pins, delete).
+- ``blockreads``: whole-block reads (get, get_into, get_many, get_many_into).
 - ``slices``: ``read_runs``, slice reads verified per chunk; ``reads`` plans their I/O.
 - ``core``: opening, closing, flush and snapshot; the locks.
 - ``books``: index, pins, segments and counters; stats and ``check_integrity``.

@@ -36,6 +36,7 @@ __all__ = [
     "IoRequest",
     "ThreadIoEngine",
     "make_io_engine",
+    "wait_all",
 ]
 
 log = logging.getLogger(__name__)
@@ -245,3 +246,15 @@ def make_io_engine(name: str, queue_depth: int = 16, io_bytes: int = 4 << 20) ->
                 errors.append(f"{candidate}: {exc}")
         raise RuntimeError(f"no I/O engine could start: {'; '.join(errors)}")
     raise ValueError(f"unknown io_engine {name!r}; known: auto, threads, nixl")
+
+
+def wait_all(batches: list[IoBatch]) -> None:
+    """Wait for every batch, then raise the first failure."""
+    first: BaseException | None = None
+    while batches:
+        try:
+            batches.pop(0).wait()
+        except BaseException as exc:
+            first = first or exc
+    if first is not None:
+        raise first

@@ -27,7 +27,9 @@ class SliceReadsMixin(NvmeState):
 
         Ranges are widened to whole 128 KiB chunks, each chunk is checked against its stored
         checksum, and neighbouring ranges are read as one I/O (see ``reads.plan_reads``).
-        A range past the end of its block raises ValueError.
+        A range past the end of its block raises ValueError. The results are read-only views
+        of one read buffer, never copied: together they keep at most the planned read alive
+        (the requested bytes x the plan's amplification bound, plus chunk widening).
         """
         reqs = [(check_key(k), int(off), int(length)) for k, off, length in requests]
         results: list[np.ndarray | None] = [None] * len(reqs)
@@ -52,6 +54,7 @@ class SliceReadsMixin(NvmeState):
                 for seg in segs.values():
                     self._release(seg)
             bad = self._check_chunks(reqs, entries, plan, buf)
+            buf.flags.writeable = False
             for i, ((_, off, length), entry) in enumerate(zip(reqs, entries)):
                 if entry is None or entry.key in bad:
                     continue
@@ -59,7 +62,7 @@ class SliceReadsMixin(NvmeState):
                     results[i] = np.empty(0, np.uint8)
                     continue
                 at = plan.locate(entry.seg, entry.offset + off)
-                results[i] = buf[at : at + length].copy()
+                results[i] = buf[at : at + length]
             self._count_runs(entries, bad, requested, plan.nbytes)
         return results
 

@@ -1,8 +1,7 @@
-"""NvmeStore: the public surface of the local NVMe tier (slice reads in slices.py)."""
+"""NvmeStore: the public surface of the local NVMe tier (reads in blockreads.py and slices.py)."""
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -11,13 +10,13 @@ import numpy as np
 from cmx.buffers import ALIGN, Buffer, as_bytes_view, is_aligned
 from cmx.errors import BlockStateError, BlockTooLargeError
 from cmx.keys import BlockHash, check_key
+from cmx.storage.nvme.blockreads import BlockReadsMixin
 from cmx.storage.nvme.chunks import extent_bytes
 from cmx.storage.nvme.core import NvmeCore
 from cmx.storage.nvme.entry import BlockEntry
-from cmx.storage.nvme.io import IoBatch
+from cmx.storage.nvme.io import IoBatch, wait_all
 from cmx.storage.nvme.segments import Segment
 from cmx.storage.nvme.slices import SliceReadsMixin
-from cmx.storage.nvme.staging import alloc_aligned
 
 __all__ = ["NvmeLocation", "NvmeStore"]
 
@@ -30,7 +29,7 @@ class NvmeLocation:
     checksum: int  # XXH3-64 of the payload
 
 
-class NvmeStore(SliceReadsMixin, NvmeCore):
+class NvmeStore(BlockReadsMixin, SliceReadsMixin, NvmeCore):
     """Blocks in log-structured segment files under ``root``, one store per directory.
 
     Visibility and durability: a block is readable (``get``, ``in``) once ``put`` returns.
@@ -45,10 +44,10 @@ class NvmeStore(SliceReadsMixin, NvmeCore):
     checksums on slice reads (``read_runs``). A mismatch is a miss: the block is quarantined
     (removed, counted in ``stats().quarantined``) and never returned.
 
-    ``put``, ``get_into`` and ``get_many`` move bytes straight between the caller's buffer and
-    the disk when the buffer is page-aligned, and through a fixed-size staging buffer when it
-    is not. All methods are thread-safe; I/O runs outside the store lock. See ``NvmeCore`` for
-    the constructor's arguments, capacity, eviction and compaction.
+    ``put``, ``get_into``, ``get_many`` and ``get_many_into`` move bytes straight between the
+    caller's buffer and the disk when the buffer is page-aligned, and through a fixed-size
+    staging buffer when it is not. All methods are thread-safe; I/O runs outside the store
+    lock. See ``NvmeCore`` for the constructor's arguments, capacity, eviction and compaction.
     """
 
     # -- writing -------------------------------------------------------------------------------
@@ -169,125 +168,9 @@ class NvmeStore(SliceReadsMixin, NvmeCore):
                             return self._sums(view)
                         batch.wait()  # the staging buffer is refilled next round
                 finally:
-                    self._wait(batches)  # the buffer is lent on only once its writes are done
+                    wait_all(batches)  # the buffer is lent on only once its writes are done
         finally:
-            self._wait(batches)
-
-    @staticmethod
-    def _wait(batches: list[IoBatch]) -> None:
-        """Wait for every batch, then raise the first failure."""
-        first: BaseException | None = None
-        while batches:
-            try:
-                batches.pop(0).wait()
-            except BaseException as exc:
-                first = first or exc
-        if first is not None:
-            raise first
-
-    # -- whole-block reads ---------------------------------------------------------------------
-
-    def get(self, key: bytes) -> np.ndarray | None:
-        key = check_key(key)
-        with self._op():
-            found = self._lookup(key)
-            if found is None:
-                return None
-            entry, seg = found
-            try:
-                out = alloc_aligned(entry.extent)
-                self._engine.read([(seg.fd, entry.offset, out)])
-            finally:
-                self._release(seg)
-            return out[: entry.length] if self._verified(entry, out[: entry.length]) else None
-
-    def get_into(self, key: bytes, out: Buffer) -> bool:
-        """Read the block into ``out[:length]``; False on a miss (``out`` then holds garbage).
-
-        ``out`` must be writable and at least the block's length; bytes past the block are
-        left alone. A page-aligned ``out`` (a shared-memory arena slot) is read into directly.
-        """
-        key = check_key(key)
-        dst = as_bytes_view(out)
-        if not dst.flags.writeable:
-            raise ValueError("get_into needs a writable buffer")
-        with self._op():
-            found = self._lookup(key, min_room=dst.nbytes)
-            if found is None:
-                return False
-            entry, seg = found
-            try:
-                self._read_into(entry, seg, dst)
-            finally:
-                self._release(seg)
-            return self._verified(entry, dst[: entry.length])
-
-    def _read_into(self, entry: BlockEntry, seg: Segment, dst: np.ndarray) -> None:
-        n, ext = entry.length, entry.extent
-        direct = n // ALIGN * ALIGN if is_aligned(dst) else 0
-        batches = []
-        try:
-            if direct:
-                batches.append(self._engine.submit_read([(seg.fd, entry.offset, dst[:direct])]))
-            if direct < ext:
-                with self._rstage.borrow() as buf:
-                    for pos in range(direct, ext, buf.nbytes):
-                        k = min(buf.nbytes, ext - pos)
-                        self._engine.read([(seg.fd, entry.offset + pos, buf[:k])])
-                        take = max(0, min(k, n - pos))
-                        dst[pos : pos + take] = buf[:take]
-        finally:
-            self._wait(batches)
-
-    def get_many(self, keys: Sequence[bytes]) -> list[np.ndarray | None]:
-        """Blocks of ``keys`` (None for each miss), with reads of many blocks in flight at once.
-
-        Reads are submitted ahead up to ``queue_depth x io_bytes`` bytes (at least one block);
-        each block is verified while later ones are still being read.
-        """
-        checked = [check_key(k) for k in keys]
-        results: list[np.ndarray | None] = [None] * len(checked)
-        window = self._engine.queue_depth * self._engine.io_bytes
-        with self._op():
-            inflight: deque[tuple[int, BlockEntry, Segment, np.ndarray, IoBatch]] = deque()
-            inflight_bytes = 0
-            try:
-                for i, key in enumerate(checked):
-                    found = self._lookup(key)
-                    if found is None:
-                        continue
-                    entry, seg = found
-                    try:
-                        out = alloc_aligned(entry.extent)
-                        batch = self._engine.submit_read([(seg.fd, entry.offset, out)])
-                    except BaseException:
-                        self._release(seg)
-                        raise
-                    batch.wait_started()  # before verifying earlier blocks holds the GIL
-                    inflight.append((i, entry, seg, out, batch))
-                    inflight_bytes += entry.extent
-                    while inflight and inflight_bytes > window:
-                        inflight_bytes -= self._finish_one(inflight.popleft(), results)
-                while inflight:
-                    self._finish_one(inflight.popleft(), results)
-            finally:
-                for _, _, seg, _, batch in inflight:  # only after a failure
-                    try:
-                        batch.wait()
-                    except OSError:
-                        pass
-                    self._release(seg)
-        return results
-
-    def _finish_one(self, item, results: list[np.ndarray | None]) -> int:
-        i, entry, seg, out, batch = item
-        try:
-            batch.wait()
-        finally:
-            self._release(seg)
-        payload = out[: entry.length]
-        results[i] = payload if self._verified(entry, payload) else None
-        return entry.extent
+            wait_all(batches)
 
     # -- pins and removal ----------------------------------------------------------------------
 

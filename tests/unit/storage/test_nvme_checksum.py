@@ -26,6 +26,8 @@ READS = {
     "get_into": lambda s, k: (lambda out: out if s.get_into(k, out) else None)(
         aligned_empty(BLOCK)),
     "get_many": lambda s, k: s.get_many([k])[0],
+    "get_many_into": lambda s, k: (lambda out: out if s.get_many_into([k], [out])[0] else None)(
+        aligned_empty(BLOCK)),
     "read_runs": lambda s, k: s.read_runs([(k, 0, BLOCK)])[0],
 }
 

@@ -117,6 +117,36 @@ def test_get_many_keeps_order_and_reports_misses(tmp_path):
     store.close()
 
 
+def test_get_many_into_fills_each_buffer_and_reports_misses(tmp_path):
+    store = open_store(tmp_path, queue_depth=2, io_bytes=64 * KiB)
+    sizes = [BLOCK, 3000, 200_000, BLOCK]
+    for i, n in enumerate(sizes):
+        store.put(key(i), payload(key(i), n))
+    arena = aligned_empty(5 * BLOCK)  # page-aligned slots of a block each: read directly
+    arena[:] = 0xAB
+    slots = [arena[j * BLOCK:(j + 1) * BLOCK] for j in range(5)]
+    slots[4] = np.zeros(BLOCK + 1, np.uint8)[1:]  # unaligned: through staging
+    wanted = [key(3), key(7), key(1), key(2), key(0)]
+    assert store.get_many_into(wanted, slots) == [True, False, True, True, True]
+    n_of = {key(i): n for i, n in enumerate(sizes)}
+    for k, slot in zip(wanted, slots):
+        if k in n_of:
+            np.testing.assert_array_equal(slot[:n_of[k]], payload(k, n_of[k]))
+    assert (slots[2][3000:] == 0xAB).all()  # bytes past a block are left alone
+    assert (slots[1] == 0xAB).all()  # a miss writes nothing
+    with pytest.raises(ValueError):
+        store.get_many_into([key(0)], [aligned_empty(4096)])  # too small
+    with pytest.raises(ValueError):
+        store.get_many_into([key(0), key(1)], [slots[0]])  # one buffer for two keys
+    frozen = aligned_empty(BLOCK)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError):
+        store.get_many_into([key(0)], [frozen])
+    assert store.get_many_into([], []) == []
+    store.check_integrity()
+    store.close()
+
+
 def test_bad_input_raises_and_changes_nothing(tmp_path):
     store = open_store(tmp_path, capacity_bytes=4 * BLOCK)
     store.put(key(0), payload(key(0), 1000))

@@ -1,0 +1,180 @@
+"""Whole-block reads of NvmeStore: one block, or a prefix with many reads in flight."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from cmx.buffers import ALIGN, Buffer, as_bytes_view, is_aligned
+from cmx.keys import check_key
+from cmx.storage.nvme.entry import BlockEntry
+from cmx.storage.nvme.io import IoBatch, wait_all
+from cmx.storage.nvme.segments import Segment
+from cmx.storage.nvme.staging import alloc_aligned
+from cmx.storage.nvme.state import NvmeState
+
+__all__ = ["BlockReadsMixin"]
+
+Finish = Callable[[int, BlockEntry, np.ndarray, bool], None]
+
+
+class BlockReadsMixin(NvmeState):
+    """The whole-block read part of NvmeStore (see state.py for what the parts share)."""
+
+    def get(self, key: bytes) -> np.ndarray | None:
+        key = check_key(key)
+        with self._op():
+            found = self._lookup(key)
+            if found is None:
+                return None
+            entry, seg = found
+            try:
+                out = alloc_aligned(entry.extent)
+                self._engine.read([(seg.fd, entry.offset, out)])
+            finally:
+                self._release(seg)
+            return out[: entry.length] if self._verified(entry, out[: entry.length]) else None
+
+    def get_into(self, key: bytes, out: Buffer) -> bool:
+        """Read the block into ``out[:length]``; False on a miss (``out`` then holds garbage).
+
+        ``out`` must be writable and at least the block's length; bytes past the block are
+        left alone. A page-aligned ``out`` (a shared-memory arena slot) is read into directly.
+        """
+        key = check_key(key)
+        dst = as_bytes_view(out)
+        if not dst.flags.writeable:
+            raise ValueError("get_into needs a writable buffer")
+        with self._op():
+            found = self._lookup(key, min_room=dst.nbytes)
+            if found is None:
+                return False
+            entry, seg = found
+            try:
+                self._read_into(entry, seg, dst)
+            finally:
+                self._release(seg)
+            return self._verified(entry, dst[: entry.length])
+
+    def _read_into(self, entry: BlockEntry, seg: Segment, dst: np.ndarray) -> None:
+        n, ext = entry.length, entry.extent
+        direct = n // ALIGN * ALIGN if is_aligned(dst) else 0
+        batches = []
+        try:
+            if direct:
+                batches.append(self._engine.submit_read([(seg.fd, entry.offset, dst[:direct])]))
+            if direct < ext:
+                with self._rstage.borrow() as buf:
+                    for pos in range(direct, ext, buf.nbytes):
+                        k = min(buf.nbytes, ext - pos)
+                        self._engine.read([(seg.fd, entry.offset + pos, buf[:k])])
+                        take = max(0, min(k, n - pos))
+                        dst[pos : pos + take] = buf[:take]
+        finally:
+            wait_all(batches)
+
+    def get_many(self, keys: Sequence[bytes]) -> list[np.ndarray | None]:
+        """Blocks of ``keys`` (None for each miss), with reads of many blocks in flight at once.
+
+        Reads are submitted ahead up to ``queue_depth x io_bytes`` bytes (at least one block);
+        each block is verified while later ones are still being read.
+        """
+        results: list[np.ndarray | None] = [None] * len(keys)
+
+        def land(i: int, entry: BlockEntry) -> tuple[np.ndarray, bool]:
+            return alloc_aligned(entry.extent), True
+
+        def finish(i: int, entry: BlockEntry, payload: np.ndarray, ok: bool) -> None:
+            results[i] = payload if ok else None
+
+        self._read_many(keys, land, finish)
+        return results
+
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Buffer]) -> list[bool]:
+        """``get_into`` of each key into its buffer, with reads of many blocks in flight at once.
+
+        The loader's call: a prefix into its arena slots. A block whose length is a multiple of
+        4 KiB (every KV block) lands in a page-aligned buffer straight from the disk, with the
+        reads of many blocks in flight; any other is read at once, its tail through staging, so
+        bytes past a block are left alone. A buffer smaller than its block raises ValueError.
+        """
+        if len(keys) != len(outs):
+            raise ValueError(f"{len(keys)} keys but {len(outs)} buffers")
+        dsts = [as_bytes_view(out) for out in outs]
+        if not all(dst.flags.writeable for dst in dsts):
+            raise ValueError("get_many_into needs writable buffers")
+        hits = [False] * len(keys)
+
+        def land(i: int, entry: BlockEntry) -> tuple[np.ndarray, bool]:
+            dst = dsts[i]
+            if dst.nbytes < entry.length:
+                raise ValueError(f"buffer of {dst.nbytes} bytes < block of {entry.length}")
+            return dst, is_aligned(dst) and entry.length == entry.extent
+
+        def finish(i: int, entry: BlockEntry, payload: np.ndarray, ok: bool) -> None:
+            hits[i] = ok
+
+        self._read_many(keys, land, finish)
+        return hits
+
+    def _read_many(
+        self,
+        keys: Sequence[bytes],
+        land: Callable[[int, BlockEntry], tuple[np.ndarray, bool]],
+        finish: Finish,
+    ) -> None:
+        """Read every present key; ``land`` gives each block's buffer and whether the disk can
+        fill it directly (else it is read through staging at once), ``finish`` takes each
+        block's payload once verified (ok False: it failed its checksum and is gone)."""
+        checked = [check_key(k) for k in keys]
+        window = self._engine.queue_depth * self._engine.io_bytes
+        with self._op():
+            inflight: deque[tuple[int, BlockEntry, Segment, np.ndarray, IoBatch]] = deque()
+            inflight_bytes = 0
+            try:
+                for i, key in enumerate(checked):
+                    found = self._lookup(key)
+                    if found is None:
+                        continue
+                    entry, seg = found
+                    try:
+                        out, direct = land(i, entry)
+                        if not direct:
+                            self._read_into(entry, seg, out)
+                        else:
+                            io = (seg.fd, entry.offset, out[: entry.extent])
+                            batch = self._engine.submit_read([io])
+                    except BaseException:
+                        self._release(seg)
+                        raise
+                    if not direct:
+                        self._release(seg)
+                        payload = out[: entry.length]
+                        finish(i, entry, payload, self._verified(entry, payload))
+                        continue
+                    batch.wait_started()  # before verifying earlier blocks holds the GIL
+                    inflight.append((i, entry, seg, out, batch))
+                    inflight_bytes += entry.extent
+                    while inflight and inflight_bytes > window:
+                        inflight_bytes -= self._finish_one(inflight.popleft(), finish)
+                while inflight:
+                    self._finish_one(inflight.popleft(), finish)
+            finally:
+                for _, _, seg, _, batch in inflight:  # only after a failure
+                    try:
+                        batch.wait()
+                    except OSError:
+                        pass
+                    self._release(seg)
+
+    def _finish_one(self, item, finish: Finish) -> int:
+        i, entry, seg, out, batch = item
+        try:
+            batch.wait()
+        finally:
+            self._release(seg)
+        payload = out[: entry.length]
+        finish(i, entry, payload, self._verified(entry, payload))
+        return entry.extent

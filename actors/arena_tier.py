@@ -25,7 +25,7 @@ from cmx.actors.directory import Entry, Source
 from cmx.actors.events import EventPublisher
 from cmx.errors import BlockStateError, StoreFullError
 from cmx.keys import BlockHash
-from cmx.storage.arena import SHM_DIR
+from cmx.storage.arena import SHM_DIR, reap_orphans
 from cmx.storage.base import EventKind, StoreEvent
 from cmx.storage.blocks import BlockMeta, Reservation
 from cmx.storage.dram import DramStore
@@ -88,6 +88,7 @@ class ArenaTierService:
         self.epoch = uuid.uuid4().hex[:8]
         self._evicted: dict[int, Victim] = {}  # slot -> block evicted from it, until granted
         _unlink_stale_arenas(f"cmx-{tier.value}-{node[:12]}-")
+        reap_orphans()  # arenas of nodes torn down on this host before
         self.store = DramStore(
             capacity_bytes,
             block_bytes,

@@ -4,7 +4,7 @@ The DRAM tier keeps its blocks in one arena; the node's offload agent maps the s
 name and moves them (to NVMe, to another node) without a copy through the tier's process.
 Layout of the shared file::
 
-    [header page: magic, version, slot_bytes, num_slots][slot 0][slot 1]...[slot n-1]
+    [header page: magic, version, owner pid, slot_bytes, num_slots][slot 0][slot 1]...[slot n-1]
 
 Slots are multiples of 4 KiB and the mapping is page-aligned, so every slot can go straight to
 O_DIRECT I/O, and ``buffer`` (all slots) is one region for a single NIXL registration.
@@ -12,9 +12,11 @@ O_DIRECT I/O, and ``buffer`` (all slots) is one region for a single NIXL registr
 Ownership: ``create`` makes the file and owns it; ``attach`` maps an existing one. The owner
 unlinks (``unlink`` or its context manager); if it never does, the file is unlinked when the
 owner's arena is garbage collected or its process exits, and the multiprocessing resource
-tracker unlinks it if the owner process dies. ``attach`` never registers with the tracker: on
-Python 3.11 ``SharedMemory`` registers every attach, the tracker keeps one entry per name shared
-with spawned children, and a child unregistering its attach drops the owner's entry too.
+tracker unlinks it if the owner process dies, unless the tracker is killed with it (a Ray node
+torn down): ``reap_orphans`` then removes arenas whose owner pid is gone. ``attach`` never
+registers with the tracker: on Python 3.11 ``SharedMemory`` registers every attach, the tracker
+keeps one entry per name shared with spawned children, and a child unregistering its attach
+drops the owner's entry too.
 """
 
 from __future__ import annotations
@@ -33,11 +35,11 @@ import numpy as np
 from cmx.buffers import ALIGN, align_up
 from cmx.errors import BlockStateError, BlockTooLargeError, StoreClosedError, StoreFullError
 
-__all__ = ["SHM_DIR", "SharedArena", "SlotAllocator", "SlotRef", "read_slot"]
+__all__ = ["SHM_DIR", "SharedArena", "SlotAllocator", "SlotRef", "read_slot", "reap_orphans"]
 
 SHM_DIR = "/dev/shm"  # where POSIX shared memory lives on Linux
 HEADER_BYTES = ALIGN  # one page, so slot 0 starts page-aligned
-_HEADER = struct.Struct("<8sIIQQ")  # magic, version, reserved, slot_bytes, num_slots
+_HEADER = struct.Struct("<8sIIQQ")  # magic, version, owner pid (0: unknown), slot_bytes, slots
 _MAGIC = b"CMXARENA"
 _VERSION = 1
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")  # no "/" (a path) and no ":" (tracker protocol)
@@ -159,7 +161,7 @@ class SharedArena:
             raise
         finally:
             os.close(fd)
-        mm[: _HEADER.size] = _HEADER.pack(_MAGIC, _VERSION, 0, slot_bytes, num_slots)
+        mm[: _HEADER.size] = _HEADER.pack(_MAGIC, _VERSION, os.getpid(), slot_bytes, num_slots)
         resource_tracker.register("/" + name, "shared_memory")
         return cls(name, mm, slot_bytes, num_slots, owner=True)
 
@@ -271,6 +273,47 @@ def read_slot(ref: SlotRef) -> np.ndarray:
         return arena.read(ref.slot, ref.size)
     finally:
         arena.close()
+
+
+def reap_orphans(prefix: str = "cmx-", shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlink the arenas under ``prefix`` whose owner process no longer exists; their names.
+
+    An arena of unknown owner (pid 0), of a live pid, or that is not an arena is left alone.
+    A reused pid keeps an orphan a while longer, never removes a live arena.
+    """
+    reaped = []
+    try:
+        names = sorted(n for n in os.listdir(shm_dir) if n.startswith(prefix))
+    except OSError:
+        return reaped
+    for name in names:
+        path = os.path.join(shm_dir, name)
+        try:
+            with open(path, "rb") as f:
+                head = f.read(_HEADER.size)
+        except OSError:
+            continue
+        if len(head) < _HEADER.size:
+            continue
+        magic, _, pid, _, _ = _HEADER.unpack(head)
+        if magic != _MAGIC or pid == 0 or _alive(pid):
+            continue
+        try:
+            os.unlink(path)
+        except OSError:
+            continue
+        reaped.append(name)
+    return reaped
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def _path(name: str) -> str:

@@ -14,7 +14,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cmx.errors import BlockStateError, BlockTooLargeError, StoreClosedError, StoreFullError
-from cmx.storage.arena import SHM_DIR, SharedArena, SlotAllocator, SlotRef, read_slot
+from cmx.storage.arena import (
+    SHM_DIR,
+    SharedArena,
+    SlotAllocator,
+    SlotRef,
+    read_slot,
+    reap_orphans,
+)
 
 PREFIX = f"cmx-{os.getpid()}-"
 
@@ -147,6 +154,37 @@ def test_a_spawned_reader_leaves_the_resource_tracker_quiet() -> None:
 
 
 # -- the allocator ------------------------------------------------------------------------------
+
+
+def test_an_attach_may_map_every_page_up_front() -> None:
+    with SharedArena.create(4 * 4096, 4096) as arena:
+        arena.slot_view(3)[:2] = [5, 6]
+        with SharedArena.attach(arena.name, populate=True) as reader:
+            assert reader.read(3, 2).tolist() == [5, 6]
+
+
+def test_orphans_of_dead_owners_are_reaped_and_live_arenas_stay() -> None:
+    prefix = f"{PREFIX}reap-"
+    script = textwrap.dedent(f"""
+        import os
+        from multiprocessing import resource_tracker
+        from cmx.storage.arena import SharedArena
+        arena = SharedArena.create(4096, 4096, name="{prefix}orphan")
+        resource_tracker.unregister("/{prefix}orphan", "shared_memory")  # the tracker dies too
+        os._exit(0)  # killed: nothing unlinks
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+    orphan = os.path.join(SHM_DIR, f"{prefix}orphan")
+    assert os.path.exists(orphan)
+    with open(os.path.join(SHM_DIR, f"{prefix}not-an-arena"), "wb") as f:
+        f.write(b"x" * 64)
+    try:
+        with SharedArena.create(4096, 4096, name=f"{prefix}live") as live:
+            assert reap_orphans(prefix) == [f"{prefix}orphan"]
+            assert not os.path.exists(orphan)
+            assert os.path.exists(os.path.join(SHM_DIR, live.name))
+    finally:
+        os.unlink(os.path.join(SHM_DIR, f"{prefix}not-an-arena"))
 
 
 def test_allocator_hands_out_every_slot_once() -> None:

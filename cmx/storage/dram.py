@@ -26,17 +26,16 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
 
 import numpy as np
 
 from cmx.buffers import Buffer, align_up, as_bytes_view
 from cmx.checksum import Checksum, checksum
-from cmx.errors import BlockStateError, BlockTooLargeError, StoreClosedError, StoreFullError
+from cmx.errors import BlockStateError, BlockTooLargeError, StoreFullError
 from cmx.keys import BlockHash, check_key
 from cmx.policies.eviction import EvictionPolicy, make_eviction
 from cmx.storage.arena import SharedArena, SlotAllocator, SlotRef
-from cmx.storage.base import BlockStore, EventKind, StoreStats
+from cmx.storage.base import EventKind
 from cmx.storage.blocks import (
     BlockMeta,
     OnEvict,
@@ -46,24 +45,14 @@ from cmx.storage.blocks import (
     check_checksum,
     check_size,
 )
+from cmx.storage.dram_books import DramBooks, DramEntry
 
 __all__ = ["BlockMeta", "DramStore", "OnEvict", "Reservation"]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(eq=False)
-class _Entry:
-    slot: int
-    parent: BlockHash | None
-    reservation: int
-    committed: bool = False
-    size: int = 0
-    checksum: int | None = None
-    pins: int = 0
-
-
-class DramStore(BlockStore):
+class DramStore(DramBooks):
     """Blocks of at most ``block_bytes`` in a ``capacity_bytes`` shared-memory arena.
 
     Args:
@@ -92,7 +81,7 @@ class DramStore(BlockStore):
         self._arena = SharedArena.create(capacity_bytes, align_up(block_bytes), name, populate)
         self._block_bytes = block_bytes
         self._slots = SlotAllocator(self._arena.num_slots)
-        self._index: dict[BlockHash, _Entry] = {}  # committed and reserved blocks
+        self._index: dict[BlockHash, DramEntry] = {}  # committed and reserved blocks
         self._on_evict = on_evict
         self._lock = threading.RLock()
         self._closed = False
@@ -109,11 +98,6 @@ class DramStore(BlockStore):
     @property
     def block_bytes(self) -> int:
         return self._block_bytes
-
-    @property
-    def capacity_bytes(self) -> int:
-        """Payload bytes the store can hold: one block per slot."""
-        return self._arena.num_slots * self._block_bytes
 
     @property
     def arena(self) -> SharedArena:
@@ -143,7 +127,7 @@ class DramStore(BlockStore):
                 self._evict_one()
             slot = self._slots.alloc()
             self._next_id += 1
-            self._index[key] = _Entry(slot, parent, self._next_id)
+            self._index[key] = DramEntry(slot, parent, self._next_id)
             self._reserved += 1
             view = self._arena.slot_view(slot)[: self._block_bytes]
             return Reservation(key, parent, slot, view, self._next_id)
@@ -312,66 +296,6 @@ class DramStore(BlockStore):
             self._remove(key, entry)
             return True
 
-    # -- books ---------------------------------------------------------------------------------
-
-    def stats(self) -> StoreStats:
-        with self._lock:
-            self._check_open()
-            return StoreStats(
-                capacity_bytes=self.capacity_bytes,
-                used_bytes=self._used_bytes + self._reserved * self._block_bytes,
-                blocks=self._committed,
-                pinned=self._pinned,
-                hits=self._hits,
-                misses=self._misses,
-                evictions=self._evictions,
-                bytes_written=self._bytes_written,
-                bytes_read=self._bytes_read,
-                extra={
-                    "arena": self._arena.name,
-                    "slot_bytes": self._arena.slot_bytes,
-                    "slots": self._slots.capacity,
-                    "free_slots": self._slots.free,
-                    "reserved": self._reserved,
-                    "eviction": self._policy.name,
-                    "evict_hook_errors": self._hook_errors,
-                },
-            )
-
-    def check_integrity(self) -> None:
-        with self._lock:
-            self._check_open()
-            self._slots.check_integrity()
-            if len(self._index) != self._slots.used:
-                raise AssertionError(
-                    f"index holds {len(self._index)} blocks, {self._slots.used} slots in use"
-                )
-            slots: set[int] = set()
-            committed = reserved = pinned = used = 0
-            for key, entry in self._index.items():
-                if entry.slot in slots or not self._slots.is_used(entry.slot):
-                    raise AssertionError(f"slot {entry.slot} of {key.hex()[:12]} is shared or free")
-                slots.add(entry.slot)
-                if not 0 <= entry.size <= self._block_bytes or entry.pins < 0:
-                    raise AssertionError(f"{key.hex()[:12]}: size {entry.size} pins {entry.pins}")
-                if entry.committed != (key in self._policy):
-                    raise AssertionError(f"{key.hex()[:12]}: committed={entry.committed} "
-                                         f"but in policy={key in self._policy}")
-                if not entry.committed and entry.pins:
-                    raise AssertionError(f"{key.hex()[:12]}: reserved but pinned {entry.pins}")
-                committed += entry.committed
-                reserved += not entry.committed
-                pinned += entry.pins > 0
-                used += entry.size if entry.committed else 0
-            counted = (committed, reserved, pinned, used)
-            kept = (self._committed, self._reserved, self._pinned, self._used_bytes)
-            if counted != kept:
-                raise AssertionError(f"(committed, reserved, pinned, used bytes) are {counted}, "
-                                     f"counters say {kept}")
-            if len(self._policy) != committed:
-                raise AssertionError(f"policy holds {len(self._policy)}, {committed} committed")
-            self._policy.check_integrity()
-
     def close(self) -> None:
         """Report every block removed, then unmap and unlink the arena. Idempotent."""
         with self._lock:
@@ -387,15 +311,11 @@ class DramStore(BlockStore):
 
     # -- internals (callers hold the lock) -----------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise StoreClosedError(f"DRAM store {self._arena.name} is closed")
-
-    def _visible(self, key: BlockHash) -> _Entry | None:
+    def _visible(self, key: BlockHash) -> DramEntry | None:
         entry = self._index.get(key)
         return entry if entry is not None and entry.committed else None
 
-    def _lookup(self, key: BlockHash) -> _Entry | None:
+    def _lookup(self, key: BlockHash) -> DramEntry | None:
         """A hit (counted, policy touched) or a miss (counted)."""
         self._check_open()
         entry = self._visible(key)
@@ -406,10 +326,10 @@ class DramStore(BlockStore):
         self._policy.touch(key)
         return entry
 
-    def _payload(self, entry: _Entry) -> np.ndarray:
+    def _payload(self, entry: DramEntry) -> np.ndarray:
         return self._arena.slot_view(entry.slot)[: entry.size]
 
-    def _open_entry(self, reservation: Reservation) -> _Entry:
+    def _open_entry(self, reservation: Reservation) -> DramEntry:
         if not isinstance(reservation, Reservation):
             raise TypeError(f"expected a Reservation, got {type(reservation).__name__}")
         entry = self._index.get(reservation.key)
@@ -436,7 +356,7 @@ class DramStore(BlockStore):
         entry = self._index.get(BlockHash(key))
         return entry is not None and entry.committed and not entry.pins
 
-    def _demote(self, key: BlockHash, entry: _Entry) -> None:
+    def _demote(self, key: BlockHash, entry: DramEntry) -> None:
         assert self._on_evict is not None
         view = self._payload(entry)
         view.flags.writeable = False
@@ -452,7 +372,7 @@ class DramStore(BlockStore):
             entry.pins -= 1
             self._pinned -= 1
 
-    def _remove(self, key: BlockHash, entry: _Entry) -> None:
+    def _remove(self, key: BlockHash, entry: DramEntry) -> None:
         del self._index[key]
         self._policy.remove(key)
         self._slots.release(entry.slot)

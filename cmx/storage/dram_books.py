@@ -1,0 +1,118 @@
+"""The books of DramStore: its index and counters, what ``stats`` reports of them, and the
+invariants ``check_integrity`` holds them to. DramStore (dram.py) keeps them."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from cmx.errors import StoreClosedError
+from cmx.keys import BlockHash
+from cmx.policies.eviction import EvictionPolicy
+from cmx.storage.arena import SharedArena, SlotAllocator
+from cmx.storage.base import BlockStore, StoreStats
+
+__all__ = ["DramBooks", "DramEntry"]
+
+
+@dataclass(eq=False)
+class DramEntry:
+    """One block's place in the arena and its state."""
+
+    slot: int
+    parent: BlockHash | None
+    reservation: int
+    committed: bool = False
+    size: int = 0
+    checksum: int | None = None
+    pins: int = 0
+
+
+class DramBooks(BlockStore):
+    """The state DramStore keeps; set by ``DramStore.__init__``."""
+
+    _arena: SharedArena
+    _block_bytes: int
+    _slots: SlotAllocator
+    _index: dict[BlockHash, DramEntry]  # committed and reserved blocks
+    _policy: EvictionPolicy
+    _lock: threading.RLock
+    _committed: int
+    _reserved: int
+    _pinned: int  # blocks with at least one pin
+    _used_bytes: int  # payload bytes of committed blocks
+    _hits: int
+    _misses: int
+    _evictions: int
+    _hook_errors: int
+    _bytes_written: int
+    _bytes_read: int
+
+    _closed: bool
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Payload bytes the store can hold: one block per slot."""
+        return self._arena.num_slots * self._block_bytes
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"DRAM store {self._arena.name} is closed")
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            self._check_open()
+            return StoreStats(
+                capacity_bytes=self.capacity_bytes,
+                used_bytes=self._used_bytes + self._reserved * self._block_bytes,
+                blocks=self._committed,
+                pinned=self._pinned,
+                hits=self._hits,
+                misses=self._misses,
+                evictions=self._evictions,
+                bytes_written=self._bytes_written,
+                bytes_read=self._bytes_read,
+                extra={
+                    "arena": self._arena.name,
+                    "slot_bytes": self._arena.slot_bytes,
+                    "slots": self._slots.capacity,
+                    "free_slots": self._slots.free,
+                    "reserved": self._reserved,
+                    "eviction": self._policy.name,
+                    "evict_hook_errors": self._hook_errors,
+                },
+            )
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            self._check_open()
+            self._slots.check_integrity()
+            if len(self._index) != self._slots.used:
+                raise AssertionError(
+                    f"index holds {len(self._index)} blocks, {self._slots.used} slots in use"
+                )
+            slots: set[int] = set()
+            committed = reserved = pinned = used = 0
+            for key, entry in self._index.items():
+                if entry.slot in slots or not self._slots.is_used(entry.slot):
+                    raise AssertionError(f"slot {entry.slot} of {key.hex()[:12]} is shared or free")
+                slots.add(entry.slot)
+                if not 0 <= entry.size <= self._block_bytes or entry.pins < 0:
+                    raise AssertionError(f"{key.hex()[:12]}: size {entry.size} pins {entry.pins}")
+                if entry.committed != (key in self._policy):
+                    raise AssertionError(f"{key.hex()[:12]}: committed={entry.committed} "
+                                         f"but in policy={key in self._policy}")
+                if not entry.committed and entry.pins:
+                    raise AssertionError(f"{key.hex()[:12]}: reserved but pinned {entry.pins}")
+                committed += entry.committed
+                reserved += not entry.committed
+                pinned += entry.pins > 0
+                used += entry.size if entry.committed else 0
+            counted = (committed, reserved, pinned, used)
+            kept = (self._committed, self._reserved, self._pinned, self._used_bytes)
+            if counted != kept:
+                raise AssertionError(f"(committed, reserved, pinned, used bytes) are {counted}, "
+                                     f"counters say {kept}")
+            if len(self._policy) != committed:
+                raise AssertionError(f"policy holds {len(self._policy)}, {committed} committed")
+            self._policy.check_integrity()

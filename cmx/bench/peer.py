@@ -10,8 +10,8 @@ Every figure is ours over LMCache's, measured in the same repetition, one right 
   (``lmcache_driver.py``, in LMCache's own virtual environment; see ``lmcache_env``).
 - Store: ours ``put`` of every block then ``flush`` (durable: data fdatasync'ed, index
   journaled); LMCache ``store`` until its last chunk file is written (O_DIRECT, no fsync).
-- Load: ours ``get_into`` of every block into its slot of a faulted-in page-aligned buffer,
-  4 blocks in flight; LMCache ``lookup`` + ``retrieve`` into a CPU KV tensor (its disk reads
+- Load: ours one ``get_many_into`` of every block into its slot of a faulted-in page-aligned
+  buffer; LMCache ``lookup`` + ``retrieve`` into a CPU KV tensor (its disk reads
   run on 4 threads).
 - One KV head of eight, all layers, every token: ours reads just that head, a contiguous run
   of each head-major block, with one ``read_runs`` call; LMCache has no partial read, so it
@@ -34,7 +34,6 @@ from cmx.bench.core import GB, BenchContext, Figure, Goal, MiB, SuiteResult, Tab
 from cmx.bench.lmcache_env import Peer, PeerError, ensure_peer, run_driver
 from cmx.bench.prefix import (
     GEOMETRY,
-    LOAD_THREADS,
     head_runs,
     hits_after_restart,
     llama_layout,
@@ -263,7 +262,7 @@ def _disk_figures(ours: dict[int, Samples], theirs: dict[int, Samples],
         figures += [
             Figure("lmcache", f"store, {label}", "GB/s", o.get("store"),
                    f"{disk}: store until written", t.get("store"), PARITY,
-                   note="ours put + flush (durable); LMCache's writes are not fsync'ed"),
+                   note="ours put_many + flush (durable); LMCache's writes are not fsync'ed"),
             Figure("lmcache", f"load, {label}", "GB/s", o.get("load"),
                    f"{disk}: lookup + retrieve", t.get("load"), PARITY),
             Figure("lmcache", f"one KV head of 8, all layers, {label}", "GB/s of the head",
@@ -324,9 +323,10 @@ def _notes(ctx: BenchContext, peer: Peer) -> list[str]:
         f"local_disk under {ctx.config.dir}, extra_config use_odirect=True, its default 4 "
         "disk I/O threads, one file per chunk; driven through a CPU stand-in for its GPU "
         "connector (copies between its memory objects and a CPU KV tensor)",
-        f"ours: NvmeStore in {ctx.config.dir}, head-major Llama-3-8B blocks; loads read "
-        f"{LOAD_THREADS} blocks at a time with get_into into page-aligned slots faulted in "
-        "beforehand; LMCache's CPU memory pool is likewise allocated before its timings",
+        f"ours: NvmeStore in {ctx.config.dir}, head-major Llama-3-8B blocks; stores are "
+        "put_many then flush; loads one get_many_into of the prefix into page-aligned slots "
+        "faulted in beforehand; LMCache's CPU memory pool is likewise allocated before its "
+        "timings",
         "each side first stores and loads one block (chunk) of other tokens, untimed: "
         "LMCache's engine pays about half a second of one-time setup on its first calls",
         "restart: both sides close, then a new process opens the same directory and looks "

@@ -8,8 +8,8 @@ of the wait to the moment every byte of the prefix is in the destination.
 - The prefix: Llama-3-8B (32 layers, 8 KV heads, head_dim 128, bfloat16), 256-token blocks;
   ``40,960 x --gib`` tokens, so the default ``--gib 2`` is the 80K-token (10 GiB) prefix and
   a smoke run can be small.
-- Ours: NvmeStore, every block read with ``get_into`` into its own slot of a page-aligned
-  destination faulted in beforehand (4 blocks in flight). The load starts on a thread at the
+- Ours: NvmeStore, one ``get_many_into`` of the prefix, every block into its own slot of a
+  page-aligned destination faulted in beforehand. The load starts on a thread at the
   request's arrival; after W the replica waits with the ``wait_complete`` prefetch policy,
   and what it waits is the time-to-ready.
 - LMCache 0.5, local disk backend with O_DIRECT, the same bytes on the same disk. With
@@ -193,8 +193,8 @@ def run_prefetch(ctx: BenchContext) -> SuiteResult:
         "hot cache; the scheduler's side (told by the engine when a prefetch is done) is "
         "played by the driver; cold loads set the engine's async_loading off for that call, "
         "so they take its blocking path (batched_get_blocking, 4 threads)",
-        f"ours: NvmeStore get_into, 4 blocks in flight, into a page-aligned destination; "
-        f"prefix stored in {ours['store_s']:.1f} s (put + flush), LMCache's in "
+        f"ours: NvmeStore get_many_into of the prefix, into a page-aligned destination; "
+        f"prefix stored in {ours['store_s']:.1f} s (put_many + flush), LMCache's in "
         f"{theirs['store_s']:.1f} s",
         "time-to-ready starts when the queue wait ends; a load that finished during the wait "
         "counts 0; LMCache's includes retrieve's copy of the prefetched chunks into the KV "

@@ -42,8 +42,8 @@ outside the `cmx-bench` markers is kept.
 
 | Goal | Figures | Baseline |
 | --- | --- | --- |
-| NVMe, 32 MiB blocks: ratio >= 0.85 | `nvme` put+flush, get_many | fio 1 MiB QD16 write, read |
-| NVMe, 2 MiB blocks: ratio >= 0.8 | `nvme` put+flush, get_many | fio 1 MiB QD16 write, read |
+| NVMe, 32 MiB blocks: ratio >= 0.85 | `nvme` put_many+flush, get_many_into | fio 1 MiB QD16 |
+| NVMe, 2 MiB blocks: ratio >= 0.8 | `nvme` put_many+flush, get_many_into | fio 1 MiB QD16 |
 | DRAM: ratio >= 0.8 | `dram` put, get_into | numpy memcpy, same bytes |
 | one KV head as 512 B pieces: all I/Os >= 128 KiB | `slices` head-major | the request's I/Os |
 | the same: read amplification <= 1.5 | `slices` head-major | bytes requested |

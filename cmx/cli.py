@@ -105,7 +105,10 @@ def bench(
     docs_path = None if no_docs or not docs.parent.is_dir() else docs
     written = write_outputs(report, out, json_out, docs_path)
     console.print(f"wrote {written.describe()}")
-    if strict and any(f.verdict is Verdict.MISS for f in report.figures):
+    failed = [s for s in report.suites if s.error]
+    for suite in failed:
+        console.print(f"[red]suite {suite.name} failed:[/red] {suite.error}")
+    if failed or (strict and any(f.verdict is Verdict.MISS for f in report.figures)):
         raise typer.Exit(code=1)
 
 

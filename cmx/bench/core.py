@@ -138,12 +138,14 @@ class SuiteResult:
     tables: list[Table] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0  # wall time of the suite
+    error: str | None = None  # why the suite stopped before its figures, if it did
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "command": self.command,
             "seconds": self.seconds,
+            "error": self.error,
             "figures": [f.to_dict() for f in self.figures],
             "tables": [t.to_dict() for t in self.tables],
             "notes": list(self.notes),

@@ -124,6 +124,7 @@ def _suite_markdown(suite: SuiteResult, report: BenchReport, level: str = "###")
         f"Machine: {machine_line(report.machine)}  ",
         f"Run: {report.started}, {suite.seconds:.0f} s, medians of {report.config['reps']} "
         "repetitions",
+        *(["", f"**The suite failed:** {suite.error}"] if suite.error else []),
         "",
         _md_table(FIGURE_HEADERS, figure_rows(suite.figures)),
     ]
@@ -161,6 +162,8 @@ def update_docs(path: Path, report: BenchReport, plots: Sequence[Path] = ()) -> 
     text = path.read_text() if path.exists() else DOCS_HEADER
     shown = {p.stem: p for p in plots}
     for suite in report.suites:
+        if suite.error:
+            continue  # the page keeps the suite's last figures, with their own date
         begin = f"<!-- cmx-bench:{suite.name}:begin -->"
         end = f"<!-- cmx-bench:{suite.name}:end -->"
         section = _suite_markdown(suite, report)

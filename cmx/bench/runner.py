@@ -15,6 +15,7 @@ from pathlib import Path
 from cmx.bench import SUITES
 from cmx.bench.core import BenchConfig, BenchContext, SuiteResult
 from cmx.bench.machine import machine_info
+from cmx.bench.raw import FioMissingError
 from cmx.bench.report import BenchReport
 
 __all__ = ["resolve_suites", "run_bench", "suite_command"]
@@ -50,7 +51,9 @@ def run_bench(names: Sequence[str], config: BenchConfig,
               keep: bool = False) -> BenchReport:
     """Run ``names`` (all suites if empty) in a new directory inside ``config.dir``.
 
-    That directory and every data file in it are removed at the end unless ``keep``.
+    A suite that fails is reported with its error (``SuiteResult.error``) and the next one
+    runs; a missing fio stops the run. The directory and every data file in it are removed at
+    the end unless ``keep``.
     """
     suites = resolve_suites(names)
     created = not config.dir.exists()
@@ -66,7 +69,13 @@ def run_bench(names: Sequence[str], config: BenchConfig,
     try:
         for name in suites:
             t0, load0 = time.perf_counter(), os.getloadavg()[0]
-            result = _load(name)(ctx)
+            try:
+                result = _load(name)(ctx)
+            except FioMissingError:
+                raise
+            except Exception as exc:  # one broken suite must not cost the others' figures
+                log(f"{name} failed: {type(exc).__name__}: {exc}")
+                result = SuiteResult(name, command="", error=f"{type(exc).__name__}: {exc}")
             result.command = suite_command(name, config)
             result.seconds = time.perf_counter() - t0
             # Other work on the machine skews figures; say how busy it was.

@@ -125,3 +125,29 @@ def test_io_size_share_reads_numeric_and_labelled_buckets() -> None:
     assert share_at_least({64 << 10: 1, 1 << 20: 3}, 128 << 10) == 0.75
     assert math.isnan(share_at_least({}, 1))
     assert np.isclose(share_at_least({"4M": 2}, 128 << 10), 1.0)
+
+
+def broken_suite(ctx: object) -> SuiteResult:
+    raise RuntimeError("the cluster would not start")
+
+
+def working_suite(ctx: object) -> SuiteResult:
+    return SuiteResult("working", "", [figure((5.0,), (10.0,), None)])
+
+
+def test_a_failing_suite_is_reported_and_the_next_one_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cmx.bench import runner
+
+    monkeypatch.setattr(runner, "SUITES", {"broken": f"{__name__}:broken_suite",
+                                           "working": f"{__name__}:working_suite"})
+    config = BenchConfig(dir=tmp_path / "work", reps=1, gib=0.01, fio_seconds=0.1,
+                         out=tmp_path / "out")
+    got = runner.run_bench([], config)
+    assert [s.name for s in got.suites] == ["broken", "working"]
+    assert got.suites[0].error == "RuntimeError: the cluster would not start"
+    assert got.suites[1].error is None and len(got.suites[1].figures) == 1
+    docs = tmp_path / "BENCHMARKS.md"
+    update_docs(docs, got)
+    assert "cmx-bench:broken" not in docs.read_text() and "cmx-bench:working" in docs.read_text()

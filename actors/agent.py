@@ -243,9 +243,27 @@ class OffloadAgent(PeerServing, Demotion, PoolWrites):
         self, peer_agent: str, node: str, keys: Sequence[BlockHash], idx: list[int],
         granted: dict[int, Grant], priority: Priority,
     ) -> dict[int, Loaded]:
-        staged: list[Staged | None] = self.link.call(  # type: ignore[attr-defined]
-            peer_agent, "stage", [keys[i] for i in idx], timeout_s=self.config.load_timeout_s
-        )
+        """Pull blocks from a peer (an agent or a pool node), window by window: a peer stages
+        what its memory holds at once, the rest goes in later windows. Stops when a window
+        stages nothing (the peer has none of the rest)."""
+        out: dict[int, Loaded] = {}
+        todo = idx
+        while todo:
+            staged: list[Staged | None] = self.link.call(  # type: ignore[attr-defined]
+                peer_agent, "stage", [keys[i] for i in todo],
+                timeout_s=self.config.load_timeout_s,
+            )
+            if all(s is None for s in staged):
+                break
+            out.update(self._pull_staged(peer_agent, node, keys, todo, staged, granted, priority))
+            todo = [i for i, s in zip(todo, staged) if s is None]
+        return out
+
+    def _pull_staged(
+        self, peer_agent: str, node: str, keys: Sequence[BlockHash], idx: list[int],
+        staged: list[Staged | None], granted: dict[int, Grant], priority: Priority,
+    ) -> dict[int, Loaded]:
+        """Move the blocks a peer staged into their HBM slots, verified; then unstage them."""
         try:
             peer = self._peer(peer_agent)
             if any(s is not None and s.region not in {r.name for r in peer.regions}
@@ -254,9 +272,19 @@ class OffloadAgent(PeerServing, Demotion, PoolWrites):
             hbm_info, hbm = self._arenas[Tier.HBM]
             pairs = [(i, s) for i, s in zip(idx, staged) if s is not None]
             moves = [Move(s.region, s.slot, hbm_info.arena, granted[i].slot) for i, s in pairs]
+            owner = dict(zip(moves, pairs))
+            intact: set[int] = set()
+
+            def verify(batch: Sequence[Move]) -> None:  # while later batches still move
+                for m in batch:
+                    i, s = owner[m]
+                    if checksum(hbm.slot_view(m.dst_slot)[: s.size]) == s.checksum:
+                        intact.add(i)
+
             with self.scheduler.staging(0):
                 fut = self.scheduler.submit(
-                    priority, lambda: self.transport.read(peer, moves, self.config.load_timeout_s)
+                    priority,
+                    lambda: self.transport.read(peer, moves, self.config.load_timeout_s, verify),
                 )
                 try:
                     fut.result()
@@ -265,7 +293,7 @@ class OffloadAgent(PeerServing, Demotion, PoolWrites):
                     raise
             out: dict[int, Loaded] = {}
             for i, s in pairs:
-                if checksum(hbm.slot_view(granted[i].slot)[: s.size]) != s.checksum:
+                if i not in intact:
                     log.warning("checksum mismatch for %s from %s", keys[i].hex()[:12], node[:8])
                     continue
                 out[i] = Loaded(keys[i], granted[i].slot, s.size, s.source_tier, node,

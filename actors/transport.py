@@ -62,6 +62,13 @@ class Move:
     dst_slot: int
 
 
+OnDone = Callable[[Sequence[Move]], None]  # a batch of moves has landed
+
+# Moves per NIXL request: a load's requests are all in flight at once, and the blocks of each
+# are verified as it completes, while later ones still move (4 x 32 MiB: 128 MiB a request).
+PIPELINE_MOVES = 4
+
+
 @dataclass(frozen=True)
 class PeerInfo:
     agent: str  # unique agent name (node id + incarnation)
@@ -97,15 +104,21 @@ class Transport(ABC):
     def connect(self, peer: PeerInfo) -> None: ...
 
     @abstractmethod
-    def _read(self, peer: PeerInfo, moves: Sequence[Move], timeout_s: float) -> None: ...
+    def _read(self, peer: PeerInfo, moves: Sequence[Move], timeout_s: float,
+              on_done: OnDone) -> None: ...
 
-    def read(self, peer: PeerInfo, moves: Sequence[Move], timeout_s: float = 30.0) -> int:
-        """Move ``moves`` from ``peer``; returns bytes moved."""
+    def read(self, peer: PeerInfo, moves: Sequence[Move], timeout_s: float = 30.0,
+             on_done: OnDone | None = None) -> int:
+        """Move ``moves`` from ``peer``; returns bytes moved.
+
+        ``on_done(batch)`` is called with each batch of moves as soon as it has landed, while
+        later batches may still be moving: the caller verifies early blocks during the rest.
+        """
         if not moves:
             return 0
         start = time.perf_counter()
         try:
-            self._read(peer, moves, timeout_s)
+            self._read(peer, moves, timeout_s, on_done or (lambda _batch: None))
         except TransferError:
             self.stats.failures += 1
             raise
@@ -175,16 +188,17 @@ class NixlTransport(Transport):
         except Exception:  # noqa: BLE001 - already gone is fine
             pass
 
-    def _read(self, peer: PeerInfo, moves: Sequence[Move], timeout_s: float) -> None:
-        groups: dict[tuple[str, str], tuple[list[int], list[int]]] = {}
+    def _read(self, peer: PeerInfo, moves: Sequence[Move], timeout_s: float,
+              on_done: OnDone) -> None:
+        groups: dict[tuple[str, str], list[Move]] = {}
         for m in moves:
-            src, dst = groups.setdefault((m.src_region, m.dst_region), ([], []))
-            src.append(m.src_slot)
-            dst.append(m.dst_slot)
-        handles = []
+            groups.setdefault((m.src_region, m.dst_region), []).append(m)
+        batches = [group[i : i + PIPELINE_MOVES] for group in groups.values()
+                   for i in range(0, len(group), PIPELINE_MOVES)]
+        handles: list[object] = []
         try:
             self.connect(peer)
-            self._start_and_wait(peer, groups, handles, timeout_s)
+            self._start_and_wait(peer, batches, handles, timeout_s, on_done)
         except TransferError:
             raise
         except Exception as exc:  # noqa: BLE001 - NIXL raises its own kinds (a peer gone, ...)
@@ -197,22 +211,24 @@ class NixlTransport(Transport):
                     pass
 
     def _start_and_wait(
-        self, peer: PeerInfo, groups: dict[tuple[str, str], tuple[list[int], list[int]]],
-        handles: list[object], timeout_s: float,
+        self, peer: PeerInfo, batches: list[list[Move]], handles: list[object],
+        timeout_s: float, on_done: OnDone,
     ) -> None:
-        """Start one prepared READ per (source, destination) region pair; wait for all."""
-        for (src_region, dst_region), (src, dst) in groups.items():
+        """Start one prepared READ per batch (all in flight); wait for each in turn."""
+        for batch in batches:
+            src_region, dst_region = batch[0].src_region, batch[0].dst_region
             remote = self._remote.get((peer.agent, src_region))
             if remote is None:
                 raise TransferError(f"peer {peer.agent} has no region {src_region}")
             h = self._nixl.make_prepped_xfer(
-                "READ", self._local[dst_region], dst, remote, src
+                "READ", self._local[dst_region], [m.dst_slot for m in batch],
+                remote, [m.src_slot for m in batch],
             )
             if self._nixl.transfer(h) == "ERR":
                 raise TransferError(f"transfer from {peer.agent} could not start")
             handles.append(h)
         deadline = time.monotonic() + timeout_s
-        for h in handles:
+        for h, batch in zip(handles, batches):
             pause = 20e-6  # back off while polling: a spinning poller starves UCX's progress
             while (state := self._nixl.check_xfer_state(h)) != "DONE":
                 if state == "ERR":
@@ -221,6 +237,7 @@ class NixlTransport(Transport):
                     raise TransferError(f"transfer from {peer.agent} timed out")
                 time.sleep(pause)
                 pause = min(pause * 2, 1e-3)
+            on_done(batch)
 
     def close(self) -> None:
         for peer in list(self._peers):
@@ -248,7 +265,8 @@ class RayTransport(Transport):
     def connect(self, peer: PeerInfo) -> None:
         """Nothing to prepare."""
 
-    def _read(self, peer: PeerInfo, moves: Sequence[Move], timeout_s: float) -> None:
+    def _read(self, peer: PeerInfo, moves: Sequence[Move], timeout_s: float,
+              on_done: OnDone) -> None:
         try:
             blobs = self._fetch(peer.agent, [(m.src_region, m.src_slot) for m in moves])
         except Exception as exc:  # noqa: BLE001 - any failure of the peer is a failed transfer
@@ -257,6 +275,7 @@ class RayTransport(Transport):
             region, buf = self.regions[m.dst_region]
             off = m.dst_slot * region.slot_bytes
             buf[off : off + blob.nbytes] = blob
+        on_done(moves)
 
 
 def make_transport(

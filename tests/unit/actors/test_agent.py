@@ -144,3 +144,24 @@ def test_fallback_transport_moves_the_same_bytes_and_says_so(tmp_path) -> None:
         check(plane)
     finally:
         plane.close()
+
+
+def test_a_load_larger_than_the_peers_memory_moves_window_by_window(tmp_path) -> None:
+    config = ServiceConfig(
+        block_bytes=BLOCK, hbm_bytes=16 * BLOCK, dram_bytes=4 * BLOCK, nvme_bytes=256 * BLOCK,
+        nvme_dir=str(tmp_path), nvme_segment_bytes=16 * BLOCK, directory_shards=2,
+        placement="write_through",  # every block reaches B's NVMe as it is stored
+    )
+    plane = make_plane(config)
+    try:
+        keys, payload = blocks(12, seed=7)
+        store(plane, "node-b", keys, payload)
+        plane.tiers[("node-b", Tier.DRAM)].evict(keys)  # only B's NVMe has them now
+        plane.tiers[("node-b", Tier.HBM)].evict(keys)
+        # B stages NVMe blocks into its DRAM, which holds 4 at a time: three windows.
+        data, loaded = load(plane, "node-a", keys)
+        assert len(loaded) == 12 and np.array_equal(data, payload)
+        assert plane.agents["node-b"].moved["nvme->dram"] == 12 * BLOCK
+        check(plane)
+    finally:
+        plane.close()

@@ -44,11 +44,12 @@ class FioJob:
     rw: str  # "write" or "read" (sequential)
     bs: int  # bytes per I/O
     iodepth: int  # I/Os in flight
+    fresh: bool = False  # write a new file (extents allocated as written), not the laid-out one
 
     @property
     def label(self) -> str:
         size = f"{self.bs // MiB} MiB" if self.bs >= MiB else f"{self.bs // KiB} KiB"
-        return f"fio {self.rw} {size} QD{self.iodepth}"
+        return f"fio {self.rw} {size} QD{self.iodepth}" + (" into a new file" if self.fresh else "")
 
 
 def _fio() -> str:
@@ -69,13 +70,19 @@ def _file_bytes(ctx: BenchContext) -> int:
 
 
 def _run_fio(ctx: BenchContext, job: FioJob, engine: str, seconds: float) -> dict:
+    path = _fio_file(ctx)
+    if job.fresh:
+        path = path.with_name(path.name + ".new")
+        path.unlink(missing_ok=True)
     cmd = [
-        _fio(), "--name=raw", f"--filename={_fio_file(ctx)}", f"--size={_file_bytes(ctx)}",
+        _fio(), "--name=raw", f"--filename={path}", f"--size={_file_bytes(ctx)}",
         "--direct=1", f"--ioengine={engine}", f"--rw={job.rw}", f"--bs={job.bs}",
         f"--iodepth={job.iodepth}", "--time_based", f"--runtime={max(1, round(seconds * 1000))}ms",
         "--output-format=json", "--numjobs=1", "--group_reporting",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if job.fresh:
+        path.unlink(missing_ok=True)
     if proc.returncode != 0:
         why = proc.stderr.strip() or proc.stdout[-500:]
         raise CmxError(f"fio failed ({proc.returncode}): {why}")

@@ -143,16 +143,18 @@ def run_nvme(ctx: BenchContext) -> SuiteResult:
     result = SuiteResult("nvme", command="")
     engine = fio_engine(ctx)
     wjob, rjob = FioJob("write", MiB, 16), FioJob("read", MiB, 16)
+    fresh = FioJob("write", MiB, 16, fresh=True)
     for block_bytes, label, goal in NVME_BLOCKS:
         n = max(1, ctx.config.nbytes // block_bytes)
         pool = payload_pool(block_bytes)
         rates: dict[str, list[float]] = {}
-        fio_w, fio_r = [], []
+        fio_w, fio_r, fio_new = [], [], []
         extra: dict[str, object] = {}
         for rep in range(ctx.config.reps):
             ctx.log(f"nvme {label}, rep {rep + 1}/{ctx.config.reps}")
             fio_w.append(fio_bandwidth(ctx, wjob) / GB)
             fio_r.append(fio_bandwidth(ctx, rjob) / GB)
+            fio_new.append(fio_bandwidth(ctx, fresh) / GB)
             root = ctx.work / f"nvme-{block_bytes // MiB}m-{rep}"
             got, extra = _nvme_pass(ctx, root, block_bytes, n, pool)
             for k, v in got.items():
@@ -164,6 +166,10 @@ def run_nvme(ctx: BenchContext) -> SuiteResult:
                    tuple(rates["put_many"]), *w, Goal(">=", goal)),
             Figure("nvme", f"NvmeStore get_many_into, {label}, {size}", "GB/s",
                    tuple(rates["get_many_into"]), *r, Goal(">=", goal)),
+            Figure("nvme", f"NvmeStore put_many+flush, {label}, {size}, against new-file writes",
+                   "GB/s", tuple(rates["put_many"]), f"{fresh.label}, {engine}", tuple(fio_new),
+                   note="the store's segments are new files whose extents are allocated as "
+                        "they are written; fio's write baseline overwrites a laid-out file"),
             Figure("nvme", f"NvmeStore put one by one+flush, {label}, {size}", "GB/s",
                    tuple(rates["put"]), *w,
                    note="one block's writes in flight at a time"),

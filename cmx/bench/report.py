@@ -30,31 +30,11 @@ __all__ = [
 ]
 
 PLOT_HINT = "plots skipped: matplotlib is not installed (pip install 'cmx-ray[bench]')"
+# A page started by ``cmx bench`` itself; the project's docs/BENCHMARKS.md adds the goals.
 DOCS_HEADER = """# Benchmarks
 
-`cmx bench` measures the stores against this machine's own limits. Every figure is the median of
-`--reps` repetitions, beside a baseline measured in the same run (in the same repetition, just
-before, for the store suites), and is judged by its ratio: median / median of the baseline.
-The disk is virtual and noisy, so a figure from another run is never a baseline. Each section
-gives the command that reproduces it, the machine, and the load average while it ran (other work
-on the machine skews figures). `cmx bench` rewrites only the sections of the suites it ran; text
-outside the `cmx-bench` markers is kept.
-
-| Goal | Figures | Baseline |
-| --- | --- | --- |
-| NVMe, 32 MiB blocks: ratio >= 0.85 | `nvme` put_many+flush, get_many_into | fio 1 MiB QD16 |
-| NVMe, 2 MiB blocks: ratio >= 0.8 | `nvme` put_many+flush, get_many_into | fio 1 MiB QD16 |
-| DRAM: ratio >= 0.8 | `dram` put, get_into | numpy memcpy, same bytes |
-| one KV head as 512 B pieces: all I/Os >= 128 KiB | `slices` head-major | the request's I/Os |
-| the same: read amplification <= 1.5 | `slices` head-major | bytes requested |
-
-fio runs sequential O_DIRECT I/O (`--direct=1`, io_uring, or libaio where io_uring is refused)
-on a file in the bench directory, on the same filesystem as the stores.
-
-Cold reads bypass the page cache (O_DIRECT) and, where the run is root, the cache is also dropped
-before each read pass; each section says which. Reproduce everything with `make bench` (installs
-fio and matplotlib) or `cmx bench [limits nvme dram slices] --reps N --gib G --dir DIR`; JSON,
-markdown and plots go to `bench-out/`.
+Written by `cmx bench`: each suite's section holds its latest figures, every one a ratio to a
+baseline measured in the same run. Text outside the `cmx-bench` markers is kept.
 """
 
 

@@ -23,6 +23,10 @@ from cmx.tiers import Tier
 
 __all__ = ["AgentBase"]
 
+# Batch calls of a tier that do nothing for no keys: those answering a list, and the others.
+_EMPTY_LIST_CALLS = frozenset({"pin", "reserve"})
+_EMPTY_NONE_CALLS = frozenset({"unpin", "abort"})
+
 
 class AgentBase:
     node: str
@@ -40,6 +44,11 @@ class AgentBase:
     _peers: dict[str, PeerInfo]  # actor name -> what it published
 
     def _call(self, tier: Tier, method: str, *args: object) -> Any:
+        if args and isinstance(args[0], list) and not args[0]:  # no round trip for no keys
+            if method in _EMPTY_LIST_CALLS:
+                return []
+            if method in _EMPTY_NONE_CALLS:
+                return None
         result = self.link.call(actor_name(tier.value, self.node), method, *args)
         self._check_epoch(tier, result)
         return result

@@ -21,7 +21,7 @@ demo: install
 # Headless Chromium renders the dashboard in its test (Debian's package).
 test: install
 	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium) \
-		|| echo "chromium could not be installed; the dashboard test will be skipped"
+		|| echo "chromium could not be installed; the dashboard test will fail"
 	$(PY) -m pytest -q tests
 
 # fio measures the disk's raw O_DIRECT bandwidth, the baseline of every NVMe figure.

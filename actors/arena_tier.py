@@ -185,12 +185,7 @@ class ArenaTierService:
 
     def evict(self, keys: Sequence[BlockHash]) -> int:
         """Drop unpinned blocks; returns how many left."""
-        gone = 0
-        for key in keys:
-            try:
-                gone += bool(self.store.delete(key))
-            except BlockStateError:
-                pass
+        gone = self.store.delete_unpinned(keys)
         self.publisher.flush()
         return gone
 

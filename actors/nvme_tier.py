@@ -134,12 +134,7 @@ class NvmeTierService:
         return [key in self.store for key in keys]
 
     def evict(self, keys: Sequence[BlockHash]) -> int:
-        gone = 0
-        for key in keys:
-            try:
-                gone += bool(self.store.delete(key))
-            except BlockStateError:
-                pass
+        gone = self.store.delete_unpinned(keys)
         self.publisher.flush()
         return gone
 

@@ -194,13 +194,9 @@ class PoolNodeService:
 
     def evict(self, keys: Sequence[BlockHash]) -> int:
         """Drop unpinned blocks from this pool node; returns how many left."""
-        gone = 0
         for key in keys:
             self._drop_staged(key)
-            try:
-                gone += bool(self.store.delete(key))
-            except BlockStateError:
-                pass
+        gone = self.store.delete_unpinned(keys)
         self.publisher.flush()
         return gone
 

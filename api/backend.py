@@ -1,8 +1,8 @@
 """What the admin API needs from the service, and its implementation over the running actors.
 
 ``Backend`` is the whole surface: the routes never touch Ray. ``ServiceBackend`` answers it
-with a ``ContextMemory`` (stats, nodes, namespaces) and named-actor calls through ``RayLink``
-(directory lookups by key, a tier's pin/unpin/evict); unit tests pass a fake.
+with a ``ContextMemory`` (stats, nodes, namespaces, directory lookups by key) and named-actor
+calls through ``RayLink`` (a tier's pin/unpin/evict); unit tests pass a fake.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from cmx.actors.directory import Copy, shard_of
+from cmx.actors.directory import Copy
 from cmx.actors.links import actor_name
 from cmx.config import ServiceConfig
-from cmx.errors import CmxError, UnavailableError
+from cmx.errors import CmxError
 from cmx.keys import BlockHash
 from cmx.tiers import Tier
 
@@ -56,10 +56,6 @@ class ServiceBackend:
 
         return cls(ContextMemory.connect(address=address, config=config, start_service=False))
 
-    @property
-    def num_shards(self) -> int:
-        return int(self.cm.config.directory_shards)
-
     def stats(self) -> dict[str, Any]:
         return dict(self.cm.stats())
 
@@ -67,27 +63,7 @@ class ServiceBackend:
         return list(self.cm.nodes())
 
     def copies(self, keys: Sequence[BlockHash]) -> list[list[Copy]]:
-        import ray
-
-        by_shard: dict[int, list[int]] = {}
-        for i, key in enumerate(keys):
-            by_shard.setdefault(shard_of(key, self.num_shards), []).append(i)
-        refs = {}
-        for shard, idx in by_shard.items():
-            try:
-                refs[shard] = self.link.submit(actor_name("dir", shard), "lookup",
-                                               [keys[i] for i in idx])
-            except UnavailableError:
-                pass
-        out: list[list[Copy]] = [[] for _ in keys]
-        for shard, ref in refs.items():
-            try:
-                answer = ray.get(ref, timeout=self.link.timeout_s)
-            except Exception:  # noqa: BLE001 - a shard that does not answer is a miss
-                continue
-            for i, found in zip(by_shard[shard], answer):
-                out[i] = list(found)
-        return out
+        return list(self.cm.copies(keys))
 
     def tier_call(self, node: str, tier: Tier, method: str, keys: Sequence[BlockHash]) -> Any:
         return self.link.call(actor_name(tier.value, node), method, list(keys))

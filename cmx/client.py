@@ -14,6 +14,7 @@ shorter prefix), never a hang and never wrong bytes.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -217,8 +218,9 @@ class ContextMemory:
 
     # -- used by namespaces --------------------------------------------------------------------
 
-    def _lookup(self, keys: list[BlockHash]) -> list[list[Copy]]:
-        """Copies of each key; one batched call per shard, all in flight together."""
+    def copies(self, keys: Sequence[BlockHash]) -> list[list[Copy]]:
+        """Every committed copy of each key (empty: a miss, or a shard that did not answer);
+        one batched call per shard, all in flight together."""
         import ray
 
         n = self.config.directory_shards
@@ -295,7 +297,7 @@ class NamespaceClient:
 
     def lookup(self, token_ids: object) -> Match:
         keys = self.keys(token_ids)
-        copies = self.cm._lookup(keys) if keys else []
+        copies = self.cm.copies(keys) if keys else []
         blocks = []
         for key, found in zip(keys, copies):
             if not found:

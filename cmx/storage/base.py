@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cmx.buffers import Buffer
+from cmx.errors import BlockStateError
 from cmx.keys import BlockHash
 
 __all__ = ["BlockStore", "EventKind", "StoreEvent", "StoreStats"]
@@ -127,6 +128,16 @@ class BlockStore(ABC):
 
     @abstractmethod
     def delete(self, key: bytes) -> bool: ...
+
+    def delete_unpinned(self, keys: Iterable[bytes]) -> int:
+        """``delete`` each key that is not pinned (a pinned one stays); how many went."""
+        gone = 0
+        for key in keys:
+            try:
+                gone += bool(self.delete(key))
+            except BlockStateError:
+                pass
+        return gone
 
     @abstractmethod
     def stats(self) -> StoreStats: ...

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import importlib
-
 from cmx.policies.eviction.base import EvictionPolicy
+from cmx.policies.registry import load_registered
 
 __all__ = ["EVICTION_POLICIES", "EvictionPolicy", "make_eviction"]
 
@@ -19,10 +18,5 @@ def make_eviction(name: str | EvictionPolicy = "lru") -> EvictionPolicy:
     """A fresh policy by registry name (or ``name`` itself if it is already a policy)."""
     if isinstance(name, EvictionPolicy):
         return name
-    try:
-        module, cls = EVICTION_POLICIES[name].split(":")
-    except KeyError:
-        raise ValueError(
-            f"unknown eviction policy {name!r}; known: {sorted(EVICTION_POLICIES)}"
-        ) from None
-    return getattr(importlib.import_module(module), cls)()
+    policy: EvictionPolicy = load_registered(EVICTION_POLICIES, name, "eviction policy")()
+    return policy

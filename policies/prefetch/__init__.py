@@ -8,10 +8,10 @@ move before it starts the request (SGLang HiCache's ``best_effort``, ``wait_comp
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from cmx.policies.prefetch.base import PendingPrefetch, PrefetchOutcome, PrefetchPolicy, Waited
+from cmx.policies.registry import load_registered
 
 __all__ = [
     "PREFETCH_POLICIES",
@@ -34,10 +34,5 @@ def make_prefetch(name: str | PrefetchPolicy = "wait_complete", **options: Any) 
     """A policy by registry name (or ``name`` itself if it is already a policy)."""
     if isinstance(name, PrefetchPolicy):
         return name
-    try:
-        module, cls = PREFETCH_POLICIES[name].split(":")
-    except KeyError:
-        raise ValueError(
-            f"unknown prefetch policy {name!r}; known: {sorted(PREFETCH_POLICIES)}"
-        ) from None
-    return getattr(importlib.import_module(module), cls)(**options)  # type: ignore[no-any-return]
+    policy: PrefetchPolicy = load_registered(PREFETCH_POLICIES, name, "prefetch policy")(**options)
+    return policy

@@ -13,16 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 from support import LAYOUT
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None,
-                                reason="needs chromium (apt-get install chromium)")
 
 
 def chromium(profile: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    assert CHROMIUM is not None
+    assert CHROMIUM is not None, "the dashboard test needs chromium (apt-get install chromium)"
     cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
            "--no-first-run", "--disable-background-networking", "--disable-component-update",
            "--disable-sync", f"--user-data-dir={profile}", "--window-size=1280,1400",

@@ -94,7 +94,7 @@ def test_pool_replicas_survive_a_lost_node_and_a_returning_node_offers_its_disk(
     two_keys = [two.keys(t)[0] for t in toks2]
 
     def replicated() -> bool:
-        copies = cm._lookup(two_keys)
+        copies = cm.copies(two_keys)
         return all(sum(c.tier is Tier.POOL for c in cs) >= 2 for cs in copies)
 
     assert until(replicated), "the pool did not re-replicate after losing a node"

@@ -85,7 +85,6 @@ def test_outputs_are_json_markdown_and_optional_plots(tmp_path: Path) -> None:
 
 
 def test_the_docs_page_shows_each_suites_plot_from_beside_it(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
     suite = SuiteResult("dram", "cmx bench dram", [figure((5.0,), (10.0,), Goal(">=", 0.8))])
     docs = tmp_path / "docs" / "BENCHMARKS.md"
     written = write_outputs(report(suite), tmp_path / "out", None, docs)

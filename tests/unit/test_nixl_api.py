@@ -4,11 +4,7 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
 from cmx.nixl_api import has_rdma_device
-
-pytest.importorskip("nixl")
 
 
 def test_no_rdma_device_in_an_empty_or_missing_class_dir(tmp_path):

@@ -6,7 +6,6 @@ import re
 from importlib import resources
 from typing import Any
 
-import pytest
 import yaml
 
 from cmx.config import ServiceConfig
@@ -40,7 +39,6 @@ def test_the_serve_config_validates_and_its_args_are_serve_options() -> None:
 
 
 def test_the_app_builder_takes_the_same_args() -> None:
-    pytest.importorskip("ray.serve")
     app = build_app(load("serve_config.yaml")["applications"][0]["args"])
     assert type(app).__name__ == "Application"
 
@@ -95,7 +93,6 @@ def test_worker_groups_carry_the_labels_the_agent_placement_uses() -> None:
 
 
 def test_the_ray_up_config_validates_and_labels_hosts_and_dpus() -> None:
-    pytest.importorskip("jsonschema")
     from ray.autoscaler._private.util import validate_config
 
     config = load("cluster.yaml")

@@ -12,17 +12,14 @@ from cmx.buffers import aligned_empty
 from cmx.storage.nvme.io import ThreadIoEngine, make_io_engine
 
 
-def nixl_or_skip():
-    try:
-        return make_io_engine("nixl", queue_depth=4, io_bytes=64 * KiB)
-    except Exception as exc:  # NIXL missing on this host: "auto" falls back, this test cannot
-        pytest.skip(f"NIXL unavailable: {exc}")
+def nixl_engine():
+    return make_io_engine("nixl", queue_depth=4, io_bytes=64 * KiB)
 
 
 @pytest.fixture(params=["threads", "nixl"])
 def engine(request):
     eng = (ThreadIoEngine(queue_depth=4, io_bytes=64 * KiB) if request.param == "threads"
-           else nixl_or_skip())
+           else nixl_engine())
     yield eng
     eng.close()
 
@@ -80,8 +77,6 @@ def test_auto_picks_an_engine(tmp_path):
 
 @pytest.mark.parametrize("io_engine", ["threads", "nixl"])
 def test_store_on_each_engine(tmp_path, io_engine):
-    if io_engine == "nixl":
-        nixl_or_skip().close()
     store = open_store(tmp_path, io_engine=io_engine)
     sizes = [1, 5000, BLOCK]
     for i, n in enumerate(sizes):

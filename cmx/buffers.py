@@ -1,4 +1,5 @@
-"""Byte buffers: views over numpy arrays, torch tensors and bytes, and page-aligned allocation.
+"""Byte buffers: views over numpy arrays, torch tensors and bytes, page-aligned allocation, and
+the copy that moves a block between host buffers.
 
 O_DIRECT needs buffers aligned to the logical block size; we align everything we allocate to
 the 4 KiB page so the same buffer can go to disk, to NIXL and to a shared-memory arena.
@@ -6,12 +7,23 @@ the 4 KiB page so the same buffer can go to disk, to NIXL and to a shared-memory
 
 from __future__ import annotations
 
+import functools
 import mmap
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Union
 
 import numpy as np
 
-__all__ = ["ALIGN", "Buffer", "align_up", "aligned_empty", "as_bytes_view", "is_aligned"]
+__all__ = [
+    "ALIGN",
+    "Buffer",
+    "align_up",
+    "aligned_empty",
+    "as_bytes_view",
+    "copy_bytes",
+    "is_aligned",
+]
 
 ALIGN = 4096
 
@@ -53,3 +65,40 @@ def aligned_empty(nbytes: int) -> np.ndarray:
 
 def is_aligned(arr: np.ndarray, align: int = ALIGN) -> bool:
     return arr.ctypes.data % align == 0
+
+
+# One core's memcpy does not reach the memory's bandwidth: here numpy copies 32 MiB blocks at
+# 11-12 GB/s on one thread and 15-16 GB/s split over two. Below PARALLEL_MIN_BYTES the hand-off
+# to another thread costs more than it saves.
+PARALLEL_MIN_BYTES = 8 << 20
+_PIECE_MIN_BYTES = 4 << 20
+
+
+@functools.cache
+def _copy_pool() -> tuple[ThreadPoolExecutor, int] | None:
+    """Threads to copy beside the caller (one fewer than its cores), and how many; None on
+    one core."""
+    helpers = len(os.sched_getaffinity(0)) - 1
+    if helpers == 0:
+        return None
+    return ThreadPoolExecutor(helpers, thread_name_prefix="cmx-copy"), helpers
+
+
+def copy_bytes(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[:] = src`` for flat uint8 arrays of one size; a large copy is split over the
+    cores this process may run on (numpy releases the GIL while it copies)."""
+    if dst.shape != src.shape:
+        raise ValueError(f"copy of {src.nbytes} bytes into {dst.nbytes}")
+    n = src.nbytes
+    helpers = _copy_pool() if n >= PARALLEL_MIN_BYTES else None
+    if helpers is None:
+        np.copyto(dst, src)
+        return
+    pool, count = helpers
+    parts = min(count + 1, n // _PIECE_MIN_BYTES)
+    piece = align_up(-(-n // parts))
+    futures = [pool.submit(np.copyto, dst[i:i + piece], src[i:i + piece])
+               for i in range(piece, n, piece)]
+    np.copyto(dst[:piece], src[:piece])
+    for future in futures:
+        future.result()

@@ -41,15 +41,19 @@ class FioMissingError(CmxError):
 
 @dataclass(frozen=True)
 class FioJob:
+    """One fio job. By default time-based over a laid-out file; ``fresh`` writes the run's
+    ``--gib`` once into a new file and fsyncs it, as a store's put_many+flush does."""
+
     rw: str  # "write" or "read" (sequential)
     bs: int  # bytes per I/O
     iodepth: int  # I/Os in flight
-    fresh: bool = False  # write a new file (extents allocated as written), not the laid-out one
+    fresh: bool = False  # new file, size-based, fsync at the end (durable, like a store flush)
 
     @property
     def label(self) -> str:
         size = f"{self.bs // MiB} MiB" if self.bs >= MiB else f"{self.bs // KiB} KiB"
-        return f"fio {self.rw} {size} QD{self.iodepth}" + (" into a new file" if self.fresh else "")
+        tail = " into a new file, then fsync" if self.fresh else ""
+        return f"fio {self.rw} {size} QD{self.iodepth}{tail}"
 
 
 def _fio() -> str:
@@ -70,16 +74,19 @@ def _file_bytes(ctx: BenchContext) -> int:
 
 
 def _run_fio(ctx: BenchContext, job: FioJob, engine: str, seconds: float) -> dict:
-    path = _fio_file(ctx)
+    path, size = _fio_file(ctx), _file_bytes(ctx)
     if job.fresh:
-        path = path.with_name(path.name + ".new")
+        path, size = path.with_name(path.name + ".new"), ctx.config.nbytes
         path.unlink(missing_ok=True)
     cmd = [
-        _fio(), "--name=raw", f"--filename={path}", f"--size={_file_bytes(ctx)}",
+        _fio(), "--name=raw", f"--filename={path}", f"--size={size}",
         "--direct=1", f"--ioengine={engine}", f"--rw={job.rw}", f"--bs={job.bs}",
-        f"--iodepth={job.iodepth}", "--time_based", f"--runtime={max(1, round(seconds * 1000))}ms",
-        "--output-format=json", "--numjobs=1", "--group_reporting",
+        f"--iodepth={job.iodepth}", "--output-format=json", "--numjobs=1", "--group_reporting",
     ]
+    if job.fresh:
+        cmd.append("--end_fsync=1")  # its bandwidth then counts the flush, as a store's does
+    else:
+        cmd += ["--time_based", f"--runtime={max(1, round(seconds * 1000))}ms"]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if job.fresh:
         path.unlink(missing_ok=True)

@@ -7,9 +7,13 @@
   beside them ``put`` one block at a time then ``flush``, ``get_many`` (a fresh buffer per
   block) and ``get_into`` one block at a time. Baselines: fio O_DIRECT sequential write and
   read, 1 MiB I/Os at queue depth 16, run in the same repetition just before the store's
-  passes. Goals judge put_many+flush and get_many_into.
+  passes. Goals judge put_many+flush and get_many_into. The write baseline writes the same
+  bytes once into a new file and fsyncs it, as put_many+flush does; fio's time-based overwrite
+  of a laid-out file, with no fsync, is shown beside it.
 - ``dram``: DramStore ``put``, ``get_into`` and ``get`` of the same bytes against numpy memcpy
-  into a faulted-in destination of the same size, measured in the same repetition.
+  (one thread) into a faulted-in destination of the same size, measured in the same
+  repetition. The store splits large copies over the cores (``cmx.buffers.copy_bytes``); that
+  copy alone, into shared memory, is shown beside it.
 
 Each repetition uses a new store in a new directory, removed afterwards. Payloads come from a
 pool of random blocks (256 MiB in all), each put under its own key.
@@ -17,9 +21,10 @@ pool of random blocks (256 MiB in all), each put under its own key.
 
 from __future__ import annotations
 
+import os
 import shutil
-import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,7 +32,7 @@ import numpy as np
 
 from cmx.bench.core import GB, BenchContext, Figure, Goal, KiB, MiB, SuiteResult, Table, timed
 from cmx.bench.raw import FioJob, fio_bandwidth, fio_engine
-from cmx.buffers import aligned_empty
+from cmx.buffers import PARALLEL_MIN_BYTES, aligned_empty, copy_bytes
 from cmx.keys import BlockHash, block_hash
 
 if TYPE_CHECKING:
@@ -160,16 +165,17 @@ def run_nvme(ctx: BenchContext) -> SuiteResult:
             for k, v in got.items():
                 rates.setdefault(k, []).append(v)
         size = f"{n * block_bytes / 2**30:g} GiB"
-        w, r = (f"{wjob.label}, {engine}", tuple(fio_w)), (f"{rjob.label}, {engine}", tuple(fio_r))
+        w = (f"{fresh.label}, {size}, {engine}", tuple(fio_new))
+        r = (f"{rjob.label}, {engine}", tuple(fio_r))
         result.figures += [
             Figure("nvme", f"NvmeStore put_many+flush, {label}, {size}", "GB/s",
                    tuple(rates["put_many"]), *w, Goal(">=", goal)),
             Figure("nvme", f"NvmeStore get_many_into, {label}, {size}", "GB/s",
                    tuple(rates["get_many_into"]), *r, Goal(">=", goal)),
-            Figure("nvme", f"NvmeStore put_many+flush, {label}, {size}, against new-file writes",
-                   "GB/s", tuple(rates["put_many"]), f"{fresh.label}, {engine}", tuple(fio_new),
-                   note="the store's segments are new files whose extents are allocated as "
-                        "they are written; fio's write baseline overwrites a laid-out file"),
+            Figure("nvme", f"NvmeStore put_many+flush, {label}, {size}, against overwrites",
+                   "GB/s", tuple(rates["put_many"]), f"{wjob.label}, {engine}", tuple(fio_w),
+                   note="fio rewriting a laid-out file for a fixed time, with no fsync: the "
+                        "disk acknowledges writes its host may still hold in a cache"),
             Figure("nvme", f"NvmeStore put one by one+flush, {label}, {size}", "GB/s",
                    tuple(rates["put"]), *w,
                    note="one block's writes in flight at a time"),
@@ -224,27 +230,28 @@ def size_label(n: int) -> str:
     return f"{n} B"
 
 
-def _copy_all(dst: np.ndarray, pool: list[np.ndarray], n: int, block_bytes: int) -> None:
+def _copy_all(dst: np.ndarray, pool: list[np.ndarray], n: int, block_bytes: int,
+              copy: Callable[[np.ndarray, np.ndarray], object] = np.copyto) -> None:
     for i in range(n):
-        np.copyto(dst[i * block_bytes:(i + 1) * block_bytes], pool[i % len(pool)])
+        copy(dst[i * block_bytes:(i + 1) * block_bytes], pool[i % len(pool)])
 
 
-def _shm_memcpy(pool: list[np.ndarray], n: int, block_bytes: int) -> float:
-    """Bytes/s of numpy memcpy into a faulted-in POSIX shared-memory mapping, as the arena's."""
+def _shm_memcpy(pool: list[np.ndarray], n: int, block_bytes: int) -> tuple[float, float]:
+    """Bytes/s of numpy memcpy, then of ``copy_bytes`` (the stores' copy, split over the
+    cores), into a faulted-in POSIX shared-memory mapping, as the arena's."""
     from multiprocessing import shared_memory
 
     shm = shared_memory.SharedMemory(create=True, size=n * block_bytes)
     try:
         dst = np.ndarray((n * block_bytes,), np.uint8, shm.buf)
         dst[:] = 0
-        t0 = time.perf_counter()
-        _copy_all(dst, pool, n, block_bytes)
-        rate = n * block_bytes / (time.perf_counter() - t0)
+        plain = timed(partial(_copy_all, dst, pool, n, block_bytes))
+        split = timed(partial(_copy_all, dst, pool, n, block_bytes, copy_bytes))
         del dst  # the mapping cannot close while an array still points into it
     finally:
         shm.close()
         shm.unlink()
-    return rate
+    return n * block_bytes / plain, n * block_bytes / split
 
 
 def _dram_pass(block_bytes: int, n: int, pool: list[np.ndarray],
@@ -253,8 +260,8 @@ def _dram_pass(block_bytes: int, n: int, pool: list[np.ndarray],
     from cmx.storage import DramStore
 
     total = n * block_bytes
-    rates = {"memcpy": total / timed(lambda: _copy_all(dst, pool, n, block_bytes)),
-             "shm": _shm_memcpy(pool, n, block_bytes)}
+    rates = {"memcpy": total / timed(lambda: _copy_all(dst, pool, n, block_bytes))}
+    rates["shm"], rates["shm_split"] = _shm_memcpy(pool, n, block_bytes)
     keys = block_keys(n, b"dram")
     store = DramStore(capacity_bytes=total, block_bytes=block_bytes)
     with store:
@@ -303,6 +310,11 @@ def run_dram(ctx: BenchContext) -> SuiteResult:
                tuple(rates["shm"]), *base,
                note="the arena's kind of memory (a /dev/shm mapping) with no store in the way: "
                     "what the arena itself costs against private memory"),
+        Figure("dram", f"copy_bytes into POSIX shared memory, {size}", "GB/s",
+               tuple(rates["shm_split"]), *base,
+               note=f"the stores' own copy with no store in the way: copies of "
+                    f"{PARALLEL_MIN_BYTES // MiB} MiB or more are split over the "
+                    f"{_cores()} cores this process may use, as torch's copy_ splits them"),
     ]
     result.notes.append(f"transparent huge pages here: {_thp('enabled')} for private memory "
                         f"(numpy asks for them on large arrays), {_thp('shmem_enabled')} for "
@@ -318,3 +330,7 @@ def _thp(name: str) -> str:
         return "unknown"
     start, end = text.find("["), text.find("]")
     return text[start + 1:end] if 0 <= start < end else text.strip()
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0))

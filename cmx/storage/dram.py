@@ -29,7 +29,7 @@ import threading
 
 import numpy as np
 
-from cmx.buffers import Buffer, align_up, as_bytes_view
+from cmx.buffers import Buffer, align_up, as_bytes_view, copy_bytes
 from cmx.checksum import Checksum, checksum
 from cmx.errors import BlockStateError, BlockTooLargeError, StoreFullError
 from cmx.keys import BlockHash, check_key
@@ -170,7 +170,7 @@ class DramStore(DramBooks):
                 return False
             reservation = self.reserve(key, parent)
         try:
-            np.copyto(reservation.buffer[: src.nbytes], src)
+            copy_bytes(reservation.buffer[: src.nbytes], src)
         except BaseException:
             self.abort(reservation)
             raise
@@ -187,6 +187,8 @@ class DramStore(DramBooks):
             if entry is None:
                 return None
             out = np.empty(entry.size, dtype=np.uint8)
+            # One thread: into new memory the page faults set the pace, and splitting them
+            # over threads was no faster here (5.2-8.8 GB/s against 7.5-8.1).
             np.copyto(out, self._payload(entry))
             self._bytes_read += entry.size
             return out
@@ -203,7 +205,7 @@ class DramStore(DramBooks):
             entry = self._lookup(key)
             if entry is None:
                 return None
-            np.copyto(dst[: entry.size], self._payload(entry))
+            copy_bytes(dst[: entry.size], self._payload(entry))
             self._bytes_read += entry.size
             return entry.size
 

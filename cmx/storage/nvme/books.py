@@ -115,6 +115,7 @@ class BooksMixin(NvmeState):
                 "segments": len(self._segs.segs),
                 "segment_bytes": self._segs.segment_bytes,
                 "disk_bytes": self._segs.disk_bytes,
+                "file_bytes": self._segs.file_bytes,
                 "dead_bytes": self._segs.dead_bytes,
                 "compactions": c["compactions"],
                 "compacted_bytes": c["compacted_bytes"],
@@ -157,7 +158,7 @@ class BooksMixin(NvmeState):
         """Raise AssertionError with the numbers if index, segments, files or policy disagree."""
         with self._op(), self._lock:
             self._check_segments()
-            used, disk = self._segs.used_bytes, self._segs.disk_bytes
+            used, disk = self._segs.used_bytes, self._segs.file_bytes
             if used > self._capacity:
                 raise AssertionError(f"used {used} > capacity {self._capacity}")
             limit = self._capacity + self._segs.segment_bytes
@@ -202,5 +203,6 @@ class BooksMixin(NvmeState):
             if entries and size < entries[-1].end:
                 raise AssertionError(f"segment {seg.id}: file {size} < last extent end "
                                      f"{entries[-1].end}")
-            if seg.pending == 0 and size > seg.head:
-                raise AssertionError(f"segment {seg.id}: file {size} > head {seg.head}")
+            if size > max(seg.head, seg.allocated):
+                raise AssertionError(f"segment {seg.id}: file {size} > head {seg.head} and "
+                                     f"allocation {seg.allocated}")

@@ -40,7 +40,8 @@ class NvmeCore(BooksMixin, SpaceMixin):
         root: directory of the store (created if missing); one open store per directory.
         capacity_bytes: bytes of block extents (payload padded to 4 KiB) the store may hold;
             dead space counts too until compaction reclaims it. Segment files on disk never
-            exceed ``capacity_bytes + segment_bytes`` (the slack compaction copies into).
+            exceed ``capacity_bytes + segment_bytes`` (the slack compaction copies into, and
+            the active segment's space allocated ahead of its writes).
         block_bytes: the largest block accepted.
         segment_bytes: size of one segment file; default capacity/8 within [one block, 1 GiB].
         eviction: eviction policy name (``cmx.policies.make_eviction``) or instance.
@@ -104,7 +105,8 @@ class NvmeCore(BooksMixin, SpaceMixin):
             self._engine = make_io_engine(io_engine, queue_depth, io_bytes)
             stage = min(staging_bytes, block_ext)
             self._wstage, self._rstage = Staging(stage), Staging(stage)
-            self._segs = SegmentSet(self.root, segment_bytes, self._engine)
+            self._segs = SegmentSet(self.root, segment_bytes, self._engine,
+                                    file_limit=capacity_bytes + segment_bytes)
             self._journal = Journal(os.path.join(self.root, "journal.log"))
             self._open_index()
         except BaseException:

@@ -6,7 +6,8 @@
    fdatasync; but a miss is always better than a wrong block).
 3. Each segment's head becomes the end of its last committed extent and the file is truncated
    there: whatever a crash left beyond (a write that never committed) is discarded, never seen.
-   Segment files no entry references are deleted, as are leftover temp files.
+   Segment files no entry references are deleted, as are leftover temp files. The newest
+   segment becomes the active one again, its file allocated ahead as a new one's is.
 """
 
 from __future__ import annotations
@@ -91,6 +92,5 @@ def recover(root: str, snapshot_path: str, journal: Journal, segs: SegmentSet) -
     if segs.segs:
         newest = segs.segs[max(segs.segs)]
         if newest.head < segs.segment_bytes:
-            newest.sealed = False
-            segs.active = newest
+            segs.activate(newest)
     return Recovered(index, gen, clean and not dropped, valid, dropped)

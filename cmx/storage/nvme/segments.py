@@ -2,8 +2,14 @@
 
 A segment ``seg-<id>.dat`` grows by appending extents at its head until the next extent would
 pass ``segment_bytes``; then it is sealed and a new segment (the next id, never reused) becomes
-the active one. Each byte below a head is live (a committed block), pending (a write in flight)
-or dead (a block that left, or a write that failed): ``head == live + pending + dead``.
+the active one. The active segment's file is allocated up front (``fallocate``, up to
+``segment_bytes``), so that appends are overwrites of allocated space: ext4 and XFS serialize
+O_DIRECT writes that extend a file or fill a hole (an exclusive inode lock per write), which
+would leave one write in flight however many the engine issues. Allocation ahead stays within
+``file_limit``: the files never hold more bytes than that, allocated or written.
+
+Each byte below a head is live (a committed block), pending (a write in flight) or dead (a
+block that left, or a write that failed): ``head == live + pending + dead``.
 
 A sealed segment with nothing live or pending is *retired*. Its file is deleted once the
 journal records that emptied it are durable (``mark_durable``) and no I/O holds it
@@ -14,7 +20,10 @@ Not thread-safe: the store calls every method under its lock.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
+import logging
 import os
 import re
 from dataclasses import dataclass, field
@@ -22,7 +31,9 @@ from dataclasses import dataclass, field
 from cmx.storage.nvme.io import IoEngine
 from cmx.storage.nvme.journal import fsync_dir
 
-__all__ = ["Segment", "SegmentSet", "segment_ids"]
+__all__ = ["Segment", "SegmentSet", "preallocate", "segment_ids"]
+
+log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^seg-(\d{6,})\.dat$")
 
@@ -32,12 +43,29 @@ def segment_ids(root: str) -> list[int]:
     return sorted(int(m.group(1)) for name in os.listdir(root) if (m := _NAME.match(name)))
 
 
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+
+
+def preallocate(fd: int, nbytes: int) -> bool:
+    """Allocate ``[0, nbytes)`` of ``fd`` (the file grows to ``nbytes``; new space reads as
+    zeros). False where the filesystem has no fallocate; never emulated by writing zeros, as
+    ``posix_fallocate`` would be."""
+    if _libc.fallocate(fd, 0, 0, nbytes) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+        return False
+    raise OSError(err, f"fallocate of {nbytes} bytes: {os.strerror(err)}")
+
+
 @dataclass(eq=False)
 class Segment:
     id: int
     path: str
     fd: int
-    head: int = 0  # bytes appended so far; the file is never longer once writes settle
+    head: int = 0  # bytes appended so far
+    allocated: int = 0  # bytes of the file allocated ahead of the head, from its start
     live: int = 0  # extent bytes of committed blocks
     pending: int = 0  # extent bytes reserved by writes in flight
     keys: set[bytes] = field(default_factory=set)  # committed blocks stored here
@@ -52,9 +80,11 @@ class Segment:
 
 
 class SegmentSet:
-    def __init__(self, root: str, segment_bytes: int, engine: IoEngine) -> None:
+    def __init__(self, root: str, segment_bytes: int, engine: IoEngine,
+                 file_limit: int | None = None) -> None:
         self.root = root
         self.segment_bytes = segment_bytes
+        self.file_limit = file_limit  # most bytes all segment files may take; None: no bound
         self.engine = engine
         self.segs: dict[int, Segment] = {}
         self.active: Segment | None = None
@@ -88,6 +118,24 @@ class SegmentSet:
         self.next_id = max(self.next_id, seg_id + 1)
         return seg
 
+    def activate(self, seg: Segment) -> None:
+        """Make ``seg`` the segment appends go to, its file allocated ahead (see above).
+
+        Allocation is for O_DIRECT files only: on tmpfs (no O_DIRECT) it would take the memory
+        of a whole segment up front and buys nothing."""
+        seg.sealed = False
+        self.active = seg
+        want = self.segment_bytes
+        if self.file_limit is not None:
+            others = self.file_bytes - max(seg.head, seg.allocated)
+            want = min(want, (self.file_limit - others) // 4096 * 4096)
+        if not self.direct or want <= seg.head:
+            return
+        if preallocate(seg.fd, want):
+            seg.allocated = want
+        else:
+            log.debug("%s: no fallocate here; appends extend the file", seg.path)
+
     def delete(self, seg: Segment) -> None:
         self.engine.unregister_file(seg.fd)
         os.close(seg.fd)
@@ -112,7 +160,8 @@ class SegmentSet:
         if seg is None or seg.head + nbytes > self.segment_bytes:
             if seg is not None:
                 self.seal(seg)
-            seg = self.active = self.open(self.next_id, create=True)
+            seg = self.open(self.next_id, create=True)
+            self.activate(seg)
         offset = seg.head
         seg.head += nbytes
         seg.pending += nbytes
@@ -140,6 +189,7 @@ class SegmentSet:
         seg.sealed = True
         if seg is self.active:
             self.active = None
+        self._trim(seg)
         self._maybe_retire(seg)
 
     def ref(self, seg_id: int) -> Segment:
@@ -149,6 +199,7 @@ class SegmentSet:
 
     def unref(self, seg: Segment) -> None:
         seg.io_refs -= 1
+        self._trim(seg)
         if seg.retired and seg.durable and seg.io_refs == 0:
             self.delete(seg)
 
@@ -161,6 +212,13 @@ class SegmentSet:
             seg.durable = True
             if seg.io_refs == 0 and seg.id in self.segs:
                 self.delete(seg)
+
+    def _trim(self, seg: Segment) -> None:
+        """Give back a sealed segment's space allocated past its head, once no I/O uses it
+        (a truncate would wait for every O_DIRECT I/O on the file)."""
+        if seg.sealed and seg.allocated > seg.head and seg.io_refs == 0:
+            os.ftruncate(seg.fd, seg.head)
+            seg.allocated = seg.head
 
     def _maybe_retire(self, seg: Segment) -> None:
         if seg.sealed and not seg.retired and seg.live == 0 and seg.pending == 0:
@@ -175,6 +233,11 @@ class SegmentSet:
     @property
     def disk_bytes(self) -> int:
         return sum(s.head for s in self.segs.values())
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes the segment files take: written, or allocated ahead."""
+        return sum(max(s.head, s.allocated) for s in self.segs.values())
 
     @property
     def dead_bytes(self) -> int:

@@ -10,7 +10,7 @@ import os
 import shutil
 
 import numpy as np
-from nvme_helpers import BLOCK, disk_bytes, key, open_store, payload
+from nvme_helpers import BLOCK, key, open_store, payload, segment_files
 
 from cmx.storage.nvme.entry import BlockEntry
 from cmx.storage.nvme.journal import RECORD_BYTES, Journal, encode_put
@@ -45,17 +45,24 @@ def test_journal_replay_after_a_crash(tmp_path):
     store.close()
 
 
+def log_bytes(store) -> int:
+    return store.stats().extra["disk_bytes"]
+
+
 def test_unflushed_puts_are_never_seen_and_their_space_is_reused(tmp_path):
     store = open_store(tmp_path)
     fill(store, range(3))
     store.flush()
-    committed = disk_bytes(tmp_path)
+    committed = log_bytes(store)
     fill(store, range(3, 6))  # written to disk, but never flushed
-    assert disk_bytes(tmp_path) > committed
+    assert log_bytes(store) > committed
+    assert segment_files(tmp_path) == ["seg-000001.dat"]
     crash(store)
     store = open_store(tmp_path)
     assert_holds(store, range(3))
-    assert disk_bytes(tmp_path) == committed  # the uncommitted tail was cut off
+    assert log_bytes(store) == committed  # the log goes on where the commits ended
+    tail = (tmp_path / "seg-000001.dat").read_bytes()[committed:]
+    assert not any(tail)  # the uncommitted writes were cut off, not just hidden
     fill(store, range(6, 8))
     assert_holds(store, [0, 1, 2, 6, 7])
     store.close()

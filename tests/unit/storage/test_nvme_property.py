@@ -50,7 +50,7 @@ def check(store, model: Model) -> None:
             np.testing.assert_array_equal(store.get(k), payload(k, SIZE[i]))
     stats = store.stats()
     assert stats.used_bytes <= stats.capacity_bytes
-    assert stats.extra["disk_bytes"] <= stats.capacity_bytes + stats.extra["segment_bytes"]
+    assert stats.extra["file_bytes"] <= stats.capacity_bytes + stats.extra["segment_bytes"]
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -8,6 +8,7 @@ from nvme_helpers import BLOCK, disk_bytes, key, open_store, payload, segment_fi
 
 from cmx.errors import StoreFullError
 from cmx.storage.base import EventKind
+from cmx.storage.nvme.chunks import extent_bytes
 
 
 def one_block_segments(tmp_path, blocks: int, **kwargs):
@@ -105,6 +106,29 @@ def test_disk_never_exceeds_capacity_plus_one_segment(tmp_path):
     assert store.stats().extra["compactions"] > 0
     for k in store.keys():
         np.testing.assert_array_equal(store.get(k), payload(k, live[k]))
+    store.check_integrity()
+    store.close()
+
+
+def test_appends_go_into_space_allocated_ahead(tmp_path):
+    ext = extent_bytes(BLOCK)
+    seg = 4 * ext
+    store = open_store(tmp_path, capacity_bytes=8 * ext, segment_bytes=seg)
+    assert store.stats().extra["direct_io"]  # the test directory is on a disk filesystem
+    store.put(key(0), payload(key(0), BLOCK))
+    # The whole active segment is allocated at once: later appends overwrite, never extend.
+    assert disk_bytes(tmp_path) == seg == store.stats().extra["file_bytes"]
+    for i in range(1, 6):
+        store.put(key(i), payload(key(i), BLOCK))
+    assert segment_files(tmp_path) == ["seg-000001.dat", "seg-000002.dat"]
+    assert disk_bytes(tmp_path) == 2 * seg
+    store.check_integrity()
+    store.close()
+    store = open_store(tmp_path, capacity_bytes=8 * ext, segment_bytes=seg)
+    # The full sealed segment, and the active one allocated again.
+    assert disk_bytes(tmp_path) == seg + seg
+    for i in range(6):
+        np.testing.assert_array_equal(store.get(key(i)), payload(key(i), BLOCK))
     store.check_integrity()
     store.close()
 

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from cmx.actors.agent_demote import Demotion
+from cmx.actors.agent_fetch import RemoteFills, StagedAhead
 from cmx.actors.agent_peers import PeerServing
 from cmx.actors.agent_pool import PoolWrites
 from cmx.actors.arena_tier import ArenaInfo, Grant, Pinned
@@ -35,11 +36,11 @@ from cmx.actors.directory import Copy
 from cmx.actors.links import actor_name
 from cmx.actors.nvme_io import Extent, NvmeIo
 from cmx.actors.scheduler import Priority, Scheduler
-from cmx.actors.transport import Move, PeerInfo, TransferError, make_transport
-from cmx.actors.wire import Loaded, LoadResult, Staged
+from cmx.actors.transport import PeerInfo, TransferError, make_transport
+from cmx.actors.wire import Loaded, LoadResult
 from cmx.checksum import checksum
 from cmx.config import ServiceConfig
-from cmx.errors import CmxError, UnavailableError
+from cmx.errors import CmxError
 from cmx.keys import BlockHash
 from cmx.metrics import Histogram
 from cmx.policies.admission import make_admission
@@ -52,7 +53,7 @@ log = logging.getLogger(__name__)
 
 
 
-class OffloadAgent(PeerServing, Demotion, PoolWrites):
+class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites):
     def __init__(self, node: str, config: ServiceConfig, link: object) -> None:
         self.node = node
         self.config = config
@@ -139,14 +140,18 @@ class OffloadAgent(PeerServing, Demotion, PoolWrites):
     ) -> LoadResult:
         """The longest prefix of ``keys`` pinned in HBM; the caller must ``release`` it."""
         start_time = time.perf_counter()
-        pinned: list[Pinned | None] = self._call(Tier.HBM, "pin", list(keys))
-        loaded: dict[int, Loaded] = {
-            i: Loaded(k, p.slot, p.size, Tier.HBM, self.node, "local", p.checksum or 0)
-            for i, (k, p) in enumerate(zip(keys, pinned)) if p is not None
-        }
-        missing = [i for i in range(len(keys)) if i not in loaded]
-        if missing:
-            loaded.update(self._fill_hbm(keys, copies, missing, priority))
+        held, ahead = self._acquire(keys, copies)
+        try:
+            loaded: dict[int, Loaded] = {
+                i: Loaded(k, p.slot, p.size, Tier.HBM, self.node, "local", p.checksum or 0)
+                for i, (k, p) in enumerate(zip(keys, held)) if isinstance(p, Pinned)
+            }
+            granted = {i: g for i, g in enumerate(held) if isinstance(g, Grant)}
+            if granted:
+                loaded.update(self._fill_hbm(keys, copies, granted, priority, ahead))
+        finally:
+            if ahead is not None:
+                self._release_ahead(ahead)
         prefix: list[Loaded] = []
         for i in range(len(keys)):
             if i not in loaded:
@@ -171,14 +176,11 @@ class OffloadAgent(PeerServing, Demotion, PoolWrites):
 
     def _fill_hbm(
         self, keys: Sequence[BlockHash], copies: Sequence[Sequence[Copy]],
-        missing: list[int], priority: Priority,
+        granted: dict[int, Grant], priority: Priority, ahead: StagedAhead | None,
     ) -> dict[int, Loaded]:
-        items = [(keys[i], keys[i - 1] if i > 0 else None) for i in missing]
-        grants: list[Grant | None] = self._call(Tier.HBM, "reserve", items)
-        self._demote_victims(Tier.HBM, grants)
-        granted = {i: g for i, g in zip(missing, grants) if g is not None}
-        # Try each key's sources fastest first, round by round: the directory may lag a
-        # demotion that just happened, so this node's DRAM and NVMe are always asked too.
+        """Fill the granted HBM slots, each from its fastest copy; the filled ones pinned."""
+        self._demote_victims(Tier.HBM, list(granted.values()))
+        # Try each key's sources fastest first, round by round.
         options = {i: self._sources(copies[i]) for i in granted}
         filled: dict[int, Loaded] = {}
         for rnd in range(max((len(o) for o in options.values()), default=0)):
@@ -188,25 +190,29 @@ class OffloadAgent(PeerServing, Demotion, PoolWrites):
                     by_source.setdefault(opts[rnd], []).append(i)
             for (tier, node), idx in by_source.items():
                 try:
-                    filled.update(self._fill_from(tier, node, keys, idx, granted, priority))
+                    filled.update(
+                        self._fill_from(tier, node, keys, idx, granted, priority, ahead))
                 except (CmxError, TransferError, OSError) as exc:
                     log.warning("load from %s@%s failed: %s", tier.value, node[:8], exc)
         if failed := [keys[i] for i in granted if i not in filled]:
             self._call(Tier.HBM, "abort", failed)
         commits = [(keys[i], b.size, b.checksum) for i, b in filled.items()]
-        self._call(Tier.HBM, "commit", commits)
-        pins = self._call(Tier.HBM, "pin", [keys[i] for i in filled])
+        # A load's caller reads its blocks at once; other nodes learn of the copy a moment
+        # later. A prefetch returns once lookups see it.
+        pins = self._call(Tier.HBM, "commit_pinned", commits, "",
+                          priority is not Priority.LOAD)
         return {i: b for (i, b), p in zip(filled.items(), pins) if p is not None}
 
     def _fill_from(
         self, tier: Tier, node: str, keys: Sequence[BlockHash], idx: list[int],
-        granted: dict[int, Grant], priority: Priority,
+        granted: dict[int, Grant], priority: Priority, ahead: StagedAhead | None,
     ) -> dict[int, Loaded]:
         _, hbm = self._arenas[Tier.HBM]
         if tier is Tier.POOL:
             return self._fill_remote(actor_name("pool", node), node, keys, idx, granted, priority)
         if node != self.node:
-            return self._fill_remote(actor_name("agent", node), node, keys, idx, granted, priority)
+            return self._fill_remote(actor_name("agent", node), node, keys, idx, granted,
+                                     priority, ahead)
         pins = self._call(tier, "pin", [keys[i] for i in idx])
         try:
             jobs = []
@@ -239,76 +245,6 @@ class OffloadAgent(PeerServing, Demotion, PoolWrites):
         np.copyto(slot[: pin.size], arena.slot_view(pin.slot)[: pin.size])
         return True
 
-    def _fill_remote(
-        self, peer_agent: str, node: str, keys: Sequence[BlockHash], idx: list[int],
-        granted: dict[int, Grant], priority: Priority,
-    ) -> dict[int, Loaded]:
-        """Pull blocks from a peer (an agent or a pool node), window by window: a peer stages
-        what its memory holds at once, the rest goes in later windows. Stops when a window
-        stages nothing (the peer has none of the rest)."""
-        out: dict[int, Loaded] = {}
-        todo = idx
-        while todo:
-            staged: list[Staged | None] = self.link.call(  # type: ignore[attr-defined]
-                peer_agent, "stage", [keys[i] for i in todo],
-                timeout_s=self.config.load_timeout_s,
-            )
-            if all(s is None for s in staged):
-                break
-            out.update(self._pull_staged(peer_agent, node, keys, todo, staged, granted, priority))
-            todo = [i for i, s in zip(todo, staged) if s is None]
-        return out
-
-    def _pull_staged(
-        self, peer_agent: str, node: str, keys: Sequence[BlockHash], idx: list[int],
-        staged: list[Staged | None], granted: dict[int, Grant], priority: Priority,
-    ) -> dict[int, Loaded]:
-        """Move the blocks a peer staged into their HBM slots, verified; then unstage them."""
-        try:
-            peer = self._peer(peer_agent)
-            if any(s is not None and s.region not in {r.name for r in peer.regions}
-                   for s in staged):
-                peer = self._peer(peer_agent, refresh=True)  # the peer re-registered its arenas
-            hbm_info, hbm = self._arenas[Tier.HBM]
-            pairs = [(i, s) for i, s in zip(idx, staged) if s is not None]
-            moves = [Move(s.region, s.slot, hbm_info.arena, granted[i].slot) for i, s in pairs]
-            owner = dict(zip(moves, pairs))
-            intact: set[int] = set()
-
-            def verify(batch: Sequence[Move]) -> None:  # while later batches still move
-                for m in batch:
-                    i, s = owner[m]
-                    if checksum(hbm.slot_view(m.dst_slot)[: s.size]) == s.checksum:
-                        intact.add(i)
-
-            with self.scheduler.staging(0):
-                fut = self.scheduler.submit(
-                    priority,
-                    lambda: self.transport.read(peer, moves, self.config.load_timeout_s, verify),
-                )
-                try:
-                    fut.result()
-                except TransferError:
-                    self._peers.pop(peer_agent, None)  # the peer may have restarted
-                    raise
-            out: dict[int, Loaded] = {}
-            for i, s in pairs:
-                if i not in intact:
-                    log.warning("checksum mismatch for %s from %s", keys[i].hex()[:12], node[:8])
-                    continue
-                out[i] = Loaded(keys[i], granted[i].slot, s.size, s.source_tier, node,
-                                self.transport.name, s.checksum)
-                self.moved[f"{s.source_tier.value}@peer->hbm"] += s.size
-                self.moved_via[self.transport.name] += s.size
-            return out
-        finally:
-            done = [s for s in staged if s is not None]
-            if done:
-                try:
-                    self.link.call(peer_agent, "unstage", done)  # type: ignore[attr-defined]
-                except UnavailableError:
-                    pass  # the peer restarted: its pins went with it
-
     # -- plumbing ------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, object]:
@@ -328,16 +264,6 @@ class OffloadAgent(PeerServing, Demotion, PoolWrites):
             "latency_s": {op: h.snapshot() for op, h in self.latency.items()},
             "nvme_io": self.nvme.stats(),
         }
-
-    def _sources(self, copies: Sequence[Copy]) -> list[tuple[Tier, str]]:
-        """Where to look for a block, fastest first: this node's DRAM and NVMe, then the
-        other nodes' copies, memory before NVMe, and the pool last."""
-        local = [(Tier.DRAM, self.node), (Tier.NVME, self.node)]
-        remote = sorted(
-            {(c.tier, c.node) for c in copies if c.node != self.node or c.tier is Tier.POOL},
-            key=lambda s: s[0].rank,
-        )
-        return local + remote
 
     def _fetch_from_peer(self, peer_agent: str, slots: list[tuple[str, int]]) -> list[np.ndarray]:
         actor = next(a for a, p in self._peers.items() if p.agent == peer_agent)

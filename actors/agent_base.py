@@ -8,6 +8,7 @@ each part is a mixin over this base, which holds the state and the calls into th
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 from cmx.actors.arena_tier import ArenaInfo
@@ -24,8 +25,9 @@ from cmx.tiers import Tier
 __all__ = ["AgentBase"]
 
 # Batch calls of a tier that do nothing for no keys: those answering a list, and the others.
-_EMPTY_LIST_CALLS = frozenset({"pin", "reserve"})
+_EMPTY_LIST_CALLS = frozenset({"pin", "reserve", "acquire", "commit_pinned"})
 _EMPTY_NONE_CALLS = frozenset({"unpin", "abort"})
+_NO_ANSWER = object()
 
 
 class AgentBase:
@@ -44,14 +46,20 @@ class AgentBase:
     _peers: dict[str, PeerInfo]  # actor name -> what it published
 
     def _call(self, tier: Tier, method: str, *args: object) -> Any:
-        if args and isinstance(args[0], list) and not args[0]:  # no round trip for no keys
-            if method in _EMPTY_LIST_CALLS:
-                return []
-            if method in _EMPTY_NONE_CALLS:
-                return None
-        result = self.link.call(actor_name(tier.value, self.node), method, *args)
-        self._check_epoch(tier, result)
-        return result
+        return self._call_many([(tier, method, args)])[0]
+
+    def _call_many(self, calls: Sequence[tuple[Tier, str, tuple[object, ...]]]) -> list[Any]:
+        """Calls to this node's tiers, all in flight at once; their answers in order."""
+        results = [_empty_answer(method, args) for _, method, args in calls]
+        todo = [i for i, r in enumerate(results) if r is _NO_ANSWER]
+        if todo:
+            answers = self.link.call_many(
+                [(actor_name(calls[i][0].value, self.node), calls[i][1], calls[i][2])
+                 for i in todo])
+            for i, answer in zip(todo, answers):
+                self._check_epoch(calls[i][0], answer)
+                results[i] = answer
+        return results
 
     def _check_epoch(self, tier: Tier, result: object) -> None:
         """A tier that restarted has a new arena: re-attach before using its slots."""
@@ -75,3 +83,13 @@ class AgentBase:
         if info is None:
             info = self._peers[actor] = self.link.call(actor, "peer_info")
         return info
+
+
+def _empty_answer(method: str, args: tuple[object, ...]) -> Any:
+    """What a batch call answers for no keys, without the round trip; _NO_ANSWER otherwise."""
+    if args and isinstance(args[0], list) and not args[0]:
+        if method in _EMPTY_LIST_CALLS:
+            return []
+        if method in _EMPTY_NONE_CALLS:
+            return None
+    return _NO_ANSWER

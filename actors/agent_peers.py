@@ -24,17 +24,22 @@ class PeerServing(AgentBase):
         """Pin each block in a memory arena here, promoting NVMe blocks into DRAM."""
         start_time = time.perf_counter()
         out: list[Staged | None] = [None] * len(keys)
-        todo = list(range(len(keys)))
-        for tier in (Tier.HBM, Tier.DRAM):
-            if not todo:
-                break
+        # Both memory tiers are asked at once; a block in both is read from HBM.
+        tiers = (Tier.HBM, Tier.DRAM)
+        answers = self._call_many([(tier, "pin", (list(keys),)) for tier in tiers])
+        twice: list[BlockHash] = []
+        for tier, pins in zip(tiers, answers):
             info, _ = self._arenas[tier]
-            pins = self._call(tier, "pin", [keys[i] for i in todo])
-            for i, p in zip(list(todo), pins):
-                if p is not None:
-                    out[i] = Staged(keys[i], tier, info.arena, p.slot, p.size,
-                                    p.checksum or 0, tier)
-                    todo.remove(i)
+            for i, p in enumerate(pins):
+                if p is None:
+                    continue
+                if out[i] is not None:
+                    twice.append(keys[i])
+                    continue
+                out[i] = Staged(keys[i], tier, info.arena, p.slot, p.size, p.checksum or 0, tier)
+        if twice:
+            self._call(Tier.DRAM, "unpin", twice)
+        todo = [i for i, s in enumerate(out) if s is None]
         if todo:
             for i, s in self._promote([keys[i] for i in todo]).items():
                 out[todo[i]] = s

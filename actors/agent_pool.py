@@ -79,9 +79,8 @@ class PoolWrites(AgentBase):
             self._call(Tier.DRAM, "unpin", [p.key for p in pins if p is not None])
 
     def _pool_later(self, loaded: Sequence[Loaded], copies: Sequence[Sequence[Copy]]) -> None:
-        """Blocks reused often enough and not yet pooled go to the pool in the background."""
-        if not self._pool_members():
-            return
+        """Blocks reused often enough and not yet pooled go to the pool in the background
+        (where there is a pool: the load that called this does not wait to find out)."""
         todo = [b.key for b, c in zip(loaded, copies)
                 if self._admit(b.key) and not any(x.tier is Tier.POOL for x in c)]
         if todo:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 
 from cmx.actors.directory import ApplyResult, Entry, Source, shard_of
@@ -45,6 +46,8 @@ class EventPublisher:
         self._send_lock = threading.Lock()  # one batch in flight per publisher keeps order
         self._pending: list[list[Entry]] = [[] for _ in range(num_shards)]
         self._seq = [0] * num_shards
+        self._senders: ThreadPoolExecutor | None = None  # one thread per shard, once needed
+        self._behind: ThreadPoolExecutor | None = None  # flush_soon's thread, once needed
         self.failures = 0
         self.resyncs = 0
 
@@ -61,16 +64,26 @@ class EventPublisher:
             self._pending[shard].append(entry)
             self._seq[shard] += 1
 
-    def flush(self) -> bool:
-        """Send every pending batch (empty ones too: heartbeats). True if all shards took them."""
+    def flush(self, heartbeat: bool = False) -> bool:
+        """Send every pending batch, to all shards at once; with ``heartbeat``, empty ones too
+        (they carry the sequence number a shard checks for gaps). True if all took them."""
         with self._send_lock:
             with self._lock:
-                batches = [(s, self._pending[s], self._seq[s]) for s in range(self.num_shards)]
+                batches = [(s, self._pending[s], self._seq[s]) for s in range(self.num_shards)
+                           if heartbeat or self._pending[s]]
                 self._pending = [[] for _ in range(self.num_shards)]
-            ok = True
-            for shard, entries, seq in batches:
-                ok &= self._deliver(shard, entries, seq)
-            return ok
+            if len(batches) < 2:
+                return all([self._deliver(*batch) for batch in batches])
+            if self._senders is None:
+                self._senders = ThreadPoolExecutor(self.num_shards,
+                                                   thread_name_prefix="cmx-publish")
+            return all(list(self._senders.map(lambda batch: self._deliver(*batch), batches)))
+
+    def flush_soon(self) -> None:
+        """``flush`` from a background thread; returns at once. Batches keep their order."""
+        if self._behind is None:
+            self._behind = ThreadPoolExecutor(1, thread_name_prefix="cmx-publish-behind")
+        self._behind.submit(self.flush)
 
     def _deliver(self, shard: int, entries: list[Entry], seq: int) -> bool:
         try:
@@ -79,7 +92,8 @@ class EventPublisher:
                 self._resync(shard)
             return True
         except Exception:  # noqa: BLE001 - an unreachable shard resyncs on a later heartbeat
-            self.failures += 1
+            with self._lock:
+                self.failures += 1
             return False
 
     def _resync(self, shard: int) -> None:
@@ -91,4 +105,5 @@ class EventPublisher:
                 seq = self._seq[shard]
                 self._pending[shard] = []
         self._send(shard, "resync", self.source, self.epoch, seq, entries)
-        self.resyncs += 1
+        with self._lock:
+            self.resyncs += 1

@@ -1,12 +1,16 @@
 """How actors reach each other: by name in the ``cmx`` Ray namespace, with bounded waits.
 
 Plain classes take a link object instead of Ray handles, so unit tests pass in local objects
-(``LocalLink``) and the service passes ``RayLink``; both have one method, ``call``.
+(``LocalLink``) and the service passes ``RayLink``. Both have ``call`` (one call, waited for),
+``call_many`` (several calls in flight at once, each waited for) and ``tell`` (a call nobody
+waits for: releasing pins a peer holds for us).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from cmx.errors import UnavailableError
@@ -14,6 +18,10 @@ from cmx.errors import UnavailableError
 __all__ = ["LocalLink", "RayLink", "actor_name"]
 
 RAY_NAMESPACE = "cmx"
+
+Call = tuple[str, str, tuple[Any, ...]]  # (actor name, method, arguments)
+
+log = logging.getLogger(__name__)
 
 
 def actor_name(kind: str, ident: str | int) -> str:
@@ -32,6 +40,24 @@ class LocalLink:
         if target is None:
             raise UnavailableError(f"{name} is not running")
         return getattr(target, method)(*args)
+
+    def call_many(self, calls: Sequence[Call], timeout_s: float | None = None,
+                  return_exceptions: bool = False) -> list[Any]:
+        results: list[Any] = []
+        for name, method, args in calls:
+            try:
+                results.append(self.call(name, method, *args))
+            except Exception as exc:
+                if not return_exceptions:
+                    raise
+                results.append(exc)
+        return results
+
+    def tell(self, name: str, method: str, *args: Any) -> None:
+        try:
+            self.call(name, method, *args)
+        except Exception as exc:  # noqa: BLE001 - nobody waits for a tell's answer
+            log.warning("%s.%s failed: %s", name, method, exc)
 
 
 class RayLink:
@@ -58,6 +84,13 @@ class RayLink:
         return getattr(self.handle(name), method).remote(*args)
 
     def call(self, name: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        return self.call_many([(name, method, args)], timeout_s)[0]
+
+    def call_many(self, calls: Sequence[Call], timeout_s: float | None = None,
+                  return_exceptions: bool = False) -> list[Any]:
+        """Start every call, then wait for each (all within ``timeout_s``); results in order.
+        The first failure is raised once every call has answered or timed out; with
+        ``return_exceptions``, each failure takes its call's place in the results instead."""
         import ray
         from ray.exceptions import (
             ActorUnavailableError,
@@ -66,15 +99,37 @@ class RayLink:
             RayTaskError,
         )
 
+        refs: list[Any] = []
+        for name, method, args in calls:
+            try:
+                refs.append(self.submit(name, method, *args))
+            except UnavailableError as exc:
+                refs.append(exc)
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        results: list[Any] = []
+        for (name, method, _), ref in zip(calls, refs):
+            if isinstance(ref, BaseException):
+                results.append(ref)
+                continue
+            try:
+                results.append(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
+            except (GetTimeoutError, RayActorError, ActorUnavailableError) as exc:
+                self._handles.pop(name, None)
+                results.append(UnavailableError(f"{name}.{method} did not answer: {exc}"))
+            except RayTaskError as exc:
+                results.append(exc.as_instanceof_cause())
+        if not return_exceptions:
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+        return results
+
+    def tell(self, name: str, method: str, *args: Any) -> None:
+        """Start a call and return; a failure is Ray's to log."""
         try:
-            ref = self.submit(name, method, *args)
-            return ray.get(ref, timeout=timeout_s or self.timeout_s)
-        except (GetTimeoutError, RayActorError, ActorUnavailableError) as exc:
-            self._handles.pop(name, None)
-            raise UnavailableError(f"{name}.{method} did not answer: {exc}") from exc
-        except RayTaskError as exc:
-            cause = exc.as_instanceof_cause()
-            raise cause from None
+            self.submit(name, method, *args)
+        except UnavailableError as exc:
+            log.warning("%s.%s not sent: %s", name, method, exc)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"timeout_s": self.timeout_s, "_handles": {}}

@@ -144,7 +144,7 @@ class NvmeTierService:
         with self._lock:
             stale = [k for k, p in self._pending.items() if now - p.since > STALE_WRITE_S]
         self.abort(stale)
-        return self.publisher.flush()
+        return self.publisher.flush(heartbeat=True)
 
     def stats(self) -> dict[str, object]:
         s = self.store.stats()

@@ -230,7 +230,7 @@ class PoolNodeService:
     # -- upkeep --------------------------------------------------------------------------------
 
     def heartbeat(self) -> bool:
-        return self.publisher.flush()
+        return self.publisher.flush(heartbeat=True)
 
     def stats(self) -> dict[str, object]:
         s = self.store.stats()

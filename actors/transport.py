@@ -1,4 +1,5 @@
-"""Node-to-node transports: NIXL over UCX, and a Ray object-store fallback.
+"""Node-to-node transports: the interface, and the Ray object-store fallback (NIXL over UCX is
+in ``nixl_transport.py``).
 
 A transport moves whole slots of registered regions (shared-memory arenas) between offload
 agents. Each agent registers its regions once and publishes a ``PeerInfo``; a reader connects
@@ -9,26 +10,25 @@ building on the hot path.
 Protocol, in call order: ``register(region)`` for every local region, ``info()`` to publish,
 ``connect(peer_info)`` on the reader, then ``read(peer, moves)`` any number of times.
 ``read`` returns once the bytes are in the local slots or raises TransferError; it never
-returns partial data silently.
+returns partial data silently. As the pieces of each slot land, in order, ``read`` reports
+them (``on_landed``), so the caller checks each block while the rest still moves, and reads
+the bytes it checks while they are still in the CPU's cache.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from cmx.errors import CmxError
-from cmx.nixl_api import nixl_api
 
 __all__ = [
     "Move",
-    "NixlTransport",
+    "OnLanded",
     "PeerInfo",
     "RayTransport",
     "Region",
@@ -62,12 +62,7 @@ class Move:
     dst_slot: int
 
 
-OnDone = Callable[[Sequence[Move]], None]  # a batch of moves has landed
-
-# Moves per NIXL request: a load's requests are all in flight at once, and the blocks of each
-# are verified as it completes, while later ones still move (4 x 32 MiB: 128 MiB a request).
-PIPELINE_MOVES = 4
-
+OnLanded = Callable[["Move", int, int], None]  # bytes [start, stop) of a move's slot landed
 
 @dataclass(frozen=True)
 class PeerInfo:
@@ -105,20 +100,22 @@ class Transport(ABC):
 
     @abstractmethod
     def _read(self, peer: PeerInfo, moves: Sequence[Move], timeout_s: float,
-              on_done: OnDone) -> None: ...
+              on_landed: OnLanded) -> None: ...
 
     def read(self, peer: PeerInfo, moves: Sequence[Move], timeout_s: float = 30.0,
-             on_done: OnDone | None = None) -> int:
+             on_landed: OnLanded | None = None) -> int:
         """Move ``moves`` from ``peer``; returns bytes moved.
 
-        ``on_done(batch)`` is called with each batch of moves as soon as it has landed, while
-        later batches may still be moving: the caller verifies early blocks during the rest.
+        ``on_landed(move, start, stop)`` reports that bytes ``[start, stop)`` of the move's
+        local slot have landed: for each move, pieces in order from ``0`` to the slot's size,
+        from one thread; different moves may be reported from different threads at once.
+        An exception it raises fails the read.
         """
         if not moves:
             return 0
         start = time.perf_counter()
         try:
-            self._read(peer, moves, timeout_s, on_done or (lambda _batch: None))
+            self._read(peer, moves, timeout_s, on_landed or (lambda _m, _a, _b: None))
         except TransferError:
             self.stats.failures += 1
             raise
@@ -131,117 +128,6 @@ class Transport(ABC):
 
     def close(self) -> None:  # noqa: B027 - most transports hold nothing to release
         """Release transport resources."""
-
-
-class NixlTransport(Transport):
-    """NIXL agent with the UCX backend; regions prepared once as strided descriptor lists."""
-
-    name = "nixl-ucx"
-
-    def __init__(self, agent: str) -> None:
-        super().__init__(agent)
-        api = nixl_api()
-        with _progress_thread_delay(PROGRESS_DELAY_US):
-            self._nixl = api.nixl_agent(agent, api.nixl_agent_config(backends=["UCX"]))
-        self._local: dict[str, object] = {}  # region -> prepared local dlist
-        self._remote: dict[tuple[str, str], object] = {}  # (peer, region) -> prepared dlist
-        self._peers: dict[str, bytes] = {}  # peer agent -> metadata it was connected with
-
-    def register(self, region: Region, buffer: np.ndarray) -> None:
-        super().register(region, buffer)
-        nbytes = region.slot_bytes * region.num_slots
-        self._nixl.register_memory([(region.base, nbytes, 0, "")], "DRAM")
-        self._local[region.name] = self._nixl.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", _strided(region), "DRAM"
-        )
-
-    def info(self) -> PeerInfo:
-        return PeerInfo(
-            agent=self.agent,
-            transport=self.name,
-            regions=tuple(r for r, _ in self.regions.values()),
-            metadata=self._nixl.get_agent_metadata(),
-        )
-
-    def connect(self, peer: PeerInfo) -> None:
-        if self._peers.get(peer.agent) == peer.metadata:
-            return
-        if peer.agent in self._peers:  # the peer restarted: forget its old registrations
-            self._forget(peer.agent)
-        remote_name = self._nixl.add_remote_agent(peer.metadata)
-        name = remote_name.decode() if isinstance(remote_name, bytes) else remote_name
-        for region in peer.regions:
-            self._remote[(peer.agent, region.name)] = self._nixl.prep_xfer_dlist(
-                name, _strided(region), "DRAM"
-            )
-        self._peers[peer.agent] = peer.metadata
-
-    def _forget(self, peer: str) -> None:
-        for key in [k for k in self._remote if k[0] == peer]:
-            handle = self._remote.pop(key)
-            release = getattr(handle, "release", None)
-            if release:
-                release()
-        self._peers.pop(peer, None)
-        try:
-            self._nixl.remove_remote_agent(peer)
-        except Exception:  # noqa: BLE001 - already gone is fine
-            pass
-
-    def _read(self, peer: PeerInfo, moves: Sequence[Move], timeout_s: float,
-              on_done: OnDone) -> None:
-        groups: dict[tuple[str, str], list[Move]] = {}
-        for m in moves:
-            groups.setdefault((m.src_region, m.dst_region), []).append(m)
-        batches = [group[i : i + PIPELINE_MOVES] for group in groups.values()
-                   for i in range(0, len(group), PIPELINE_MOVES)]
-        handles: list[object] = []
-        try:
-            self.connect(peer)
-            self._start_and_wait(peer, batches, handles, timeout_s, on_done)
-        except TransferError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - NIXL raises its own kinds (a peer gone, ...)
-            raise TransferError(f"transfer from {peer.agent} failed: {exc}") from exc
-        finally:
-            for h in handles:
-                try:
-                    self._nixl.release_xfer_handle(h)
-                except Exception:  # noqa: BLE001 - a failed transfer may refuse release
-                    pass
-
-    def _start_and_wait(
-        self, peer: PeerInfo, batches: list[list[Move]], handles: list[object],
-        timeout_s: float, on_done: OnDone,
-    ) -> None:
-        """Start one prepared READ per batch (all in flight); wait for each in turn."""
-        for batch in batches:
-            src_region, dst_region = batch[0].src_region, batch[0].dst_region
-            remote = self._remote.get((peer.agent, src_region))
-            if remote is None:
-                raise TransferError(f"peer {peer.agent} has no region {src_region}")
-            h = self._nixl.make_prepped_xfer(
-                "READ", self._local[dst_region], [m.dst_slot for m in batch],
-                remote, [m.src_slot for m in batch],
-            )
-            if self._nixl.transfer(h) == "ERR":
-                raise TransferError(f"transfer from {peer.agent} could not start")
-            handles.append(h)
-        deadline = time.monotonic() + timeout_s
-        for h, batch in zip(handles, batches):
-            pause = 20e-6  # back off while polling: a spinning poller starves UCX's progress
-            while (state := self._nixl.check_xfer_state(h)) != "DONE":
-                if state == "ERR":
-                    raise TransferError(f"transfer from {peer.agent} failed")
-                if time.monotonic() > deadline:
-                    raise TransferError(f"transfer from {peer.agent} timed out")
-                time.sleep(pause)
-                pause = min(pause * 2, 1e-3)
-            on_done(batch)
-
-    def close(self) -> None:
-        for peer in list(self._peers):
-            self._forget(peer)
 
 
 class RayTransport(Transport):
@@ -266,7 +152,7 @@ class RayTransport(Transport):
         """Nothing to prepare."""
 
     def _read(self, peer: PeerInfo, moves: Sequence[Move], timeout_s: float,
-              on_done: OnDone) -> None:
+              on_landed: OnLanded) -> None:
         try:
             blobs = self._fetch(peer.agent, [(m.src_region, m.src_slot) for m in moves])
         except Exception as exc:  # noqa: BLE001 - any failure of the peer is a failed transfer
@@ -275,7 +161,7 @@ class RayTransport(Transport):
             region, buf = self.regions[m.dst_region]
             off = m.dst_slot * region.slot_bytes
             buf[off : off + blob.nbytes] = blob
-        on_done(moves)
+            on_landed(m, 0, blob.nbytes)
 
 
 def make_transport(
@@ -286,45 +172,10 @@ def make_transport(
     """NIXL where it loads (unless ``prefer == "ray"``), else the Ray fallback."""
     if prefer != "ray":
         try:
+            from cmx.actors.nixl_transport import NixlTransport
+
             return NixlTransport(agent)
         except Exception:  # noqa: BLE001 - any load failure means falling back
             if prefer == "nixl":
                 raise
     return RayTransport(agent, fetch)
-
-
-# The NIXL agent's progress thread serves peers' reads (UCX wire-up needs the target to
-# progress). The Python wrapper starts it with no delay between polls, which keeps a core busy
-# per agent: on a 2-core node, two agents and a pool node starve everything else. A 100 us
-# pause costs at most that much latency per transfer and brings an idle agent to ~2% of a core.
-PROGRESS_DELAY_US = 100
-_config_lock = threading.Lock()
-
-
-@contextmanager
-def _progress_thread_delay(delay_us: int) -> Iterator[None]:
-    """While held, NIXL agents are created with ``delay_us`` between progress polls."""
-    bind = nixl_api().nixlBind
-    original = bind.nixlAgentConfig
-
-    try:
-        class DelayedConfig(original):  # type: ignore[misc, valid-type]
-            def __setattr__(self, name: str, value: object) -> None:
-                super().__setattr__(name, delay_us if name == "pthrDelay" else value)
-    except TypeError:  # the binding cannot be subclassed: keep NIXL's default
-        yield
-        return
-    with _config_lock:
-        bind.nixlAgentConfig = DelayedConfig
-        try:
-            yield
-        finally:
-            bind.nixlAgentConfig = original
-
-
-def _strided(region: Region) -> np.ndarray:
-    """One row (addr, len, dev, stride, count): every slot of the region as a descriptor."""
-    return np.array(
-        [[region.base, region.slot_bytes, 0, region.slot_bytes, region.num_slots]],
-        dtype=np.uint64,
-    )

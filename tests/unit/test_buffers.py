@@ -1,4 +1,5 @@
-"""The block copy: exact bytes whether it runs on one thread or is split over several."""
+"""The block copy (exact bytes whether it runs on one thread or is split over several) and
+the checksum of a block that arrives in pieces."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import numpy as np
 import pytest
 
 from cmx.buffers import PARALLEL_MIN_BYTES, aligned_empty, copy_bytes
+from cmx.checksum import ChecksumStream, checksum
 
 
 @pytest.mark.parametrize("nbytes", [0, 1, 4097, PARALLEL_MIN_BYTES - 1, PARALLEL_MIN_BYTES,
@@ -24,3 +26,13 @@ def test_copy_bytes_refuses_sizes_that_differ():
     with pytest.raises(ValueError, match="into"):
         copy_bytes(dst, np.ones(PARALLEL_MIN_BYTES + 1, np.uint8))
     assert not dst.any()
+
+
+def test_a_checksum_fed_in_pieces_equals_the_checksum_of_the_whole():
+    data = np.random.default_rng(3).integers(0, 256, 5 * 4096 + 17, dtype=np.uint8)
+    stream = ChecksumStream()
+    for start in range(0, data.nbytes, 4096):
+        stream.feed(data[start:start + 4096])
+    assert stream.value() == checksum(data)
+    data[-1] ^= 1
+    assert stream.value() != checksum(data)

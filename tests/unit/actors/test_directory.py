@@ -113,7 +113,7 @@ def test_restarted_shard_is_rebuilt_by_heartbeat() -> None:
     victim = shard_of(key(0), 3)
     shards[victim] = DirectoryShard(victim)  # the shard restarted empty
     assert not lookup_all(shards, [key(0)])[0]
-    pub.flush()  # an empty batch: a heartbeat
+    pub.flush(heartbeat=True)  # empty batches
     assert all(lookup_all(shards, [key(i) for i in range(12)]))
 
 
@@ -131,3 +131,26 @@ def test_unreachable_shard_is_a_failure_not_an_error() -> None:
     holdings.event(pub, 2)
     assert pub.flush()  # the gap makes the shard ask for a resync: both blocks are back
     assert lookup_all(shards, [key(1), key(2)]) == [True, True]
+
+
+def test_one_unreachable_shard_does_not_hold_back_the_others() -> None:
+    shards, holdings, pub = make(3)
+    down = shard_of(key(0), 3)
+    sent: list[int] = []
+
+    def send(shard: int, method: str, *args: object) -> object:
+        sent.append(shard)
+        if shard == down:
+            raise ConnectionError("down")
+        return getattr(shards[shard], method)(*args)
+
+    pub._send = send
+    for i in range(12):
+        holdings.event(pub, i)
+    assert pub.flush() is False
+    assert pub.failures == 1
+    found = lookup_all(shards, [key(i) for i in range(12)])
+    assert found == [shard_of(key(i), 3) != down for i in range(12)]
+    sent.clear()
+    assert pub.flush()  # nothing pending: no shard is bothered
+    assert sent == []

@@ -1,0 +1,198 @@
+"""The agent loading from other nodes: a peer agent or a pool node stages blocks in its memory,
+this agent pulls them into HBM with the transport, each block checked as its pieces land.
+
+Where the directory shows no copy on this node, the load asks the peer to stage at the same
+time as it asks this node's HBM for slots (``stage_ahead``): one round trip instead of two
+before the first byte moves.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cmx.actors.agent_base import AgentBase
+from cmx.actors.arena_tier import Grant, Pinned
+from cmx.actors.directory import Copy
+from cmx.actors.links import actor_name
+from cmx.actors.scheduler import Priority
+from cmx.actors.transport import Move, TransferError
+from cmx.actors.wire import Loaded, Staged
+from cmx.checksum import ChecksumStream
+from cmx.keys import BlockHash
+from cmx.storage.arena import SharedArena
+from cmx.tiers import Tier
+
+__all__ = ["RemoteFills", "StagedAhead"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StagedAhead:
+    """Blocks a peer agent staged while this node's HBM was asked for slots."""
+
+    actor: str  # the peer agent's actor name
+    idx: list[int]  # indexes of the load's keys it was asked for
+    staged: dict[int, Staged | None]  # what it staged, until a fill takes it
+
+    def take(self, actor: str, idx: Sequence[int]) -> dict[int, Staged | None]:
+        if actor != self.actor:
+            return {}
+        return {i: self.staged.pop(i) for i in idx if i in self.staged}
+
+    def leftovers(self) -> list[Staged]:
+        """Staged blocks no fill took (their HBM slot was not granted, or a fill failed)."""
+        rest = [s for s in self.staged.values() if s is not None]
+        self.staged.clear()
+        return rest
+
+
+class RemoteFills(AgentBase):
+    def _sources(self, copies: Sequence[Copy]) -> list[tuple[Tier, str]]:
+        """Where to look for a block, fastest first: this node's DRAM and NVMe, then the
+        other nodes' copies, memory before NVMe, and the pool last.
+
+        This node's tiers are asked where the directory knows a copy here, in any tier, and
+        then both are asked: the directory may lag a demotion (HBM to DRAM, DRAM to NVMe)
+        that just happened. Where it knows none, the load goes to the others at once."""
+        here = any(c.node == self.node and c.tier is not Tier.POOL for c in copies)
+        local = [(Tier.DRAM, self.node), (Tier.NVME, self.node)] if here else []
+        remote = sorted(
+            {(c.tier, c.node) for c in copies if c.node != self.node or c.tier is Tier.POOL},
+            key=lambda s: (s[0].rank, s[1]),
+        )
+        return local + remote
+
+    def _stage_plan(self, copies: Sequence[Sequence[Copy]]) -> tuple[str, list[int]] | None:
+        """The peer agent whose copies a load will try first for the most keys, and those
+        keys: the ones whose first source is that peer."""
+        first: dict[int, str] = {}
+        for i, c in enumerate(copies):
+            sources = self._sources(c)
+            if sources and sources[0][1] != self.node and sources[0][0] is not Tier.POOL:
+                first[i] = sources[0][1]
+        if not first:
+            return None
+        node, _ = Counter(first.values()).most_common(1)[0]
+        return actor_name("agent", node), [i for i, n in first.items() if n == node]
+
+    def _acquire(
+        self, keys: Sequence[BlockHash], copies: Sequence[Sequence[Copy]],
+    ) -> tuple[list[Pinned | Grant | None], StagedAhead | None]:
+        """HBM's ``acquire`` of ``keys``, with the likely peer staging at the same time."""
+        items = [(k, keys[i - 1] if i else None) for i, k in enumerate(keys)]
+        plan = self._stage_plan(copies)
+        if plan is None:
+            return self._call(Tier.HBM, "acquire", items), None
+        actor, idx = plan
+        held, staged = self.link.call_many(  # type: ignore[attr-defined]
+            [(actor_name(Tier.HBM.value, self.node), "acquire", (items,)),
+             (actor, "stage", ([keys[i] for i in idx],))],
+            timeout_s=self.config.load_timeout_s, return_exceptions=True,
+        )
+        ahead = None
+        if isinstance(staged, BaseException):
+            log.warning("staging ahead at %s failed: %s", actor, staged)
+        else:
+            ahead = StagedAhead(actor, idx, dict(zip(idx, staged)))
+        if isinstance(held, BaseException):
+            if ahead is not None:
+                self._release_ahead(ahead)
+            raise held
+        self._check_epoch(Tier.HBM, held)
+        return held, ahead
+
+    def _release_ahead(self, ahead: StagedAhead) -> None:
+        if rest := ahead.leftovers():
+            self.link.tell(ahead.actor, "unstage", rest)  # type: ignore[attr-defined]
+
+    def _fill_remote(
+        self, peer_agent: str, node: str, keys: Sequence[BlockHash], idx: list[int],
+        granted: dict[int, Grant], priority: Priority, ahead: StagedAhead | None = None,
+    ) -> dict[int, Loaded]:
+        """Pull blocks from a peer (an agent or a pool node), window by window: a peer stages
+        what its memory holds at once, the rest goes in later windows. Stops when a window
+        stages nothing (the peer has none of the rest). Blocks the peer staged ahead (while
+        this node's HBM was asked) make the first window."""
+        out: dict[int, Loaded] = {}
+        pre = ahead.take(peer_agent, idx) if ahead is not None else {}
+        if any(s is not None for s in pre.values()):
+            first = [i for i in idx if i in pre]
+            out.update(self._pull_staged(peer_agent, node, keys, first, [pre[i] for i in first],
+                                         granted, priority))
+        todo = [i for i in idx if pre.get(i) is None]
+        while todo:
+            staged: list[Staged | None] = self.link.call(  # type: ignore[attr-defined]
+                peer_agent, "stage", [keys[i] for i in todo],
+                timeout_s=self.config.load_timeout_s,
+            )
+            if all(s is None for s in staged):
+                break
+            out.update(self._pull_staged(peer_agent, node, keys, todo, staged, granted, priority))
+            todo = [i for i, s in zip(todo, staged) if s is None]
+        return out
+
+    def _pull_staged(
+        self, peer_agent: str, node: str, keys: Sequence[BlockHash], idx: list[int],
+        staged: list[Staged | None], granted: dict[int, Grant], priority: Priority,
+    ) -> dict[int, Loaded]:
+        """Move the blocks a peer staged into their HBM slots, verified; then unstage them."""
+        try:
+            peer = self._peer(peer_agent)
+            if any(s is not None and s.region not in {r.name for r in peer.regions}
+                   for s in staged):
+                peer = self._peer(peer_agent, refresh=True)  # the peer re-registered its arenas
+            hbm_info, hbm = self._arenas[Tier.HBM]
+            pairs = [(i, s) for i, s in zip(idx, staged) if s is not None]
+            moves = [Move(s.region, s.slot, hbm_info.arena, granted[i].slot) for i, s in pairs]
+            checks = _LandedChecks(hbm, {m: (s.size, s.checksum) for m, (_, s) in
+                                         zip(moves, pairs)})
+            with self.scheduler.staging(0):
+                fut = self.scheduler.submit(
+                    priority,
+                    lambda: self.transport.read(peer, moves, self.config.load_timeout_s,
+                                                checks.landed),
+                )
+                try:
+                    fut.result()
+                except TransferError:
+                    self._peers.pop(peer_agent, None)  # the peer may have restarted
+                    raise
+            out: dict[int, Loaded] = {}
+            for m, (i, s) in zip(moves, pairs):
+                if m not in checks.intact:
+                    log.warning("checksum mismatch for %s from %s", keys[i].hex()[:12], node[:8])
+                    continue
+                out[i] = Loaded(keys[i], granted[i].slot, s.size, s.source_tier, node,
+                                self.transport.name, s.checksum)
+                self.moved[f"{s.source_tier.value}@peer->hbm"] += s.size
+                self.moved_via[self.transport.name] += s.size
+            return out
+        finally:
+            if done := [s for s in staged if s is not None]:
+                # Nobody waits for the peer to let go; a peer that restarted let go already.
+                self.link.tell(peer_agent, "unstage", done)  # type: ignore[attr-defined]
+
+
+class _LandedChecks:
+    """Checksums of blocks landing piece by piece (``Transport.read``'s ``on_landed``):
+    each piece is fed while it is still in the cache, as later pieces still move."""
+
+    def __init__(self, arena: SharedArena, expected: dict[Move, tuple[int, int]]) -> None:
+        self._arena = arena
+        self._expected = expected  # move -> (payload size, checksum)
+        self._streams = {m: ChecksumStream() for m in expected}
+        self.intact: set[Move] = set()  # moves whose whole payload landed and checked out
+
+    def landed(self, move: Move, start: int, stop: int) -> None:
+        size, want = self._expected[move]
+        end = min(stop, size)  # a slot travels whole; the payload may end before it
+        if start >= end:
+            return
+        stream = self._streams[move]
+        stream.feed(self._arena.slot_view(move.dst_slot)[start:end])
+        if end == size and stream.value() == want:
+            self.intact.add(move)

@@ -38,7 +38,16 @@ LANES = 2
 
 
 class NixlTransport(Transport):
-    """NIXL agent with the UCX backend; regions prepared once as strided descriptor lists."""
+    """Two NIXL agents with the UCX backend, both with this process's regions registered:
+
+    - the *target*, whose metadata peers connect to, has a progress thread: a peer's
+      connection needs this side to make progress even while it moves nothing itself;
+    - the *reader* posts this process's reads and has no progress thread: each lane makes
+      progress on its own UCX worker as it waits. A progress thread would take every
+      worker's lock in turn to poll them all, and the lanes then queued behind it: 1 GiB of
+      32 MiB slots between two processes, checked piece by piece, moved at 7.7-8.1 GB/s with
+      one and 9.6-11.1 GB/s without.
+    """
 
     name = "nixl-ucx"
 
@@ -46,7 +55,9 @@ class NixlTransport(Transport):
         super().__init__(agent)
         api = nixl_api()
         with _progress_thread_delay(PROGRESS_DELAY_US):
-            self._nixl = api.nixl_agent(agent, api.nixl_agent_config(backends=[]))
+            self._target = api.nixl_agent(agent, api.nixl_agent_config(backends=["UCX"]))
+        self._nixl = api.nixl_agent(
+            f"{agent}-reader", api.nixl_agent_config(enable_prog_thread=False, backends=[]))
         self._nixl.create_backend("UCX", {"num_workers": str(lanes)})
         self._lanes = ThreadPoolExecutor(lanes, thread_name_prefix="cmx-nixl-lane")
         self._num_lanes = lanes
@@ -57,7 +68,8 @@ class NixlTransport(Transport):
     def register(self, region: Region, buffer: np.ndarray) -> None:
         super().register(region, buffer)
         nbytes = region.slot_bytes * region.num_slots
-        self._nixl.register_memory([(region.base, nbytes, 0, "")], "DRAM")
+        for nixl in (self._target, self._nixl):
+            nixl.register_memory([(region.base, nbytes, 0, "")], "DRAM")
         self._local[region.name] = self._nixl.prep_xfer_dlist(
             "NIXL_INIT_AGENT", _pieces(region), "DRAM"
         )
@@ -67,7 +79,7 @@ class NixlTransport(Transport):
             agent=self.agent,
             transport=self.name,
             regions=tuple(r for r, _ in self.regions.values()),
-            metadata=self._nixl.get_agent_metadata(),
+            metadata=self._target.get_agent_metadata(),
         )
 
     def connect(self, peer: PeerInfo) -> None:

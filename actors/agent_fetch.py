@@ -21,6 +21,7 @@ from cmx.actors.scheduler import Priority
 from cmx.actors.transport import Move, TransferError
 from cmx.actors.wire import Loaded, Staged
 from cmx.checksum import ChecksumStream
+from cmx.errors import UnavailableError
 from cmx.keys import BlockHash
 from cmx.storage.arena import SharedArena
 from cmx.tiers import Tier
@@ -119,11 +120,11 @@ class RemoteFills(AgentBase):
         this node's HBM was asked) make the first window."""
         out: dict[int, Loaded] = {}
         pre = ahead.take(peer_agent, idx) if ahead is not None else {}
+        todo = [i for i in idx if pre.get(i) is None]
         if any(s is not None for s in pre.values()):
             first = [i for i in idx if i in pre]
             out.update(self._pull_staged(peer_agent, node, keys, first, [pre[i] for i in first],
-                                         granted, priority))
-        todo = [i for i in idx if pre.get(i) is None]
+                                         granted, priority, more=bool(todo)))
         while todo:
             staged: list[Staged | None] = self.link.call(  # type: ignore[attr-defined]
                 peer_agent, "stage", [keys[i] for i in todo],
@@ -131,15 +132,22 @@ class RemoteFills(AgentBase):
             )
             if all(s is None for s in staged):
                 break
-            out.update(self._pull_staged(peer_agent, node, keys, todo, staged, granted, priority))
+            more = any(s is None for s in staged)
+            out.update(self._pull_staged(peer_agent, node, keys, todo, staged, granted, priority,
+                                         more))
             todo = [i for i, s in zip(todo, staged) if s is None]
         return out
 
     def _pull_staged(
         self, peer_agent: str, node: str, keys: Sequence[BlockHash], idx: list[int],
         staged: list[Staged | None], granted: dict[int, Grant], priority: Priority,
+        more: bool,
     ) -> dict[int, Loaded]:
-        """Move the blocks a peer staged into their HBM slots, verified; then unstage them."""
+        """Move the blocks a peer staged into their HBM slots, verified; then unstage them.
+
+        With ``more`` windows to come, the peer has let go of these before this returns: its
+        next ``stage`` needs the room (a peer serves calls concurrently, so a call merely sent
+        first may still run second). After the last window nobody waits for it."""
         try:
             peer = self._peer(peer_agent)
             if any(s is not None and s.region not in {r.name for r in peer.regions}
@@ -172,9 +180,13 @@ class RemoteFills(AgentBase):
                 self.moved_via[self.transport.name] += s.size
             return out
         finally:
-            if done := [s for s in staged if s is not None]:
-                # Nobody waits for the peer to let go; a peer that restarted let go already.
+            if (done := [s for s in staged if s is not None]) and not more:
                 self.link.tell(peer_agent, "unstage", done)  # type: ignore[attr-defined]
+            elif done:
+                try:
+                    self.link.call(peer_agent, "unstage", done)  # type: ignore[attr-defined]
+                except UnavailableError:
+                    pass  # the peer restarted: its pins went with it
 
 
 class _LandedChecks:

@@ -33,9 +33,30 @@ class Plane:
             tier.close()
 
 
-def make_plane(config: ServiceConfig, nodes: tuple[str, ...] = ("node-a", "node-b")) -> Plane:
+class LaggingLink(LocalLink):
+    """A LocalLink whose tells run only after the next call: as with Ray actors that serve
+    calls concurrently, a call sent after a tell may run before it."""
+
+    def __init__(self, targets: dict[str, Any]) -> None:
+        super().__init__(targets)
+        self._told: list[tuple[str, str, tuple[Any, ...]]] = []
+
+    def tell(self, name: str, method: str, *args: Any) -> None:
+        self._told.append((name, method, args))
+
+    def call(self, name: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        told, self._told = self._told, []
+        try:
+            return super().call(name, method, *args)
+        finally:
+            for t in told:
+                super().tell(*t[:2], *t[2])
+
+
+def make_plane(config: ServiceConfig, nodes: tuple[str, ...] = ("node-a", "node-b"),
+               link_type: type[LocalLink] = LocalLink) -> Plane:
     targets: dict[str, Any] = {}
-    link = LocalLink(targets)
+    link = link_type(targets)
     shards = [DirectoryShard(i) for i in range(config.directory_shards)]
     for i, shard in enumerate(shards):
         targets[actor_name("dir", i)] = shard

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from plane import Plane, make_plane
+from plane import LaggingLink, Plane, make_plane
 
 from cmx.config import ServiceConfig
 from cmx.keys import Namespace, chain_keys
@@ -152,7 +152,9 @@ def test_a_load_larger_than_the_peers_memory_moves_window_by_window(tmp_path) ->
         nvme_dir=str(tmp_path), nvme_segment_bytes=16 * BLOCK, directory_shards=2,
         placement="write_through",  # every block reaches B's NVMe as it is stored
     )
-    plane = make_plane(config)
+    # B runs A's calls in any order, as a Ray actor serving them concurrently may: A must
+    # wait for B to let go of one window before asking for the next.
+    plane = make_plane(config, link_type=LaggingLink)
     try:
         keys, payload = blocks(12, seed=7)
         store(plane, "node-b", keys, payload)

@@ -140,7 +140,8 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites):
     ) -> LoadResult:
         """The longest prefix of ``keys`` pinned in HBM; the caller must ``release`` it."""
         start_time = time.perf_counter()
-        held, ahead = self._acquire(keys, copies)
+        sources = [self._sources(c) for c in copies]  # per key, fastest first
+        held, ahead = self._acquire(keys, sources)
         try:
             loaded: dict[int, Loaded] = {
                 i: Loaded(k, p.slot, p.size, Tier.HBM, self.node, "local", p.checksum or 0)
@@ -148,7 +149,7 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites):
             }
             granted = {i: g for i, g in enumerate(held) if isinstance(g, Grant)}
             if granted:
-                loaded.update(self._fill_hbm(keys, copies, granted, priority, ahead))
+                loaded.update(self._fill_hbm(keys, sources, granted, priority, ahead))
         finally:
             if ahead is not None:
                 self._release_ahead(ahead)
@@ -175,13 +176,13 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites):
         return len(loaded)
 
     def _fill_hbm(
-        self, keys: Sequence[BlockHash], copies: Sequence[Sequence[Copy]],
+        self, keys: Sequence[BlockHash], sources: Sequence[list[tuple[Tier, str]]],
         granted: dict[int, Grant], priority: Priority, ahead: StagedAhead | None,
     ) -> dict[int, Loaded]:
         """Fill the granted HBM slots, each from its fastest copy; the filled ones pinned."""
         self._demote_victims(Tier.HBM, list(granted.values()))
         # Try each key's sources fastest first, round by round.
-        options = {i: self._sources(copies[i]) for i in granted}
+        options = {i: sources[i] for i in granted}
         filled: dict[int, Loaded] = {}
         for rnd in range(max((len(o) for o in options.values()), default=0)):
             by_source: dict[tuple[Tier, str], list[int]] = {}

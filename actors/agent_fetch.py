@@ -2,8 +2,8 @@
 this agent pulls them into HBM with the transport, each block checked as its pieces land.
 
 Where the directory shows no copy on this node, the load asks the peer to stage at the same
-time as it asks this node's HBM for slots (``stage_ahead``): one round trip instead of two
-before the first byte moves.
+time as it asks this node's HBM for slots (``_acquire``, ``StagedAhead``): one round trip
+instead of two before the first byte moves.
 """
 
 from __future__ import annotations
@@ -36,8 +36,7 @@ class StagedAhead:
     """Blocks a peer agent staged while this node's HBM was asked for slots."""
 
     actor: str  # the peer agent's actor name
-    idx: list[int]  # indexes of the load's keys it was asked for
-    staged: dict[int, Staged | None]  # what it staged, until a fill takes it
+    staged: dict[int, Staged | None]  # key index -> what it staged, until a fill takes it
 
     def take(self, actor: str, idx: Sequence[int]) -> dict[int, Staged | None]:
         if actor != self.actor:
@@ -67,25 +66,26 @@ class RemoteFills(AgentBase):
         )
         return local + remote
 
-    def _stage_plan(self, copies: Sequence[Sequence[Copy]]) -> tuple[str, list[int]] | None:
-        """The peer agent whose copies a load will try first for the most keys, and those
-        keys: the ones whose first source is that peer."""
+    def _stage_plan(
+        self, sources: Sequence[list[tuple[Tier, str]]]
+    ) -> tuple[str, list[int]] | None:
+        """The peer agent a load will try first for the most keys, and those keys: the ones
+        whose first source (``sources``, per key, from ``_sources``) is that peer."""
         first: dict[int, str] = {}
-        for i, c in enumerate(copies):
-            sources = self._sources(c)
-            if sources and sources[0][1] != self.node and sources[0][0] is not Tier.POOL:
-                first[i] = sources[0][1]
+        for i, options in enumerate(sources):
+            if options and options[0][1] != self.node and options[0][0] is not Tier.POOL:
+                first[i] = options[0][1]
         if not first:
             return None
         node, _ = Counter(first.values()).most_common(1)[0]
         return actor_name("agent", node), [i for i, n in first.items() if n == node]
 
     def _acquire(
-        self, keys: Sequence[BlockHash], copies: Sequence[Sequence[Copy]],
+        self, keys: Sequence[BlockHash], sources: Sequence[list[tuple[Tier, str]]],
     ) -> tuple[list[Pinned | Grant | None], StagedAhead | None]:
         """HBM's ``acquire`` of ``keys``, with the likely peer staging at the same time."""
         items = [(k, keys[i - 1] if i else None) for i, k in enumerate(keys)]
-        plan = self._stage_plan(copies)
+        plan = self._stage_plan(sources)
         if plan is None:
             return self._call(Tier.HBM, "acquire", items), None
         actor, idx = plan
@@ -98,7 +98,7 @@ class RemoteFills(AgentBase):
         if isinstance(staged, BaseException):
             log.warning("staging ahead at %s failed: %s", actor, staged)
         else:
-            ahead = StagedAhead(actor, idx, dict(zip(idx, staged)))
+            ahead = StagedAhead(actor, dict(zip(idx, staged)))
         if isinstance(held, BaseException):
             if ahead is not None:
                 self._release_ahead(ahead)
@@ -107,8 +107,7 @@ class RemoteFills(AgentBase):
         return held, ahead
 
     def _release_ahead(self, ahead: StagedAhead) -> None:
-        if rest := ahead.leftovers():
-            self.link.tell(ahead.actor, "unstage", rest)  # type: ignore[attr-defined]
+        self._unstage(ahead.actor, ahead.leftovers(), wait=False)
 
     def _fill_remote(
         self, peer_agent: str, node: str, keys: Sequence[BlockHash], idx: list[int],
@@ -180,13 +179,18 @@ class RemoteFills(AgentBase):
                 self.moved_via[self.transport.name] += s.size
             return out
         finally:
-            if (done := [s for s in staged if s is not None]) and not more:
-                self.link.tell(peer_agent, "unstage", done)  # type: ignore[attr-defined]
-            elif done:
-                try:
-                    self.link.call(peer_agent, "unstage", done)  # type: ignore[attr-defined]
-                except UnavailableError:
-                    pass  # the peer restarted: its pins went with it
+            self._unstage(peer_agent, [s for s in staged if s is not None], wait=more)
+
+    def _unstage(self, peer_agent: str, staged: list[Staged], wait: bool) -> None:
+        if not staged:
+            return
+        if not wait:
+            self.link.tell(peer_agent, "unstage", staged)  # type: ignore[attr-defined]
+            return
+        try:
+            self.link.call(peer_agent, "unstage", staged)  # type: ignore[attr-defined]
+        except UnavailableError:
+            pass  # the peer restarted: its pins went with it
 
 
 class _LandedChecks:

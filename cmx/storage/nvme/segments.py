@@ -49,14 +49,14 @@ _libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c
 
 def preallocate(fd: int, nbytes: int) -> bool:
     """Allocate ``[0, nbytes)`` of ``fd`` (the file grows to ``nbytes``; new space reads as
-    zeros). False where the filesystem has no fallocate; never emulated by writing zeros, as
-    ``posix_fallocate`` would be."""
+    zeros); never emulated by writing zeros, as ``posix_fallocate`` would be. False where it
+    cannot (no fallocate here, or no room): allocating ahead only speeds appends up, so it
+    never fails one; a write that finds no room fails on its own."""
     if _libc.fallocate(fd, 0, 0, nbytes) == 0:
         return True
     err = ctypes.get_errno()
-    if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-        return False
-    raise OSError(err, f"fallocate of {nbytes} bytes: {os.strerror(err)}")
+    log.debug("fallocate of %d bytes: %s", nbytes, os.strerror(err))
+    return False
 
 
 @dataclass(eq=False)
@@ -133,8 +133,6 @@ class SegmentSet:
             return
         if preallocate(seg.fd, want):
             seg.allocated = want
-        else:
-            log.debug("%s: no fallocate here; appends extend the file", seg.path)
 
     def delete(self, seg: Segment) -> None:
         self.engine.unregister_file(seg.fd)

@@ -26,6 +26,7 @@ from cmx.api.problems import ApiProblem, problem_responses
 from cmx.api.routes import State
 from cmx.api.security import require_admin
 from cmx.errors import UnavailableError
+from cmx.keys import namespace_id as short_namespace_id
 from cmx.tiers import Tier
 
 __all__ = ["router"]
@@ -93,9 +94,11 @@ def drop_namespace(
         pattern=NAMESPACE_PATTERN,
         description="Namespace id: 16 hex digits (as lookups report it) or the full digest")],
 ) -> DropResult:
-    """Evict every block of a namespace; 501 if the running service cannot."""
+    """Evict every copy of every block of a namespace from every tier that holds one (HBM,
+    DRAM, NVMe, pool); pinned copies stay. 501 if the running service cannot."""
+    ns_id = short_namespace_id(namespace_id)  # blocks carry the 16-hex id, not the digest
     try:
-        dropped = state.backend.drop_namespace(namespace_id.lower())
+        dropped = state.backend.drop_namespace(ns_id)
     except NotSupportedError as exc:
         raise ApiProblem(501, str(exc)) from exc
-    return DropResult(namespace_id=namespace_id.lower(), dropped=dropped)
+    return DropResult(namespace_id=ns_id, dropped=dropped)

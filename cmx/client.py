@@ -22,7 +22,7 @@ from cmx.actors.directory import Copy, shard_of
 from cmx.actors.links import RAY_NAMESPACE, RayLink, actor_name
 from cmx.config import ServiceConfig
 from cmx.errors import LayoutMismatchError, UnavailableError
-from cmx.keys import BlockHash, Namespace, chain_keys
+from cmx.keys import BlockHash, Namespace, chain_keys, namespace_id
 from cmx.layout import KVLayout
 from cmx.storage.arena import SharedArena
 from cmx.tiers import Tier
@@ -184,7 +184,7 @@ class ContextMemory:
         tier held across a restart of that tier and of its directory shard has lost its tag
         and stays until evicted by capacity.
         """
-        ns_id = namespace.id if isinstance(namespace, Namespace) else namespace
+        ns_id = namespace_id(namespace)  # an id, or the 64-hex digest: blocks carry the id
         by_holder: dict[tuple[Tier, str], list[BlockHash]] = {}
         for shard in range(self.config.directory_shards):
             try:

@@ -28,6 +28,7 @@ __all__ = [
     "block_hash",
     "chain_keys",
     "check_key",
+    "namespace_id",
 ]
 
 KEY_BYTES = 32
@@ -59,6 +60,31 @@ class Namespace:
     def id(self) -> str:
         """Short printable namespace id (first 8 bytes of the digest, hex)."""
         return self.digest[:8].hex()
+
+
+NAMESPACE_ID_CHARS = 16  # hex characters of Namespace.id
+
+
+def namespace_id(namespace: Namespace | str) -> str:
+    """The id blocks are tagged with, from a Namespace, its 16-hex id or its 64-hex digest.
+
+    Anything else raises InvalidKeyError: a drop by a malformed id would silently find nothing.
+    """
+    if isinstance(namespace, Namespace):
+        return namespace.id
+    if not isinstance(namespace, str):
+        raise InvalidKeyError(f"a namespace is a Namespace or a hex id, got "
+                              f"{type(namespace).__name__}")
+    text = namespace.lower()
+    if len(text) not in (NAMESPACE_ID_CHARS, 2 * KEY_BYTES) or not _is_hex(text):
+        raise InvalidKeyError(
+            f"a namespace id is {NAMESPACE_ID_CHARS} hex digits, or the full digest of "
+            f"{2 * KEY_BYTES}; got {len(namespace)} characters")
+    return text[:NAMESPACE_ID_CHARS]
+
+
+def _is_hex(text: str) -> bool:
+    return all(c in "0123456789abcdef" for c in text)
 
 
 def as_token_array(token_ids: object) -> np.ndarray:

@@ -128,6 +128,30 @@ def test_drop_namespace_empties_only_that_namespace(
     assert keep.lookup(toks).num_tokens == len(toks)
 
 
+def test_drop_by_digest_reaches_every_tier_that_holds_a_copy(
+    http: httpx.Client, auth: dict[str, str], cm: Any
+) -> None:
+    import ray
+
+    keep, toks = stored(cm, "m-api-digest", 2, seed=106)
+    drop = cm.namespace("m-api-digest", LAYOUT, "other")
+    assert drop.store(toks, LAYOUT.random_kv(len(toks), seed=107)).wait() == 2
+    stored(cm, "m-api-digest-filler", 16, seed=108)  # pushes both out of DRAM onto NVMe
+    assert ray.get(drop.prefetch(toks), timeout=30) == 2  # and back up into HBM
+    keys = drop.keys(toks)
+    held = {c.tier.value for copies in cm.copies(keys) for c in copies}
+    copies = sum(len(c) for c in cm.copies(keys))
+
+    r = http.delete(f"/api/v1/namespaces/{drop.namespace.digest.hex()}", headers=auth)
+    assert r.status_code == 200, r.text
+    assert r.json() == {"namespace_id": drop.namespace.id, "dropped": copies}
+    assert {"hbm", "nvme"} <= held and cm.copies(keys) == [[], []]
+    assert drop.lookup(toks).num_tokens == 0
+    assert keep.lookup(toks).num_tokens == len(toks)
+    bad = http.delete(f"/api/v1/namespaces/{drop.namespace.digest.hex()[:40]}", headers=auth)
+    assert bad.status_code == 422 and bad.headers["content-type"] == "application/problem+json"
+
+
 def test_metrics_parse_and_match_the_json_view(
     http: httpx.Client, cm: Any, nodes: tuple[str, str]
 ) -> None:

@@ -298,6 +298,19 @@ def test_drop_namespace_is_501_until_the_service_can(
     assert_problem(client.delete("/api/v1/namespaces/xyz", headers=AUTH), 422)
 
 
+def test_drop_by_full_digest_drops_the_id_blocks_carry(
+    client: TestClient, backend: FakeBackend
+) -> None:
+    backend.can_drop = True
+    digest = "Cd" * 32
+    r = client.delete(f"/api/v1/namespaces/{digest}", headers=AUTH)
+    assert r.json() == {"namespace_id": "cd" * 8, "dropped": 3}
+    assert backend.dropped == ["cd" * 8]
+    for bad in ("cd" * 8 + "c", "cd" * 31 + "c", "cd" * 33, "zz" * 8, "cd" * 4):
+        assert_problem(client.delete(f"/api/v1/namespaces/{bad}", headers=AUTH), 422)
+    assert backend.dropped == ["cd" * 8]
+
+
 # -- the page ----------------------------------------------------------------------------------
 
 

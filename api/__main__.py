@@ -21,6 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--address", default="auto", help="Ray cluster address")
     parser.add_argument("--token-all", action="store_true", default=base.token_all,
                         help="every endpoint needs the token (CMX_ADMIN_TOKEN), reads too")
+    parser.add_argument("--open-queries", action="store_true", default=base.open_queries,
+                        help="block and prefix-lookup queries answer without the token "
+                             "(they tell whoever asks what is cached)")
     args = parser.parse_args(argv)
 
     import uvicorn
@@ -31,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     from cmx.api.server import bind, url_of
 
     try:
-        admin = base.replace(host=args.host, port=args.port, token_all=args.token_all)
+        admin = base.replace(host=args.host, port=args.port, token_all=args.token_all,
+                             open_queries=args.open_queries)
     except ValueError as exc:
         parser.error(str(exc))
     service = ServiceConfig.from_env()
@@ -39,8 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(lambda: backend, admin, mirror=RayMetricsMirror())
     sock = bind(admin.host, admin.port)
     port = sock.getsockname()[1]
-    mode = "no token: mutations refused" if admin.token is None else (
-        "token required for every endpoint" if admin.token_all else "token required to mutate")
+    mode = "no token: mutations and queries refused" if admin.token is None else (
+        "token required for every endpoint" if admin.token_all else
+        "token required to mutate" + ("" if admin.open_queries else " and to query"))
     print(f"cmx admin API on {url_of(admin.host, port)} ({mode})", flush=True)
     uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
     return 0

@@ -158,7 +158,7 @@ class PoolStatus(_Model):
     blocks: int = 0
     replication: int | None = None
     nodes: list[PoolNode] = []
-    detail: dict[str, Any] = {}  # the pool's other figures, as it reports them
+    detail: dict[str, bool | int | float | str | None] = {}  # its other scalar figures
 
 
 # -- blocks, lookups and admin actions ---------------------------------------------------------

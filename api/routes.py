@@ -30,7 +30,7 @@ from cmx.api.models import (
 )
 from cmx.api.problems import ApiProblem, problem_responses
 from cmx.api.prometheus import CONTENT_TYPE_LATEST, render
-from cmx.api.security import require_read
+from cmx.api.security import require_query, require_read
 from cmx.api.state import ApiState
 from cmx.api.views import history_view, nodes_view, pool_view
 
@@ -107,12 +107,14 @@ def pool(state: State) -> PoolStatus:
 
 
 @router.get("/api/v1/blocks/{key}", tags=["blocks"], response_model=BlockCopies,
+            dependencies=[Depends(require_query)],
             responses=problem_responses(*_AUTH, 404, 422, *_UNAVAILABLE))
 def block(
     state: State,
     key: Annotated[str, Path(pattern=HEX_KEY_PATTERN, description="Block key, 64 hex digits")],
 ) -> BlockCopies:
-    """Where a block's committed copies are; 404 if the directory knows none."""
+    """Where a block's committed copies are; 404 if the directory knows none. Needs the token
+    unless the server opens queries (``CMX_ADMIN_OPEN_QUERIES``)."""
     raw = parse_key(key)
     copies = state.backend.copies([raw])[0]
     if not copies:
@@ -121,10 +123,12 @@ def block(
 
 
 @router.post("/api/v1/lookup", tags=["blocks"], response_model=LookupResult,
+             dependencies=[Depends(require_query)],
              responses=problem_responses(*_AUTH, 413, 422, *_UNAVAILABLE))
 def lookup(state: State, req: LookupRequest) -> LookupResult:
     """The longest cached prefix of ``token_ids`` in a namespace (model, layout, salt), and
-    where each of its blocks is. Only full blocks have keys."""
+    where each of its blocks is. Only full blocks have keys. Needs the token unless the server
+    opens queries (``CMX_ADMIN_OPEN_QUERIES``)."""
     return lookup_prefix(state.backend, req)
 
 

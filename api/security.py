@@ -2,6 +2,8 @@
 
 - Mutating endpoints (pin, unpin, evict, drop a namespace) need ``Authorization: Bearer <token>``.
   A server started with no token refuses them all (403): nothing changes the cache by accident.
+- Queries that reveal what is cached (a block's copies, a prefix lookup) need it too: whoever can
+  ask "is this prompt cached?" learns what other tenants sent. ``open_queries`` opens them.
 - With ``token_all``, every endpoint needs the token, reads included. The dashboard's page
   shell (HTML, script, style) carries no data and stays open; the page asks for the token.
 - Tokens are compared in constant time.
@@ -18,7 +20,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from cmx.api.problems import ApiProblem
 from cmx.config import AdminConfig
 
-__all__ = ["bearer", "require_admin", "require_read"]
+__all__ = ["bearer", "require_admin", "require_query", "require_read"]
 
 bearer = HTTPBearer(auto_error=False, description="The admin token (CMX_ADMIN_TOKEN).")
 
@@ -51,3 +53,9 @@ def require_read(request: Request, creds: Credentials) -> None:
 
 def require_admin(request: Request, creds: Credentials) -> None:
     _check(_config(request), creds)
+
+
+def require_query(request: Request, creds: Credentials) -> None:
+    config = _config(request)
+    if config.token_all or not config.open_queries:
+        _check(config, creds)

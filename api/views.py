@@ -2,6 +2,10 @@
 
 A part of the service that did not answer appears with ``available: false`` and its error,
 never as a failed request: the admin wants to see the rest of the cluster anyway.
+
+Every figure is per node, tier or directory shard, summed over tenants: a figure a part reports
+per namespace, tenant or salt (or a nested map, which could be keyed by one) is left out, so
+no reader of these views learns one tenant's hits or what it stored.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ def tier_stats(node: str, tier: str, raw: Any, bandwidth: TierBandwidth) -> Tier
     lookups = figures["hits"] + figures["misses"]
     cap = figures["capacity_bytes"]
     extra = {k: v for k, v in raw.items()
-             if k not in _COMMON and isinstance(v, (int, float, str)) and not isinstance(v, bool)}
+             if k not in _COMMON and _public_figure(k, v) and not isinstance(v, bool)}
     return TierStats(
         node=node, tier=tier, available=True, emulated=bool(raw.get("emulated", False)),
         epoch=raw.get("epoch"), occupancy=figures["used_bytes"] / cap if cap else 0.0,
@@ -144,7 +148,7 @@ def pool_view(raw: Any) -> PoolStatus:
             nodes.append(PoolNode(node=item))
     replication = raw.get("replication", raw.get("replicas"))
     known = {"nodes", "capacity_bytes", "used_bytes", "blocks", "replication", "replicas"}
-    detail = {k: v for k, v in raw.items() if k not in known and _jsonable(v)}
+    detail = {k: v for k, v in raw.items() if k not in known and _public_figure(k, v)}
     return PoolStatus(
         enabled=bool(raw.get("enabled", bool(nodes))),
         capacity_bytes=_int(raw.get("capacity_bytes", sum(n.capacity_bytes for n in nodes))),
@@ -171,11 +175,11 @@ def history_view(samples: list[Sample], window_s: float, sample_s: float) -> His
         for (node, tier), points in sorted(series.items())])
 
 
-def _jsonable(value: Any) -> bool:
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return True
-    if isinstance(value, (list, tuple)):
-        return all(_jsonable(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _jsonable(v) for k, v in value.items())
-    return False
+_TENANT_WORDS = ("namespace", "tenant", "salt")
+
+
+def _public_figure(name: Any, value: Any) -> bool:
+    """A scalar figure whose name does not say it is one tenant's."""
+    if not isinstance(name, str) or any(w in name.lower() for w in _TENANT_WORDS):
+        return False
+    return value is None or isinstance(value, (bool, int, float, str))

@@ -84,14 +84,16 @@ class AdminConfig:
     """The admin API and the ``cmx`` command line's service state.
 
     Read from ``CMX_ADMIN_<FIELD>`` (e.g. CMX_ADMIN_TOKEN, CMX_ADMIN_TOKEN_ALL=1) and
-    ``CMX_STATE_DIR``. Without a token, mutating endpoints are refused; reads stay open unless
-    ``token_all`` is set.
+    ``CMX_STATE_DIR``. Without a token, mutating endpoints and the queries that reveal what is
+    cached (a block's copies, a prefix lookup) are refused; those queries open with
+    ``open_queries``; the other reads stay open unless ``token_all`` is set.
     """
 
     host: str = "127.0.0.1"  # the API binds loopback unless told otherwise
     port: int = 8470  # 0: any free port
     token: str | None = field(default=None, repr=False)  # bearer token; None: no mutations
     token_all: bool = False  # every endpoint (reads too) needs the token
+    open_queries: bool = False  # block and prefix-lookup queries answer without the token
     sample_s: float = 2.0  # seconds between stats samples (bandwidth, history, ray metrics)
     history_s: float = 900.0  # how far back the dashboard's history reaches
     state_dir: str = ""  # where `cmx up` records its state; "" means ~/.cache/cmx

@@ -73,13 +73,15 @@ def test_lookup_block_pin_evict_through_the_api(
     head, _ = nodes
     ns, toks = stored(cm, "m-api", 3, seed=101)
     body = {"model": "m-api", "salt": "t", "layout": LAYOUT_SPEC, "token_ids": toks.tolist()}
-    found = http.post("/api/v1/lookup", json=body).json()
+    found = http.post("/api/v1/lookup", json=body, headers=auth).json()
     assert found["namespace_id"] == ns.namespace.id
     assert found["num_tokens"] == 3 * T
     assert [b["key"] for b in found["blocks"]] == [k.hex() for k in ns.keys(toks)]
 
     key = found["blocks"][0]["key"]
-    copies = http.get(f"/api/v1/blocks/{key}").json()["copies"]
+    assert http.post("/api/v1/lookup", json=body).status_code == 401  # it tells what is cached
+    assert http.get(f"/api/v1/blocks/{key}").status_code == 401
+    copies = http.get(f"/api/v1/blocks/{key}", headers=auth).json()["copies"]
     dram = next(c for c in copies if c["tier"] == "dram" and c["node"] == head)
     ref = {"key": key, "node": dram["node"], "tier": "dram"}
     assert http.post("/api/v1/pin", json=ref).status_code == 401
@@ -90,13 +92,13 @@ def test_lookup_block_pin_evict_through_the_api(
     assert http.post("/api/v1/evict", json=evict, headers=auth).json()["evicted"] == 0
     assert http.post("/api/v1/unpin", json=ref, headers=auth).json()["done"] is True
     assert http.post("/api/v1/evict", json=evict, headers=auth).json()["evicted"] == 1
-    after = http.get(f"/api/v1/blocks/{key}")
+    after = http.get(f"/api/v1/blocks/{key}", headers=auth)
     assert all(c["tier"] != "dram" or c["node"] != head for c in after.json().get("copies", []))
 
     everywhere = http.post("/api/v1/evict", json={"keys": [b["key"] for b in found["blocks"]]},
                            headers=auth).json()
     assert everywhere["evicted"] >= 2 and not everywhere["unavailable"]
-    assert http.post("/api/v1/lookup", json=body).json()["num_blocks"] == 0
+    assert http.post("/api/v1/lookup", json=body, headers=auth).json()["num_blocks"] == 0
 
 
 def test_bad_input_is_a_problem_document_never_a_5xx(

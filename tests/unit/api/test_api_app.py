@@ -114,14 +114,14 @@ def test_node_by_prefix_and_unknown_node(client: TestClient) -> None:
 def test_block_copies_by_hex_key(client: TestClient, backend: FakeBackend) -> None:
     backend.put(KEY, NODE_A, Tier.DRAM)
     backend.put(KEY, NODE_B, Tier.NVME)
-    body = client.get(f"/api/v1/blocks/{KEY.hex().upper()}").json()
+    body = client.get(f"/api/v1/blocks/{KEY.hex().upper()}", headers=AUTH).json()
     assert body["key"] == KEY.hex()
     assert {(c["tier"], c["node"]) for c in body["copies"]} == {("dram", NODE_A),
                                                                  ("nvme", NODE_B)}
-    assert_problem(client.get(f"/api/v1/blocks/{'00' * 32}"), 404)
-    bad = assert_problem(client.get("/api/v1/blocks/xyz"), 422)
+    assert_problem(client.get(f"/api/v1/blocks/{'00' * 32}", headers=AUTH), 404)
+    bad = assert_problem(client.get("/api/v1/blocks/xyz", headers=AUTH), 422)
     assert bad["errors"][0]["loc"] == ["path", "key"]
-    assert_problem(client.get(f"/api/v1/blocks/{KEY.hex()}00"), 422)
+    assert_problem(client.get(f"/api/v1/blocks/{KEY.hex()}00", headers=AUTH), 422)
 
 
 def test_lookup_finds_the_longest_prefix_and_its_fastest_copies(
@@ -135,15 +135,15 @@ def test_lookup_finds_the_longest_prefix_and_its_fastest_copies(
     backend.put(keys[1], NODE_A, Tier.HBM)
     backend.put(keys[2], NODE_A, Tier.DRAM)
     body = {"model": "m", "layout": LAYOUT, "salt": "salt", "token_ids": tokens}
-    r = client.post("/api/v1/lookup", json=body).json()
+    r = client.post("/api/v1/lookup", json=body, headers=AUTH).json()
     assert r["namespace_id"] == ns.id and r["full_blocks"] == 3
     assert r["num_blocks"] == 3 and r["num_tokens"] == 48
     assert (r["blocks"][0]["tier"], r["blocks"][0]["node"]) == ("dram", NODE_B)
     assert r["blocks"][1]["tier"] == "hbm"
     backend.tiers[(NODE_A, Tier.HBM)].blocks.clear()
-    r = client.post("/api/v1/lookup", json=body).json()
+    r = client.post("/api/v1/lookup", json=body, headers=AUTH).json()
     assert r["num_blocks"] == 1  # a prefix stops at its first miss
-    other = client.post("/api/v1/lookup", json={**body, "salt": "other"}).json()
+    other = client.post("/api/v1/lookup", json={**body, "salt": "other"}, headers=AUTH).json()
     assert other["num_blocks"] == 0 and other["namespace_id"] != ns.id
 
 
@@ -154,7 +154,7 @@ def test_lookup_finds_the_longest_prefix_and_its_fastest_copies(
 ])
 def test_lookup_rejects_bad_input_with_422(client: TestClient, change: dict[str, Any]) -> None:
     body = {"model": "m", "layout": LAYOUT, "token_ids": [1, 2], **change}
-    assert_problem(client.post("/api/v1/lookup", json=body), 422)
+    assert_problem(client.post("/api/v1/lookup", json=body, headers=AUTH), 422)
 
 
 def test_the_api_knows_every_dtype_of_the_layouts() -> None:
@@ -163,7 +163,7 @@ def test_the_api_knows_every_dtype_of_the_layouts() -> None:
 
 def test_malformed_json_and_oversized_bodies_are_4xx(client: TestClient) -> None:
     r = client.post("/api/v1/lookup", content=b"{not json",
-                    headers={"content-type": "application/json"})
+                    headers={"content-type": "application/json", **AUTH})
     assert_problem(r, 422)
     r = client.post("/api/v1/lookup", content=b"[]",
                     headers={"content-type": "application/json", "content-length": str(1 << 30)})

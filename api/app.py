@@ -17,14 +17,15 @@ from fastapi.staticfiles import StaticFiles
 from cmx import __version__
 from cmx.api import actions, routes
 from cmx.api.backend import Backend
-from cmx.api.problems import install_problem_handlers, problem
+from cmx.api.limits import BodyLimit
+from cmx.api.problems import install_problem_handlers
 from cmx.api.state import ApiState
 from cmx.config import AdminConfig
 
 __all__ = ["MAX_BODY_BYTES", "STATIC_DIR", "create_app"]
 
 STATIC_DIR = Path(__file__).parent / "static"
-MAX_BODY_BYTES = 16 << 20  # a lookup of 2**20 token ids fits
+MAX_BODY_BYTES = 16 << 20  # a lookup of 2**20 token ids fits; chunked bodies are counted too
 
 # The page and its script come from this server only; nothing inline, no framing.
 _PAGE_HEADERS = {
@@ -61,13 +62,11 @@ def create_app(
     app.state.cmx = state
     app.state.admin_config = config
     install_problem_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)  # inside guard: 413s get its headers
 
     @app.middleware("http")
     async def guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]
                     ) -> Response:
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            return problem(413, f"a request body is at most {MAX_BODY_BYTES} bytes", request)
         response = await call_next(request)
         response.headers.setdefault("X-Content-Type-Options", "nosniff")
         response.headers.setdefault("Cache-Control", "no-store")

@@ -44,11 +44,14 @@ class ApiProblem(Exception):
 def problem(
     status: int, detail: str | None, request: Request | None = None,
     errors: list[dict[str, Any]] | None = None, headers: dict[str, str] | None = None,
+    path: str | None = None,
 ) -> JSONResponse:
+    """A problem document; ``instance`` is the request's path (``path`` where no Request is)."""
     body: dict[str, Any] = {"type": "about:blank", "title": _TITLES.get(status, "Error"),
                             "status": status, "detail": detail}
-    if request is not None:
-        body["instance"] = request.url.path
+    instance = request.url.path if request is not None else path
+    if instance is not None:
+        body["instance"] = instance
     if errors is not None:
         body["errors"] = errors
     return JSONResponse(body, status_code=status, media_type=PROBLEM_JSON, headers=headers)

@@ -74,13 +74,16 @@ class DirectoryShard:
 
     def __init__(self, shard_id: int = 0) -> None:
         self.shard_id = shard_id
-        self._sources: list[Source] = []  # source index -> source
+        # source index -> source; a source dropped (its node left) frees its index for the next
+        # one, which is safe because dropping removed the index from every record.
+        self._sources: list[Source | None] = []
         self._source_index: dict[Source, int] = {}
+        self._free_sources: list[int] = []
         self._cursor: dict[Source, tuple[str, int]] = {}  # source -> (epoch, last seq)
         self._namespaces: list[str] = [""]  # namespace index -> id; 0 is "unknown"
         self._ns_index: dict[str, int] = {"": 0}
-        # key -> packed record (see _pack): one small bytes object per block, sources and
-        # namespaces interned as uint16 indices, so a block costs ~200 bytes of index.
+        # key -> packed record (see _pack): one small bytes object per block, sources interned
+        # as uint32 and namespaces as uint16 indices, so a block costs ~200 bytes of index.
         self._blocks: dict[bytes, bytes] = {}
         self.resyncs = 0
         self.lookups = 0
@@ -122,6 +125,9 @@ class DirectoryShard:
         for key in [k for k, v in self._blocks.items() if idx in _unpack(v)[2]]:
             self._remove(idx, key)
             dropped += 1
+        del self._source_index[source]
+        self._sources[idx] = None
+        self._free_sources.append(idx)
         return dropped
 
     # -- queries -------------------------------------------------------------------------------
@@ -135,10 +141,13 @@ class DirectoryShard:
                 out.append([])
                 continue
             size, csum, srcs, _ = _unpack(found)
-            out.append(
-                [Copy(self._sources[i].tier, self._sources[i].node, size, csum) for i in srcs]
-            )
+            out.append([self._copy(i, size, csum) for i in srcs])
         return out
+
+    def _copy(self, idx: int, size: int, csum: int) -> Copy:
+        source = self._sources[idx]
+        assert source is not None, "a record lists a dropped source"  # check_integrity's rule
+        return Copy(source.tier, source.node, size, csum)
 
     def namespace_blocks(self, namespace: str) -> list[tuple[bytes, list[Copy]]]:
         """Every block tagged with ``namespace``, and its copies."""
@@ -151,7 +160,8 @@ class DirectoryShard:
     def pool_replicas(self, want: int) -> dict[str, int]:
         """Blocks with a copy in the pool, and how many have fewer than ``want`` pool copies."""
         pooled = under = 0
-        pool_sources = {i for i, s in enumerate(self._sources) if s.tier is Tier.POOL}
+        pool_sources = {i for i, s in enumerate(self._sources)
+                        if s is not None and s.tier is Tier.POOL}
         if pool_sources:
             for record in self._blocks.values():
                 srcs = _unpack(record)[2]
@@ -173,17 +183,28 @@ class DirectoryShard:
             "blocks": len(self._blocks),
             "copies": sum(len(_unpack(v)[2]) for v in self._blocks.values()),
             "sources": len(self._cursor),
+            "source_slots": len(self._sources),  # live sources plus slots free for reuse
             "resyncs": self.resyncs,
             "lookups": self.lookups,
         }
 
     def check_integrity(self) -> None:
+        live = {i for i, s in enumerate(self._sources) if s is not None}
+        free = set(self._free_sources)
+        if live & free or len(live) + len(free) != len(self._sources):
+            raise AssertionError(f"source slots: {len(live)} live + {len(free)} free != "
+                                 f"{len(self._sources)}, or a slot is both")
+        if {self._source_index[s] for s in self._source_index} != live:
+            raise AssertionError("the source index does not match the live source slots")
         for key, record in self._blocks.items():
             size, _, srcs, _ = _unpack(record)
             if not srcs:
                 raise AssertionError(f"{key.hex()[:12]} is listed with no copies")
             if len(set(srcs)) != len(srcs):
                 raise AssertionError(f"{key.hex()[:12]} lists a source twice: {srcs}")
+            if not set(srcs) <= live:
+                raise AssertionError(f"{key.hex()[:12]} lists dropped sources "
+                                     f"{sorted(set(srcs) - live)}")
             if size <= 0:
                 raise AssertionError(f"{key.hex()[:12]} has size {size}")
 
@@ -191,10 +212,18 @@ class DirectoryShard:
 
     def _index(self, source: Source) -> int:
         idx = self._source_index.get(source)
-        if idx is None:
+        if idx is not None:
+            return idx
+        if self._free_sources:
+            idx = self._free_sources.pop()
+            self._sources[idx] = source
+        else:
+            if len(self._sources) > _MAX_SOURCE:
+                raise OverflowError(f"directory shard {self.shard_id} follows "
+                                    f"{len(self._sources)} sources, its most")
             idx = len(self._sources)
             self._sources.append(source)
-            self._source_index[source] = idx
+        self._source_index[source] = idx
         return idx
 
     def _add(self, idx: int, entry: Entry) -> None:
@@ -226,15 +255,19 @@ class DirectoryShard:
             del self._blocks[key]
 
 
-# A block's record: checksum u64, size u32, namespace index u16, then one u16 per source.
+# A block's record: checksum u64, size u32, namespace index u16, then one u32 per source (a
+# shard follows every tier of every node that ever joined and has not left: u16 ran out).
 _HEAD = struct.Struct("<QIH")
+_SOURCE = "I"
+_SOURCE_BYTES = struct.calcsize(_SOURCE)
+_MAX_SOURCE = (1 << (8 * _SOURCE_BYTES)) - 1
 
 
 def _pack(size: int, csum: int, srcs: tuple[int, ...], ns: int) -> bytes:
-    return _HEAD.pack(csum, size, ns) + struct.pack(f"<{len(srcs)}H", *srcs)
+    return _HEAD.pack(csum, size, ns) + struct.pack(f"<{len(srcs)}{_SOURCE}", *srcs)
 
 
 def _unpack(record: bytes) -> tuple[int, int, tuple[int, ...], int]:
     csum, size, ns = _HEAD.unpack_from(record)
-    n = (len(record) - _HEAD.size) // 2
-    return size, csum, struct.unpack_from(f"<{n}H", record, _HEAD.size), ns
+    n = (len(record) - _HEAD.size) // _SOURCE_BYTES
+    return size, csum, struct.unpack_from(f"<{n}{_SOURCE}", record, _HEAD.size), ns

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from cmx.api.backend import Backend
 from cmx.api.figures import figures
 from cmx.api.models import TiersView
-from cmx.api.sampling import Sample, Sampler
+from cmx.api.stats_samples import Sample, StatsSampler
 from cmx.api.views import pool_view, tiers_view
 from cmx.config import AdminConfig
 from cmx.errors import UnavailableError
@@ -33,7 +33,7 @@ class ApiState:
         self._make_backend = make_backend
         self._backend: Backend | None = None
         self._lock = threading.Lock()
-        self.sampler = Sampler(lambda: self.backend.stats(), config.history_s)
+        self.sampler = StatsSampler(lambda: self.backend.stats(), config.history_s)
         self.mirror = mirror  # a RayMetricsMirror, or None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

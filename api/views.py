@@ -29,7 +29,7 @@ from cmx.api.models import (
     TierStats,
     TiersView,
 )
-from cmx.api.sampling import Sample, rates_between
+from cmx.api.stats_samples import Sample, rates_between
 from cmx.tiers import Tier
 
 __all__ = ["history_view", "nodes_view", "pool_view", "tiers_view"]

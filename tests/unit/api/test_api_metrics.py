@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cmx.api.app import create_app
 from cmx.api.figures import CATALOGUE, Kind, figures
 from cmx.api.ray_metrics import RayMetricsMirror
-from cmx.api.sampling import Sample
+from cmx.api.stats_samples import Sample
 from cmx.api.views import pool_view, tiers_view
 from cmx.tiers import Tier
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cmx.api.sampling import Sample, Sampler, rates_between
+from cmx.api.stats_samples import Sample, StatsSampler, rates_between
 
 
 def stats(bytes_in: int, hits: int = 0, misses: int = 0, epoch: str = "e") -> dict[str, Any]:
@@ -34,7 +34,7 @@ def test_sampler_keeps_its_window_and_reuses_a_fresh_sample() -> None:
         calls.append(now[0])
         return stats(int(now[0]) * 10)
 
-    sampler = Sampler(collect, history_s=30.0, clock=lambda: now[0])
+    sampler = StatsSampler(collect, history_s=30.0, clock=lambda: now[0])
     for t in range(0, 50, 5):
         now[0] = float(t)
         sampler.sample()

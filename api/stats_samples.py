@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Rates", "Sample", "Sampler", "TierPoint", "rates_between"]
+__all__ = ["Rates", "Sample", "StatsSampler", "TierPoint", "rates_between"]
 
 TierId = tuple[str, str]  # (node, tier)
 
@@ -81,7 +81,7 @@ def rates_between(before: Sample, after: Sample, tier: TierId) -> Rates | None:
     return Rates(dt, d_in / dt, d_out / dt, d_hits / lookups if lookups else None)
 
 
-class Sampler:
+class StatsSampler:
     """Keeps the samples of the last ``history_s`` seconds; thread-safe."""
 
     def __init__(

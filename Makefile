@@ -34,9 +34,22 @@ $(VENV)/.bench: $(VENV)/.installed
 bench: $(VENV)/.bench
 	$(VENV)/bin/cmx bench
 
+# mypy checks the packages under the names they install as (actors/ is cmx.actors, and so on, by
+# pyproject's package-dir): it cannot follow the editable install's import hook, so a tree of
+# links under build/ lays the sources out that way; its report names the repository's paths.
+TREES := cmx actors policies api deploy
+MYPY_TREE := build/mypy-tree
+MAPPED = $(shell $(PY) -c 'import tomllib; d = tomllib.load(open("pyproject.toml", "rb")); \
+	print(" ".join(v for k, v in d["tool"]["setuptools"]["package-dir"].items() if k.count(".") == 1))')
+
 lint: install
-	$(VENV)/bin/ruff check cmx actors policies api deploy tests
-	$(VENV)/bin/mypy cmx
+	$(VENV)/bin/ruff check $(TREES) tests
+	rm -rf $(MYPY_TREE) && mkdir -p $(MYPY_TREE)/cmx
+	ln -s $(CURDIR)/cmx/* $(MYPY_TREE)/cmx/
+	for d in $(MAPPED); do ln -s $(CURDIR)/$$d $(MYPY_TREE)/cmx/$$d; done
+	cd $(MYPY_TREE) && { $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml \
+		--cache-dir $(CURDIR)/.mypy_cache -p cmx > ../mypy.txt 2>&1; rc=$$?; \
+		sed $(foreach d,$(MAPPED),-e 's#^cmx/$(d)/#$(d)/#') ../mypy.txt; exit $$rc; }
 
 clean:
 	rm -rf $(VENV) bench-out .pytest_cache

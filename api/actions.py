@@ -26,6 +26,7 @@ from cmx.api.problems import ApiProblem, problem_responses
 from cmx.api.routes import State
 from cmx.api.security import require_admin
 from cmx.errors import UnavailableError
+from cmx.keys import BlockHash
 from cmx.keys import namespace_id as short_namespace_id
 from cmx.tiers import Tier
 
@@ -36,7 +37,7 @@ router = APIRouter(dependencies=[Depends(require_admin)], tags=["admin"])
 _COMMON = (401, 403, 404, 422, 503)
 
 
-def _target(state: State, ref: BlockRef) -> tuple[bytes, str, Tier]:
+def _target(state: State, ref: BlockRef) -> tuple[BlockHash, str, Tier]:
     key = parse_key(ref.key)
     node = resolve_node(ref.node, state.backend.nodes())
     return key, node, Tier(ref.tier.value)

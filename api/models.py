@@ -32,6 +32,7 @@ MAX_KEYS = 1024  # keys in one evict
 HexKey = Annotated[str, StringConstraints(pattern=HEX_KEY_PATTERN)]
 NodeId = Annotated[str, StringConstraints(pattern=NODE_PATTERN)]
 TokenId = Annotated[int, Field(ge=0, le=0xFFFFFFFF)]
+Placement = Literal["host", "dpu", "unknown"]  # where a node's agent runs
 Dtype = Literal["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2"]  # DTYPE_BYTES
 
 
@@ -134,7 +135,7 @@ class NodeInfo(_Model):
     node: str
     agent_available: bool
     agent_placed_on: str | None = None
-    placement: Literal["host", "dpu", "unknown"]
+    placement: Placement
     transport: str | None = None
     tiers: list[str]  # the tiers that answered
 
@@ -158,7 +159,7 @@ class PoolStatus(_Model):
     blocks: int = 0
     replication: int | None = None
     nodes: list[PoolNode] = []
-    detail: dict[str, bool | int | float | str | None] = {}  # its other scalar figures
+    detail: dict[str, bool | int | float | str] = {}  # its other scalar figures
 
 
 # -- blocks, lookups and admin actions ---------------------------------------------------------

@@ -22,6 +22,7 @@ from cmx.api.models import (
     NodeInfo,
     NodesView,
     NodeView,
+    Placement,
     PoolNode,
     PoolStatus,
     QueueDepths,
@@ -57,12 +58,13 @@ def tier_stats(node: str, tier: str, raw: Any, bandwidth: TierBandwidth) -> Tier
     cap = figures["capacity_bytes"]
     extra = {k: v for k, v in raw.items()
              if k not in _COMMON and _public_figure(k, v) and not isinstance(v, bool)}
-    return TierStats(
-        node=node, tier=tier, available=True, emulated=bool(raw.get("emulated", False)),
-        epoch=raw.get("epoch"), occupancy=figures["used_bytes"] / cap if cap else 0.0,
-        hit_ratio=figures["hits"] / lookups if lookups else None, bandwidth=bandwidth,
-        extra=extra, **figures,
-    )
+    return TierStats.model_validate({
+        "node": node, "tier": tier, "available": True,
+        "emulated": bool(raw.get("emulated", False)), "epoch": raw.get("epoch"),
+        "occupancy": figures["used_bytes"] / cap if cap else 0.0,
+        "hit_ratio": figures["hits"] / lookups if lookups else None, "bandwidth": bandwidth,
+        "extra": extra, **figures,
+    })
 
 
 def agent_info(raw: Any) -> AgentInfo:
@@ -119,7 +121,8 @@ def tiers_view(latest: Sample, previous: Sample | None) -> TiersView:
 def nodes_view(view: TiersView) -> NodesView:
     out = []
     for n in view.nodes:
-        placement = "unknown" if not n.agent.available else ("dpu" if n.agent.dpu else "host")
+        placement: Placement = ("unknown" if not n.agent.available else
+                                ("dpu" if n.agent.dpu else "host"))
         out.append(NodeInfo(
             node=n.node, agent_available=n.agent.available, agent_placed_on=n.agent.placed_on,
             placement=placement, transport=n.agent.transport,
@@ -182,4 +185,4 @@ def _public_figure(name: Any, value: Any) -> bool:
     """A scalar figure whose name does not say it is one tenant's."""
     if not isinstance(name, str) or any(w in name.lower() for w in _TENANT_WORDS):
         return False
-    return value is None or isinstance(value, (bool, int, float, str))
+    return isinstance(value, (bool, int, float, str))

@@ -20,7 +20,7 @@ Checksum = NewType("Checksum", int)
 
 def checksum(data: Buffer) -> Checksum:
     """XXH3-64 (seed 0) of the bytes of ``data`` as an unsigned 64-bit int."""
-    return Checksum(xxhash.xxh3_64_intdigest(as_bytes_view(data)))
+    return Checksum(xxhash.xxh3_64_intdigest(as_bytes_view(data).data))
 
 
 class ChecksumStream:
@@ -32,7 +32,7 @@ class ChecksumStream:
         self._state = xxhash.xxh3_64()
 
     def feed(self, data: Buffer) -> None:
-        self._state.update(as_bytes_view(data))
+        self._state.update(as_bytes_view(data).data)
 
     def value(self) -> Checksum:
         return Checksum(self._state.intdigest())

@@ -25,6 +25,7 @@ Every figure is ours over LMCache's, measured in the same repetition, one right 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,7 +123,7 @@ def _check_slots(dest: np.ndarray, block: int, blocks: int, pool: list[np.ndarra
             raise AssertionError(f"block {i} loaded wrong bytes")
 
 
-def _check_head(got: list[Any], runs: list[tuple[bytes, int, int]],
+def _check_head(got: list[Any], runs: Sequence[tuple[bytes, int, int]],
                 pool: list[np.ndarray]) -> None:
     if any(g is None for g in got):
         raise AssertionError("read_runs missed a block of the head range")
@@ -165,7 +166,8 @@ def _ours_dram(blocks: int, block: int, pool: list[np.ndarray], dest: np.ndarray
     keys = block_keys(blocks + 1, b"peer-dram")
     warm, keys = keys[-1], keys[:-1]
     total = blocks * block
-    with DramStore(capacity_bytes=total + block, block_bytes=block) as store:
+    store = DramStore(capacity_bytes=total + block, block_bytes=block)
+    with store:
         store.put(warm, pool[-1])  # untimed, as LMCache's engine warms up
         store.get_into(warm, dest[:block])
 

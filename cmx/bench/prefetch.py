@@ -124,7 +124,8 @@ def _ours(ctx: BenchContext, tokens: int) -> dict[str, Any]:
     clock = time.perf_counter
     out: dict[str, Any] = {"cold_s": [], "ready_s": {}}
     try:
-        with open_store(root, blocks, block) as store:
+        store = open_store(root, blocks, block)
+        with store:
             ctx.log(f"prefetch: storing {tokens:,} tokens ({blocks * block / GiB:g} GiB), ours")
             out["store_s"] = timed(lambda: put_prefix(store, keys, pool))
             for rep in range(ctx.config.reps):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 import tracemalloc
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -38,6 +38,14 @@ def _memcpy_gbps(nbytes: int) -> float:
     t0 = time.perf_counter()
     np.copyto(dst, src)
     return nbytes / (time.perf_counter() - t0) / GB
+
+
+def _transport_seconds(agent: Any) -> float:
+    """Seconds the agent's transport has spent moving bytes, from its stats."""
+    import ray
+
+    stats: dict[str, Any] = ray.get(agent.stats.remote())
+    return float(stats["transport_stats"]["seconds"])
 
 
 def _store_prefix(cm: Any, layout: KVLayout, blocks: int, seed: int) -> tuple[Any, np.ndarray]:
@@ -65,11 +73,11 @@ def _agent_load_gbps(cm: Any, node: str, ns: Any, toks: np.ndarray) -> tuple[flo
     keys = [b.key for b in match.blocks]
     agent = ray.get_actor(actor_name("agent", node), namespace=RAY_NAMESPACE)
     hbm = ray.get_actor(actor_name("hbm", node), namespace=RAY_NAMESPACE)
-    before = ray.get(agent.stats.remote())["transport_stats"]["seconds"]
+    before = _transport_seconds(agent)
     t0 = time.perf_counter()
-    result = ray.get(agent.load.remote(keys, [list(b.copies) for b in match.blocks]))
+    result: Any = ray.get(agent.load.remote(keys, [list(b.copies) for b in match.blocks]))
     dt = time.perf_counter() - t0
-    moving = ray.get(agent.stats.remote())["transport_stats"]["seconds"] - before
+    moving = _transport_seconds(agent) - before
     loaded = sum(b.size for b in result.blocks)
     ray.get(agent.release.remote([b.key for b in result.blocks]))
     ray.get(hbm.evict.remote(keys))
@@ -104,8 +112,9 @@ def run_transfer(ctx: BenchContext) -> SuiteResult:
                 return arr.nbytes / (time.perf_counter() - t0) / GB
 
         # Both baseline actors start (a worker process each) before anything is timed.
-        holder = Holder.options(scheduling_strategy=on_node(bc.node_a)).remote()
-        fetcher = Fetcher.options(scheduling_strategy=on_node(bc.node_b)).remote()
+        # ray.remote keeps a class's own type for mypy, which then knows no .options.
+        holder = cast(Any, Holder).options(scheduling_strategy=on_node(bc.node_a)).remote()
+        fetcher = cast(Any, Fetcher).options(scheduling_strategy=on_node(bc.node_b)).remote()
         ray.get(fetcher.fetch.remote(ray.get(holder.make.remote(1))))
         # One load untimed: node b's agent connects to node a's on its first read.
         _agent_load_gbps(bc.cm, bc.node_b, ns, toks)
@@ -216,7 +225,7 @@ def _in_process_lookup_ms(n: int) -> float:
 
 def _growth(ctx: BenchContext) -> Table:
     """Lookup time of a 1,000-block prefix and bytes per block, in-process, as blocks grow."""
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for n in (10_000, 100_000, 1_000_000):
         ctx.log(f"directory growth: {n} blocks")
         shard, keys = _shard_with(n)

@@ -113,7 +113,7 @@ def test_bad_input_is_a_problem_document_never_a_5xx(
         ("POST", "/api/v1/evict", {"json": {"keys": ["00"]}}, 422),
         ("POST", "/api/v1/lookup", {"json": {"model": "m"}}, 422),
     ]:
-        r = http.request(method, path, headers=auth, **kwargs)
+        r = http.request(method, path, headers=auth, **kwargs)  # type: ignore[arg-type]
         assert r.status_code == status, (path, r.text)
         assert r.headers["content-type"] == "application/problem+json"
 

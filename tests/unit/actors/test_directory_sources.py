@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from cmx.actors.directory import Copy, DirectoryShard, Entry, Source
+from cmx.keys import BlockHash
 from cmx.tiers import Tier
 
 U16 = 1 << 16
 
 
-def key(i: int) -> bytes:
-    return i.to_bytes(4, "little") * 8
+def key(i: int) -> BlockHash:
+    return BlockHash(i.to_bytes(4, "little") * 8)
 
 
 def stored(i: int) -> Entry:

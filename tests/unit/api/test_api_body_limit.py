@@ -15,7 +15,7 @@ from cmx.api.app import MAX_BODY_BYTES, create_app
 from cmx.api.server import ServerThread
 
 CHUNK = 64 << 10
-LAYOUT = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "block_tokens": 4}
+LAYOUT: dict[str, Any] = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "block_tokens": 4}
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from cmx.layout import KVLayout
 from cmx.tiers import Tier
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-LAYOUT = {"num_layers": 4, "num_kv_heads": 2, "head_dim": 64, "dtype": "float16",
+LAYOUT: dict[str, Any] = {"num_layers": 4, "num_kv_heads": 2, "head_dim": 64, "dtype": "float16",
           "block_tokens": 16}
 SALT = "tenant-a-secret-salt"
 TOKENS = list(range(32))

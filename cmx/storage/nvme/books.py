@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -16,7 +17,7 @@ from cmx.keys import BlockHash
 from cmx.storage.base import EventKind, StoreStats
 from cmx.storage.nvme.chunks import block_sums
 from cmx.storage.nvme.entry import BlockEntry
-from cmx.storage.nvme.journal import JournalDel
+from cmx.storage.nvme.records import RecordDel
 from cmx.storage.nvme.segments import Segment
 from cmx.storage.nvme.state import NvmeState
 
@@ -80,8 +81,8 @@ class BooksMixin(NvmeState):
         """Drop a committed block from the books (caller holds _lock); its bytes become dead."""
         del self._index[entry.key]
         self._policy.remove(entry.key)
-        self._segs.drop(entry.seg, entry.key, entry.extent)
-        self._pending.append(JournalDel(entry.key))
+        self._segs.drop(entry.seg, entry.key, entry.extent, entry.seq)
+        self._pending.append(RecordDel(entry.key, entry.seq, entry.seg))
         self._emit(EventKind.REMOVED, BlockHash(entry.key), entry.length, entry.checksum)
 
     def _finish_put(self, key: bytes, seg: Segment, ext: int, entry: BlockEntry | None) -> None:
@@ -91,6 +92,8 @@ class BooksMixin(NvmeState):
             self._segs.finish_write(seg, ext, None if entry is None else key)
             if entry is None:
                 return
+            entry = replace(entry, seq=self._next_seq)
+            self._next_seq += 1
             self._index[key] = entry
             self._policy.insert(key, entry.parent)
             self._pending.append(entry)

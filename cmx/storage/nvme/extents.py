@@ -24,6 +24,7 @@ from cmx.errors import BlockTooLargeError
 from cmx.keys import BlockHash, check_key
 from cmx.storage.nvme.chunks import chunk_count, extent_bytes
 from cmx.storage.nvme.entry import BlockEntry
+from cmx.storage.nvme.records import check_tag
 from cmx.storage.nvme.segments import Segment
 from cmx.storage.nvme.store import NvmeStore
 
@@ -39,6 +40,7 @@ class PendingExtent:
     size: int  # payload bytes; the extent is extent_bytes(size)
     path: str  # the segment file
     since: float = field(default_factory=time.monotonic)
+    tag: str = ""  # the owner's label (a namespace id), kept with the block
 
 
 class ExtentStore(NvmeStore):
@@ -48,9 +50,10 @@ class ExtentStore(NvmeStore):
         return self._lock
 
     def reserve_extent(
-        self, key: bytes, parent: bytes | None, size: int
+        self, key: bytes, parent: bytes | None, size: int, tag: str = ""
     ) -> PendingExtent | None:
         key = check_key(key)
+        check_tag(tag)
         parent = None if parent is None else check_key(parent)
         if size <= 0 or size > self._block_bytes or extent_bytes(size) > self._capacity:
             raise BlockTooLargeError(
@@ -61,7 +64,8 @@ class ExtentStore(NvmeStore):
             if reserved is None:
                 return None
             seg, offset = reserved
-            return PendingExtent(key, parent, seg, offset, size, self._segs.path(seg.id))
+            return PendingExtent(key, parent, seg, offset, size, self._segs.path(seg.id),
+                                 tag=tag)
 
     def commit_extent(self, pending: PendingExtent, checksum: int, chunk_sums: bytes) -> None:
         if len(chunk_sums) != 8 * chunk_count(pending.size):
@@ -70,7 +74,7 @@ class ExtentStore(NvmeStore):
                 f"{len(chunk_sums)} bytes of chunk sums for a block of {pending.size} bytes"
             )
         entry = BlockEntry(pending.key, pending.parent, pending.seg.id, pending.offset,
-                           pending.size, checksum, chunk_sums)
+                           pending.size, checksum, chunk_sums, tag=pending.tag)
         with self._op():
             self._finish_put(pending.key, pending.seg, extent_bytes(pending.size), entry)
 

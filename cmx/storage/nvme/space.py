@@ -30,6 +30,7 @@ import numpy as np
 from cmx.checksum import checksum
 from cmx.errors import StoreFullError
 from cmx.storage.nvme.entry import BlockEntry
+from cmx.storage.nvme.records import RecordDel
 from cmx.storage.nvme.segments import Segment
 from cmx.storage.nvme.staging import alloc_aligned
 from cmx.storage.nvme.state import NvmeState
@@ -144,10 +145,12 @@ class SpaceMixin(NvmeState):
                         and not self._pins.get(entry.key))
                 self._segs.finish_write(dst, entry.extent, entry.key if keep else None)
                 if keep:
-                    new = entry.moved(dst.id, offset)
+                    new = entry.moved(dst.id, offset, self._next_seq)
+                    self._next_seq += 1
                     self._index[entry.key] = new
-                    self._segs.drop(entry.seg, entry.key, entry.extent)
+                    self._segs.drop(entry.seg, entry.key, entry.extent, entry.seq)
                     self._pending.append(new)
+                    self._pending.append(RecordDel(entry.key, entry.seq, entry.seg))
         return entry.extent if keep else 0
 
     def _compact_buffer(self, nbytes: int) -> np.ndarray:

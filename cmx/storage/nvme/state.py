@@ -16,8 +16,10 @@ import numpy as np
 from cmx.policies import EvictionPolicy
 from cmx.storage.base import BlockStore
 from cmx.storage.nvme.entry import BlockEntry
+from cmx.storage.nvme.files import FileOps
 from cmx.storage.nvme.io import IoEngine
-from cmx.storage.nvme.journal import Journal, JournalDel
+from cmx.storage.nvme.journal import Journal
+from cmx.storage.nvme.records import RecordDel
 from cmx.storage.nvme.segments import Segment, SegmentSet
 from cmx.storage.nvme.staging import Staging
 
@@ -37,7 +39,9 @@ class NvmeState(BlockStore):
     _index: dict[bytes, BlockEntry]  # committed blocks, least recently inserted first
     _pins: dict[bytes, int]
     _reserving: set[bytes]  # keys whose put is writing
-    _pending: list[BlockEntry | JournalDel]  # records for the next flush
+    _pending: list[BlockEntry | RecordDel]  # records for the next flush
+    _next_seq: int  # the sequence number of the next record
+    _files: FileOps
     _counts: dict[str, int]
     _policy: EvictionPolicy
     _engine: IoEngine

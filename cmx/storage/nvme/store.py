@@ -15,10 +15,14 @@ from cmx.storage.nvme.chunks import extent_bytes
 from cmx.storage.nvme.core import NvmeCore
 from cmx.storage.nvme.entry import BlockEntry
 from cmx.storage.nvme.io import IoBatch, wait_all
+from cmx.storage.nvme.records import check_tag
 from cmx.storage.nvme.segments import Segment
 from cmx.storage.nvme.slices import SliceReadsMixin
 
-__all__ = ["NvmeLocation", "NvmeStore"]
+__all__ = ["NvmeLocation", "NvmeStore", "PutItem"]
+
+# (key, data, parent) or (key, data, parent, tag)
+PutItem = tuple[bytes, Buffer, bytes | None] | tuple[bytes, Buffer, bytes | None, str]
 
 
 @dataclass(frozen=True)
@@ -52,9 +56,11 @@ class NvmeStore(BlockReadsMixin, SliceReadsMixin, NvmeCore):
 
     # -- writing -------------------------------------------------------------------------------
 
-    def put(self, key: bytes, data: Buffer, parent: bytes | None = None) -> bool:
+    def put(self, key: bytes, data: Buffer, parent: bytes | None = None, tag: str = "") -> bool:
+        """Store a block; ``tag`` (a namespace id) is kept with it across reopen."""
         key = check_key(key)
         parent = None if parent is None else check_key(parent)
+        check_tag(tag)
         view = as_bytes_view(data)
         n = view.nbytes
         if n > self._block_bytes or extent_bytes(n) > self._capacity:
@@ -70,15 +76,15 @@ class NvmeStore(BlockReadsMixin, SliceReadsMixin, NvmeCore):
             entry = None
             try:
                 checksum, sums = self._write_extent(view, seg, offset)
-                entry = BlockEntry(key, parent, seg.id, offset, n, checksum, sums)
+                entry = BlockEntry(key, parent, seg.id, offset, n, checksum, sums, tag=tag)
             finally:
                 self._finish_put(key, seg, extent_bytes(n), entry)
         return True
 
     def put_many(
-        self, items: Sequence[tuple[bytes, Buffer, bytes | None]]
+        self, items: Sequence[PutItem]
     ) -> list[bool]:
-        """``put`` of every (key, data, parent), with the writes of all blocks in flight at once.
+        """``put`` of every (key, data, parent[, tag]), with the writes of all blocks in flight.
 
         Page-aligned blocks go to the disk together (the engine keeps ``queue_depth`` I/Os in
         flight across them); any other block is put on its own. Each block is readable once
@@ -86,25 +92,29 @@ class NvmeStore(BlockReadsMixin, SliceReadsMixin, NvmeCore):
         the others are settled. Returns, per item, whether it was stored (False: already there).
         """
         checked = []
-        for key, data, parent in items:
+        for item in items:
+            key, data, parent = item[0], item[1], item[2]
+            tag = item[3] if len(item) > 3 else ""  # type: ignore[misc]
+            check_tag(tag)
             view = as_bytes_view(data)
             if view.nbytes > self._block_bytes or extent_bytes(view.nbytes) > self._capacity:
                 raise BlockTooLargeError(
                     f"block of {view.nbytes} bytes exceeds block_bytes {self._block_bytes} "
                     f"or capacity {self._capacity}"
                 )
-            checked.append((check_key(key), view, None if parent is None else check_key(parent)))
+            checked.append((check_key(key), view, None if parent is None else check_key(parent),
+                            tag))
         done = [False] * len(checked)
-        direct = [i for i, (_, v, _) in enumerate(checked)
+        direct = [i for i, (_, v, _, _) in enumerate(checked)
                   if is_aligned(v) and v.nbytes % ALIGN == 0 and v.nbytes]
         for i in sorted(set(range(len(checked))) - set(direct)):
-            done[i] = self.put(checked[i][0], checked[i][1], checked[i][2])
+            done[i] = self.put(*checked[i])
         with self._op():
             writes: list[tuple[int, Segment, int, IoBatch]] = []
             failure: BaseException | None = None
             try:
                 for i in direct:
-                    key, view, _ = checked[i]
+                    key, view, _, _ = checked[i]
                     reserved = self._reserve(key, view.nbytes)
                     if reserved is None:
                         continue
@@ -117,7 +127,7 @@ class NvmeStore(BlockReadsMixin, SliceReadsMixin, NvmeCore):
                     writes.append((i, seg, offset, batch))
             finally:
                 for i, seg, offset, batch in writes:  # settle every write, even after a failure
-                    key, view, parent = checked[i]
+                    key, view, parent, tag = checked[i]
                     entry = None
                     try:
                         if failure is None:
@@ -126,7 +136,7 @@ class NvmeStore(BlockReadsMixin, SliceReadsMixin, NvmeCore):
                         batch.wait()
                         if failure is None:
                             entry = BlockEntry(key, parent, seg.id, offset, view.nbytes,
-                                               checksum, sums)
+                                               checksum, sums, tag=tag)
                     except BaseException as exc:
                         failure = failure or exc
                     finally:
@@ -216,6 +226,24 @@ class NvmeStore(BlockReadsMixin, SliceReadsMixin, NvmeCore):
                 return None
             return NvmeLocation(self._segs.path(entry.seg), entry.offset, entry.length,
                                 entry.checksum)
+
+    def tag_of(self, key: bytes) -> str | None:
+        """The tag a committed block was stored with ("" for none), or None if absent."""
+        with self._op(), self._lock:
+            entry = self._index.get(key)
+            return None if entry is None else entry.tag
+
+    def delete_tagged(self, tag: str) -> int:
+        """Remove every unpinned block stored with ``tag`` (a namespace drop); the count.
+        Durable, like every removal, once ``flush()`` returns."""
+        check_tag(tag)
+        if not tag:
+            raise ValueError("delete_tagged needs a non-empty tag")
+        with self._op(), self._lock:
+            gone = [e for e in self._index.values() if e.tag == tag and not self._pins.get(e.key)]
+            for entry in gone:
+                self._remove(entry)
+            return len(gone)
 
     def __contains__(self, key: object) -> bool:
         with self._op(), self._lock:

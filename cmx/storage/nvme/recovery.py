@@ -128,7 +128,6 @@ def _rebuild(root: str, ids: list[int], journal: Journal, segs: SegmentSet, file
     bytes of the journal, segments without a record log, which are left alone)."""
     best: dict[bytes, BlockEntry] = {}
     ended: set[int] = set()
-    unknown: set[int] = set()
 
     def offer(rec: BlockEntry | RecordDel) -> None:
         if isinstance(rec, RecordDel):
@@ -136,13 +135,12 @@ def _rebuild(root: str, ids: list[int], journal: Journal, segs: SegmentSet, file
         elif (old := best.get(rec.key)) is None or rec.seq > old.seq:
             best[rec.key] = rec
 
+    unlogged: set[int] = set()
     for seg_id in ids:
         records = RecordLog(segs.records_path(seg_id), files, SEGMENT_MAGIC)
         got = records.read()
         if got is None or got[0] != seg_id:
-            log.error("%s: segment %d has no record log; its blocks cannot be found again "
-                      "without the snapshot; it is left as it is", root, seg_id)
-            unknown.add(seg_id)
+            unlogged.add(seg_id)
             continue
         for rec in records.replay(seg_id, got[1]):
             offer(rec)
@@ -154,6 +152,10 @@ def _rebuild(root: str, ids: list[int], journal: Journal, segs: SegmentSet, file
             offer(rec)
         valid = journal.valid_bytes
     alive = sorted((e for e in best.values() if e.seq not in ended), key=lambda e: e.seq)
+    unknown = unlogged - {e.seg for e in alive}
+    for seg_id in sorted(unknown):
+        log.error("%s: segment %d has no record log; what it holds cannot be found again "
+                  "without the snapshot, and it is left as it is", root, seg_id)
     log.warning("%s: rebuilt %d entries from %d segments (%d records ended)", root,
                 len(alive), len(ids), len(ended))
     return {e.key: e for e in alive}, gen, valid, unknown

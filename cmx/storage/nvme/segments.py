@@ -17,13 +17,14 @@ journal records that emptied it are durable (``mark_durable``) and no I/O holds 
 
 Beside each segment file lies its record log ``seg-<id>.rec`` (``journal.RecordLog``): a PUT
 record for every block committed there, appended at each flush after the segment's data is
-fdatasync'ed. With the journal's DEL records it lets the index be rebuilt from the segments
+fdatasync'ed, and synced before the next snapshot (until then the journal holds the same
+records). With the journal's DEL records it lets the index be rebuilt from the segments
 alone when the snapshot is lost. Records of blocks that left a live segment are remembered
 (``killed``) so that a snapshot can carry their DELs into the next journal.
 
-A segment whose fdatasync, or whose record log's write or sync, failed is *broken*: the page
-cache may have dropped its unsynced bytes, so it is sealed, and a block of it not yet recorded
-is dropped rather than acknowledged (see the store's flush).
+A segment whose fdatasync failed is *broken*: the page cache may have dropped its unsynced
+bytes, so it is sealed, and a block of it not yet recorded is dropped rather than
+acknowledged (see ``durability.py``).
 
 Not thread-safe: the store calls every method under its lock.
 """
@@ -68,7 +69,9 @@ class Segment:
     sealed: bool = False  # no more appends
     retired: bool = False  # empty; delete when durable and unreferenced
     durable: bool = False  # the records that emptied it are in the journal
-    broken: bool = False  # a sync failed: unrecorded blocks here are dropped
+    broken: bool = False  # a data sync failed: unrecorded blocks here are dropped
+    records_unsynced: bool = False  # record-log appends not yet synced
+    records_stale: bool = False  # a record-log append failed: rewrite it before a snapshot
 
     @property
     def dead(self) -> int:
@@ -115,8 +118,7 @@ class SegmentSet:
         records = RecordLog(self.records_path(seg_id), self.files, SEGMENT_MAGIC)
         try:
             if create:
-                records.create(seg_id)
-                records.sync()
+                records.create(seg_id)  # synced with its first records, before a snapshot
                 self.files.fsync_dir(self.root)  # names survive before any record names them
             self.engine.register_file(fd)
         except BaseException:
@@ -210,7 +212,7 @@ class SegmentSet:
     def break_(self, seg: Segment) -> None:
         """A sync of ``seg`` failed: no more appends to it (see the module docstring)."""
         if not seg.broken:
-            log.error("segment %s: a sync failed; sealed, its unrecorded blocks are dropped",
+            log.error("segment %s: fdatasync failed; sealed, its unrecorded blocks are dropped",
                       seg.path)
         seg.broken = True
         if not seg.sealed:

@@ -127,7 +127,6 @@ def workload(root, files: PlaneFiles, seed: int, steps: int = STEPS,
 
 
 def crash(store: NvmeStore) -> None:
-    store._closed = True
     store._teardown()
 
 

@@ -17,7 +17,6 @@ from cmx.storage.nvme.journal import RECORD_BYTES, Journal, encode_put
 
 
 def crash(store) -> None:
-    store._closed = True
     store._teardown()
 
 
@@ -92,7 +91,7 @@ def test_a_put_without_all_its_chunk_records_is_ignored(tmp_path):
     store = open_store(tmp_path)
     fill(store, range(2))
     store.flush()
-    gen = store._journal.generation
+    gen = store.books.durability.journal.generation
     crash(store)
     ghost = BlockEntry(key(7), None, 1, 0, BLOCK, 0, bytes(16))
     record = encode_put(ghost, gen)

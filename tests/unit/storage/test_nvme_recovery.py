@@ -20,7 +20,6 @@ N = 40_000  # payload bytes of block i: N + i
 
 def crash(store) -> None:
     """Drop a store as a killed process would: no flush, no snapshot."""
-    store._closed = True
     store._teardown()
 
 

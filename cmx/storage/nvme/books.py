@@ -79,9 +79,9 @@ class NvmeBooks:
         self.counts = dict.fromkeys(("hits", "misses", "quarantined", "bytes_written",
                                      "bytes_read", "bytes_requested", "bytes_read_from_disk"), 0)
         check_directory(root)
-        self._lock_fd = _lock_dir(files, root)
         self._engine = io.engine  # for its figures in stats()
         self.index = BlockIndex(make_eviction(eviction))
+        self._lock_fd = _lock_dir(files, root)
         self.segs = SegmentSet(root, segment_bytes, io.engine,
                                file_limit=capacity + segment_bytes, files=files)
         self.durability = Durability(root, files, self.lock, self.index, self.segs,

@@ -141,9 +141,17 @@ class FileOps:
 
 def check_directory(root: str) -> None:
     """Create ``root`` 0700 if missing; refuse one that is a symlink, not a directory, or
-    owned by another user (``StoreDirectoryError``); tighten an own one that is wider."""
+    owned by another user, or whose parent another user owns (who could swap it)
+    (``StoreDirectoryError``); tighten an own one that is wider."""
+    parent = os.path.dirname(os.path.abspath(root))
+    os.makedirs(parent, exist_ok=True)
+    owner = os.stat(parent).st_uid
+    if owner not in (0, os.geteuid()):
+        raise StoreDirectoryError(
+            f"the parent {parent} of store directory {root} is owned by uid {owner}, who "
+            f"could replace the store; refusing to use it"
+        )
     try:
-        os.makedirs(os.path.dirname(os.path.abspath(root)), exist_ok=True)
         os.mkdir(root, DIR_MODE)
     except FileExistsError:
         pass

@@ -58,6 +58,17 @@ def test_a_directory_of_another_user_is_refused(tmp_path):
     assert os.listdir(root) == []  # nothing was created in it
 
 
+def test_a_directory_inside_another_users_directory_is_refused(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("chown to another user needs root")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)  # they could rename our store away and plant their own
+    with pytest.raises(StoreDirectoryError, match="parent"):
+        open_store(theirs / "store")
+    assert os.listdir(theirs) == []
+
+
 def test_a_symlink_where_the_directory_should_be_is_refused(tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

@@ -1,23 +1,30 @@
 """The local NVMe tier: a log-structured, crash-safe block store on O_DIRECT segment files.
 
-Map of the package:
+Map of the package (who owns what):
 
-- ``store``: NvmeStore, the public surface (put, put_many, pins, delete).
-- ``blockreads``: whole-block reads (get, get_into, get_many, get_many_into).
-- ``slices``: ``read_runs``, slice reads verified per chunk; ``reads`` plans their I/O.
-- ``core``: opening, closing, flush and snapshot; the locks.
-- ``books``: index, pins, segments and counters; stats and ``check_integrity``.
-- ``space``: making room: eviction through the policy, retiring segments, compaction.
-- ``segments``: segment files and their live/pending/dead accounting.
-- ``journal`` / ``snapshot`` / ``recovery``: the persistent index and reopening.
-- ``io`` / ``nixl_io``: I/O engines (thread pool with preadv/pwritev; NIXL POSIX io_uring).
-- ``chunks``: extents and per-chunk checksums.
-- ``staging``: aligned allocation and the bounded staging buffer.
+- ``store``: NvmeStore, the thin facade; builds the parts below and forwards each call.
+- ``books``: NvmeBooks, the control plane: lock, counters, operations in progress, and
+  - ``index``: BlockIndex, committed entries, pins, eviction policy, sequence numbers;
+  - ``segments``: SegmentSet, segment files, their record logs and live/pending/dead bytes;
+  - ``space``: Space, making room (eviction, retiring segments, compaction);
+  - ``durability``: Durability, flush, journal, snapshot (``journal``, ``records``,
+    ``snapshot``), and ``recovery``, reopening (rebuilding a lost snapshot);
+  - ``checks``: the self-check of segments against the index.
+- ``extentio``: ExtentIo, the data plane: moves bytes between caller buffers and extents
+  through an I/O engine (``io``: thread pool with preadv/pwritev; ``nixl_io``: NIXL POSIX
+  io_uring), with ``staging`` for unaligned buffers.
+- ``writes`` / ``blockreads`` / ``slices``: each operation's two phases around its bytes
+  (``reads`` plans slice I/O; ``chunks``: extents and per-chunk checksums).
+- ``extents``: ExtentStore, the books as a service's control plane calls them.
+- ``files``: FileOps, every file system call (the crash tests' seam), and the directory's
+  privacy rule; ``errors``: StoreIOError, StoreDirectoryError.
 """
 
 from __future__ import annotations
 
+from cmx.storage.nvme.errors import StoreDirectoryError, StoreIOError
 from cmx.storage.nvme.io import IoBatch, IoEngine, make_io_engine
 from cmx.storage.nvme.store import NvmeLocation, NvmeStore
 
-__all__ = ["IoBatch", "IoEngine", "NvmeLocation", "NvmeStore", "make_io_engine"]
+__all__ = ["IoBatch", "IoEngine", "NvmeLocation", "NvmeStore", "StoreDirectoryError",
+           "StoreIOError", "make_io_engine"]

@@ -1,4 +1,8 @@
-"""Whole-block reads of NvmeStore: one block, or a prefix with many reads in flight."""
+"""Whole-block reads of the NVMe store: one block, or a prefix with many reads in flight.
+
+Each read is ``books.lookup`` (entry and an I/O reference on its segment), the bytes through
+``ExtentIo``, then ``books.release`` and ``books.verified`` (hit, or miss and quarantine).
+"""
 
 from __future__ import annotations
 
@@ -7,35 +11,41 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from cmx.buffers import ALIGN, Buffer, as_bytes_view, is_aligned
+from cmx.buffers import Buffer, as_bytes_view, is_aligned
+from cmx.checksum import checksum
 from cmx.keys import check_key
+from cmx.storage.nvme.books import NvmeBooks
 from cmx.storage.nvme.entry import BlockEntry
-from cmx.storage.nvme.io import IoBatch, wait_all
+from cmx.storage.nvme.extentio import ExtentIo
+from cmx.storage.nvme.io import IoBatch
 from cmx.storage.nvme.segments import Segment
 from cmx.storage.nvme.staging import alloc_aligned
-from cmx.storage.nvme.state import NvmeState
 
-__all__ = ["BlockReadsMixin"]
+__all__ = ["BlockReader"]
 
 Finish = Callable[[int, BlockEntry, np.ndarray, bool], None]
 
 
-class BlockReadsMixin(NvmeState):
-    """The whole-block read part of NvmeStore (see state.py for what the parts share)."""
+class BlockReader:
+    def __init__(self, books: NvmeBooks, io: ExtentIo) -> None:
+        self._books = books
+        self._io = io
+
+    def _verified(self, entry: BlockEntry, payload: np.ndarray) -> bool:
+        return self._books.verified(entry, checksum(payload) == entry.checksum)
 
     def get(self, key: bytes) -> np.ndarray | None:
         key = check_key(key)
-        with self._op():
-            found = self._lookup(key)
-            if found is None:
-                return None
-            entry, seg = found
-            try:
-                out = alloc_aligned(entry.extent)
-                self._engine.read([(seg.fd, entry.offset, out)])
-            finally:
-                self._release(seg)
-            return out[: entry.length] if self._verified(entry, out[: entry.length]) else None
+        found = self._books.lookup(key)
+        if found is None:
+            return None
+        entry, seg = found
+        try:
+            out = alloc_aligned(entry.extent)
+            self._io.read([(seg.fd, entry.offset, out)])
+        finally:
+            self._books.release(seg)
+        return out[: entry.length] if self._verified(entry, out[: entry.length]) else None
 
     def get_into(self, key: bytes, out: Buffer) -> bool:
         """Read the block into ``out[:length]``; False on a miss (``out`` then holds garbage).
@@ -47,33 +57,15 @@ class BlockReadsMixin(NvmeState):
         dst = as_bytes_view(out)
         if not dst.flags.writeable:
             raise ValueError("get_into needs a writable buffer")
-        with self._op():
-            found = self._lookup(key, min_room=dst.nbytes)
-            if found is None:
-                return False
-            entry, seg = found
-            try:
-                self._read_into(entry, seg, dst)
-            finally:
-                self._release(seg)
-            return self._verified(entry, dst[: entry.length])
-
-    def _read_into(self, entry: BlockEntry, seg: Segment, dst: np.ndarray) -> None:
-        n, ext = entry.length, entry.extent
-        direct = n // ALIGN * ALIGN if is_aligned(dst) else 0
-        batches = []
+        found = self._books.lookup(key, min_room=dst.nbytes)
+        if found is None:
+            return False
+        entry, seg = found
         try:
-            if direct:
-                batches.append(self._engine.submit_read([(seg.fd, entry.offset, dst[:direct])]))
-            if direct < ext:
-                with self._rstage.borrow() as buf:
-                    for pos in range(direct, ext, buf.nbytes):
-                        k = min(buf.nbytes, ext - pos)
-                        self._engine.read([(seg.fd, entry.offset + pos, buf[:k])])
-                        take = max(0, min(k, n - pos))
-                        dst[pos : pos + take] = buf[:take]
+            self._io.read_into(seg.fd, entry.offset, entry.length, dst)
         finally:
-            wait_all(batches)
+            self._books.release(seg)
+        return self._verified(entry, dst[: entry.length])
 
     def get_many(self, keys: Sequence[bytes]) -> list[np.ndarray | None]:
         """Blocks of ``keys`` (None for each miss), with reads of many blocks in flight at once.
@@ -129,52 +121,51 @@ class BlockReadsMixin(NvmeState):
         fill it directly (else it is read through staging at once), ``finish`` takes each
         block's payload once verified (ok False: it failed its checksum and is gone)."""
         checked = [check_key(k) for k in keys]
-        window = self._engine.queue_depth * self._engine.io_bytes
-        with self._op():
-            inflight: deque[tuple[int, BlockEntry, Segment, np.ndarray, IoBatch]] = deque()
-            inflight_bytes = 0
-            try:
-                for i, key in enumerate(checked):
-                    found = self._lookup(key)
-                    if found is None:
-                        continue
-                    entry, seg = found
-                    try:
-                        out, direct = land(i, entry)
-                        if not direct:
-                            self._read_into(entry, seg, out)
-                        else:
-                            io = (seg.fd, entry.offset, out[: entry.extent])
-                            batch = self._engine.submit_read([io])
-                    except BaseException:
-                        self._release(seg)
-                        raise
+        window = self._io.queue_depth * self._io.io_bytes
+        inflight: deque[tuple[int, BlockEntry, Segment, np.ndarray, IoBatch]] = deque()
+        inflight_bytes = 0
+        try:
+            for i, key in enumerate(checked):
+                found = self._books.lookup(key)
+                if found is None:
+                    continue
+                entry, seg = found
+                try:
+                    out, direct = land(i, entry)
                     if not direct:
-                        self._release(seg)
-                        payload = out[: entry.length]
-                        finish(i, entry, payload, self._verified(entry, payload))
-                        continue
-                    batch.wait_started()  # before verifying earlier blocks holds the GIL
-                    inflight.append((i, entry, seg, out, batch))
-                    inflight_bytes += entry.extent
-                    while inflight and inflight_bytes > window:
-                        inflight_bytes -= self._finish_one(inflight.popleft(), finish)
-                while inflight:
-                    self._finish_one(inflight.popleft(), finish)
-            finally:
-                for _, _, seg, _, batch in inflight:  # only after a failure
-                    try:
-                        batch.wait()
-                    except OSError:
-                        pass
-                    self._release(seg)
+                        self._io.read_into(seg.fd, entry.offset, entry.length, out)
+                    else:
+                        io = (seg.fd, entry.offset, out[: entry.extent])
+                        batch = self._io.submit_read([io])
+                except BaseException:
+                    self._books.release(seg)
+                    raise
+                if not direct:
+                    self._books.release(seg)
+                    payload = out[: entry.length]
+                    finish(i, entry, payload, self._verified(entry, payload))
+                    continue
+                batch.wait_started()  # before verifying earlier blocks holds the GIL
+                inflight.append((i, entry, seg, out, batch))
+                inflight_bytes += entry.extent
+                while inflight and inflight_bytes > window:
+                    inflight_bytes -= self._finish_one(inflight.popleft(), finish)
+            while inflight:
+                self._finish_one(inflight.popleft(), finish)
+        finally:
+            for _, _, seg, _, batch in inflight:  # only after a failure
+                try:
+                    batch.wait()
+                except OSError:
+                    pass
+                self._books.release(seg)
 
     def _finish_one(self, item, finish: Finish) -> int:
         i, entry, seg, out, batch = item
         try:
             batch.wait()
         finally:
-            self._release(seg)
+            self._books.release(seg)
         payload = out[: entry.length]
         finish(i, entry, payload, self._verified(entry, payload))
         return entry.extent

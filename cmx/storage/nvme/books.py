@@ -1,149 +1,227 @@
-"""The books of the NVMe store: lookups, commits, removals, counters, stats and self-checks.
+"""NvmeBooks: the control plane of the NVMe store (index, segments, space, durability).
 
-Every method here reads or changes the books under ``_lock`` and does no I/O, except
-``check_integrity`` which also compares the books with the segment files' sizes.
+It decides and records; it never moves a block's bytes (``ExtentIo`` does). Protocol of a
+write, in call order: ``reserve(key, size, parent, tag)`` -> a Reservation (segment and
+offset, space held, an I/O reference on the segment) or None if the key is stored or being
+stored; the caller writes the extent; then ``commit(reservation, checksum, chunk_sums)``
+(visible at once, durable at the next ``flush``) or ``abort(reservation)``. A read:
+``lookup(key)`` -> (entry, segment with an I/O reference), the caller reads, then
+``release(segment)`` and ``verified(entry, ok)`` (counts the hit, or quarantines the block).
+
+Parts, each owning its state: ``BlockIndex`` (entries, pins, policy, sequence numbers),
+``SegmentSet`` (files and their live/pending/dead bytes), ``Space`` (eviction, compaction),
+``Durability`` (journal, record logs, snapshot). The books own the lock they are all read and
+changed under, the counters, and the bookkeeping of operations in progress (``close`` waits
+for them). Locks, always taken in this order: the space lock, the flush lock, the books'
+lock (an RLock so event subscribers may call back). I/O never runs under the books' lock.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 
-import numpy as np
-
-from cmx.checksum import checksum
+from cmx.errors import BlockStateError, StoreClosedError, StoreLockedError
 from cmx.keys import BlockHash
+from cmx.policies import EvictionPolicy, make_eviction
 from cmx.storage.base import EventKind, StoreStats
-from cmx.storage.nvme.chunks import block_sums
+from cmx.storage.nvme.checks import check_segments
+from cmx.storage.nvme.chunks import extent_bytes
+from cmx.storage.nvme.durability import Durability
 from cmx.storage.nvme.entry import BlockEntry
-from cmx.storage.nvme.journal import JournalDel
-from cmx.storage.nvme.segments import Segment
-from cmx.storage.nvme.state import NvmeState
+from cmx.storage.nvme.extentio import ExtentIo
+from cmx.storage.nvme.files import FileOps, check_directory
+from cmx.storage.nvme.index import BlockIndex
+from cmx.storage.nvme.records import RecordDel
+from cmx.storage.nvme.recovery import recover
+from cmx.storage.nvme.segments import Segment, SegmentSet
+from cmx.storage.nvme.space import Space
 
-__all__ = ["BooksMixin"]
+__all__ = ["NvmeBooks", "Reservation"]
+
+Emit = Callable[[EventKind, BlockHash, int, int | None], None]
 
 
-class BooksMixin(NvmeState):
-    """The books part of NvmeStore (see state.py for what the parts share)."""
+@dataclass(frozen=True, eq=False)
+class Reservation:
+    """Space held for one block's extent until commit or abort."""
 
-    def _lookup(self, key: bytes, min_room: int | None = None) -> tuple[BlockEntry, Segment] | None:
+    key: bytes
+    parent: bytes | None
+    tag: str
+    seg: Segment
+    offset: int  # of the extent in the segment file, 4 KiB-aligned
+    size: int  # payload bytes; the extent is extent_bytes(size)
+
+    @property
+    def extent(self) -> int:
+        return extent_bytes(self.size)
+
+
+class NvmeBooks:
+    """See the module docstring. ``NvmeStore`` documents the arguments."""
+
+    def __init__(self, root: str, capacity: int, segment_bytes: int, compact_threshold: int,
+                 snapshot_every: int, eviction: str | EvictionPolicy, io: ExtentIo,
+                 files: FileOps, emit: Emit) -> None:
+        self.root = root
+        self.capacity = capacity
+        self.files = files
+        self.lock = threading.RLock()
+        self._idle = threading.Condition(self.lock)
+        self._ops = 0
+        self.closed = True  # until opened
+        self._emit = emit
+        self.counts = dict.fromkeys(("hits", "misses", "quarantined", "bytes_written",
+                                     "bytes_read", "bytes_requested", "bytes_read_from_disk"), 0)
+        check_directory(root)
+        self._engine = io.engine  # for its figures in stats()
+        self.index = BlockIndex(make_eviction(eviction))
+        self._lock_fd = _lock_dir(files, root)
+        self.segs = SegmentSet(root, segment_bytes, io.engine,
+                               file_limit=capacity + segment_bytes, files=files)
+        self.durability = Durability(root, files, self.lock, self.index, self.segs,
+                                     snapshot_every, self._drop_unrecorded)
+        self.space = Space(self.lock, self.index, self.segs, io, capacity, compact_threshold,
+                           self.remove, self.quarantine, self.durability.note, self.flush)
+
+    def open(self) -> None:
+        """Recover the index from the directory (see recovery.py); then the books are open."""
+        d = self.durability
+        got = recover(self.root, d.snapshot_path, d.journal, self.segs, self.files)
+        self.index.load(got.index, got.next_seq)
+        if got.clean:
+            d.journal.open_append(got.journal_gen, got.valid_bytes)
+        else:  # replayed records, a torn tail or a rebuild: fold it all into a new snapshot
+            d.snapshot(got.journal_gen)
+        self.closed = False
+
+    # -- operations and closing ----------------------------------------------------------------
+
+    @contextmanager
+    def op(self) -> Iterator[None]:
+        """Mark an operation in progress; close() waits for it. Raises if closed."""
+        with self.lock:
+            if self.closed:
+                raise StoreClosedError(f"NVMe store at {self.root} is closed")
+            self._ops += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self._ops -= 1
+                if not self._ops:
+                    self._idle.notify_all()
+
+    def close(self) -> None:
+        """Wait for operations in progress, snapshot, release files. False if already closed."""
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            while self._ops:
+                self._idle.wait()
+        try:
+            self.durability.snapshot()
+        finally:
+            self.teardown()
+
+    def teardown(self) -> None:
+        """Release files and the directory lock without a snapshot (as a crash would)."""
+        self.closed = True
+        self.durability.close()
+        self.segs.close()
+        if self._lock_fd >= 0:
+            self.files.close(self._lock_fd)  # releases the flock
+            self._lock_fd = -1
+
+    def flush(self) -> None:
+        self.durability.flush()
+
+    # -- writes --------------------------------------------------------------------------------
+
+    def reserve(self, key: bytes, size: int, parent: bytes | None = None,
+                tag: str = "") -> Reservation | None:
+        got = self.space.reserve(key, extent_bytes(size))
+        if got is None:
+            return None
+        seg, offset = got
+        return Reservation(key, parent, tag, seg, offset, size)
+
+    def commit(self, r: Reservation, checksum: int, chunk_sums: bytes) -> BlockEntry:
+        """Make a written block visible (durable at the next flush)."""
+        entry = BlockEntry(r.key, r.parent, r.seg.id, r.offset, r.size, checksum, chunk_sums,
+                           tag=r.tag)
+        with self.lock:
+            self.index.reserving.discard(r.key)
+            self.segs.finish_write(r.seg, r.extent, r.key)
+            entry = self.index.commit(entry)
+            self.durability.note(entry)
+            self.counts["bytes_written"] += entry.length
+            self._emit(EventKind.STORED, BlockHash(entry.key), entry.length, entry.checksum)
+        return entry
+
+    def abort(self, r: Reservation) -> None:
+        """Give up a reservation; its bytes become dead space."""
+        with self.lock:
+            self.index.reserving.discard(r.key)
+            self.segs.finish_write(r.seg, r.extent, None)
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def lookup(self, key: bytes, min_room: int | None = None
+               ) -> tuple[BlockEntry, Segment] | None:
         """The entry of ``key`` and its segment with an I/O ref held; None (a miss) if absent."""
-        with self._lock:
-            entry = self._index.get(key)
+        with self.lock:
+            entry = self.index.get(key)
             if entry is None:
-                self._counts["misses"] += 1
+                self.counts["misses"] += 1
                 return None
             if min_room is not None and min_room < entry.length:
                 raise ValueError(f"buffer of {min_room} bytes < block of {entry.length}")
-            return entry, self._segs.ref(entry.seg)
+            return entry, self.segs.ref(entry.seg)
 
-    def _lookup_runs(
-        self, reqs: Sequence[tuple[bytes, int, int]]
-    ) -> tuple[list[BlockEntry | None], dict[int, Segment]]:
+    def lookup_runs(self, reqs: Sequence[tuple[bytes, int, int]]
+                    ) -> tuple[list[BlockEntry | None], dict[int, Segment]]:
         """Entries (None for misses) and their segments, one I/O ref each, for slice reads."""
-        with self._lock:
-            entries = [self._index.get(key) for key, _, _ in reqs]
+        with self.lock:
+            entries = [self.index.get(key) for key, _, _ in reqs]
             for (key, off, length), entry in zip(reqs, entries):
                 if entry is not None and (off < 0 or length < 0 or off + length > entry.length):
                     raise ValueError(f"range [{off}, {off + length}) is outside block "
                                      f"{key.hex()[:12]} of {entry.length} bytes")
-            self._counts["misses"] += len({k for (k, _, _), e in zip(reqs, entries) if e is None})
-            segs = {e.seg: self._segs.ref(e.seg) for e in entries if e is not None}
+            self.counts["misses"] += len({k for (k, _, _), e in zip(reqs, entries) if e is None})
+            segs = {e.seg: self.segs.ref(e.seg) for e in entries if e is not None}
             return entries, segs
 
-    def _release(self, seg: Segment) -> None:
-        with self._lock:
-            self._segs.unref(seg)
+    def release(self, seg: Segment) -> None:
+        with self.lock:
+            self.segs.unref(seg)
 
-    def _verified(self, entry: BlockEntry, payload: np.ndarray) -> bool:
-        """Check a whole block read; count the hit, or quarantine and count the miss."""
-        if checksum(payload) != entry.checksum:
-            self._quarantine(entry)
-            with self._lock:
-                self._counts["misses"] += 1
+    def verified(self, entry: BlockEntry, ok: bool) -> bool:
+        """Count a whole-block read: a hit, or (``ok`` False) a miss and a quarantine."""
+        if not ok:
+            self.quarantine(entry)
+            with self.lock:
+                self.counts["misses"] += 1
             return False
-        with self._lock:
-            self._counts["hits"] += 1
-            self._counts["bytes_read"] += entry.length
-            self._counts["bytes_requested"] += entry.length
-            self._counts["bytes_read_from_disk"] += entry.extent
-            self._policy.touch(entry.key)
+        with self.lock:
+            c = self.counts
+            c["hits"] += 1
+            c["bytes_read"] += entry.length
+            c["bytes_requested"] += entry.length
+            c["bytes_read_from_disk"] += entry.extent
+            self.index.policy.touch(entry.key)
         return True
 
-    def _quarantine(self, entry: BlockEntry) -> None:
-        with self._lock:
-            if self._index.get(entry.key) is entry:
-                self._remove(entry)
-                self._counts["quarantined"] += 1
-
-    def _remove(self, entry: BlockEntry) -> None:
-        """Drop a committed block from the books (caller holds _lock); its bytes become dead."""
-        del self._index[entry.key]
-        self._policy.remove(entry.key)
-        self._segs.drop(entry.seg, entry.key, entry.extent)
-        self._pending.append(JournalDel(entry.key))
-        self._emit(EventKind.REMOVED, BlockHash(entry.key), entry.length, entry.checksum)
-
-    def _finish_put(self, key: bytes, seg: Segment, ext: int, entry: BlockEntry | None) -> None:
-        """Commit a written block, or turn a failed write's reservation into dead space."""
-        with self._lock:
-            self._reserving.discard(key)
-            self._segs.finish_write(seg, ext, None if entry is None else key)
-            if entry is None:
-                return
-            self._index[key] = entry
-            self._policy.insert(key, entry.parent)
-            self._pending.append(entry)
-            self._counts["bytes_written"] += entry.length
-            self._emit(EventKind.STORED, BlockHash(entry.key), entry.length, entry.checksum)
-
-    @staticmethod
-    def _sums(view: np.ndarray) -> tuple[int, bytes]:
-        return block_sums(view)
-
-    # -- stats and self-checks -----------------------------------------------------------------
-
-    def stats(self) -> StoreStats:
-        with self._op(), self._lock:
-            c = self._counts
-            requested = c["bytes_requested"]
-            extra: dict[str, object] = {
-                "io_engine": self._engine.name,
-                "direct_io": self._segs.direct,
-                "queue_depth": self._engine.queue_depth,
-                "io_bytes": self._engine.io_bytes,
-                "segments": len(self._segs.segs),
-                "segment_bytes": self._segs.segment_bytes,
-                "disk_bytes": self._segs.disk_bytes,
-                "file_bytes": self._segs.file_bytes,
-                "dead_bytes": self._segs.dead_bytes,
-                "compactions": c["compactions"],
-                "compacted_bytes": c["compacted_bytes"],
-                "journal_records": self._journal.records,
-                "io_size_histogram": self._engine.io_sizes("read"),  # read I/Os by size
-                "write_io_size_histogram": self._engine.io_sizes("write"),
-                "bytes_requested": requested,
-                "bytes_read_from_disk": c["bytes_read_from_disk"],
-                "read_amplification": c["bytes_read_from_disk"] / requested if requested else 0.0,
-            }
-            return StoreStats(
-                capacity_bytes=self._capacity,
-                used_bytes=self._segs.used_bytes,
-                blocks=len(self._index),
-                pinned=sum(1 for k in self._pins if k in self._index),
-                hits=c["hits"],
-                misses=c["misses"],
-                evictions=c["evictions"],
-                quarantined=c["quarantined"],
-                bytes_written=c["bytes_written"],
-                bytes_read=c["bytes_read"],
-                extra=extra,
-            )
-
-    def _count_runs(self, entries: list[BlockEntry | None], bad: set[bytes], requested: int,
-                    read: int) -> None:
-        with self._lock:
-            c = self._counts
+    def count_runs(self, entries: list[BlockEntry | None], bad: set[bytes], requested: int,
+                   read: int) -> None:
+        with self.lock:
+            c = self.counts
             c["bytes_requested"] += requested
             c["bytes_read_from_disk"] += read
             for entry in {e.key: e for e in entries if e is not None}.values():
@@ -151,58 +229,108 @@ class BooksMixin(NvmeState):
                     c["misses"] += 1
                 else:
                     c["hits"] += 1
-                    self._policy.touch(entry.key)
+                    self.index.policy.touch(entry.key)
             c["bytes_read"] += requested
+
+    # -- removals ------------------------------------------------------------------------------
+
+    def remove(self, entry: BlockEntry) -> None:
+        """Drop a committed block (caller holds the lock); its bytes become dead."""
+        self.index.remove(entry)
+        self.segs.drop(entry.seg, entry.key, entry.extent, entry.seq)
+        self.durability.note(RecordDel(entry.key, entry.seq, entry.seg))
+        self._emit(EventKind.REMOVED, BlockHash(entry.key), entry.length, entry.checksum)
+
+    def quarantine(self, entry: BlockEntry) -> None:
+        with self.lock:
+            if self.index.get(entry.key) is entry:
+                self.remove(entry)
+                self.counts["quarantined"] += 1
+
+    def _drop_unrecorded(self, entries: list[BlockEntry]) -> None:
+        for entry in entries:
+            self.quarantine(entry)
+
+    def delete(self, key: bytes) -> bool:
+        with self.lock:
+            entry = self.index.get(key)
+            if entry is None:
+                return False
+            if self.index.pinned(key):
+                raise BlockStateError(f"block {key.hex()[:12]} is pinned "
+                                      f"{self.index.pinned(key)}x")
+            self.remove(entry)
+            return True
+
+    def delete_tagged(self, tag: str) -> int:
+        with self.lock:
+            gone = [e for e in self.index.entries.values()
+                    if e.tag == tag and not self.index.pinned(e.key)]
+            for entry in gone:
+                self.remove(entry)
+            return len(gone)
+
+    # -- stats and self-checks -----------------------------------------------------------------
+
+    def stats(self) -> StoreStats:
+        with self.lock:
+            c, space, segs, engine = self.counts, self.space, self.segs, self._engine
+            requested = c["bytes_requested"]
+            extra: dict[str, object] = {
+                "io_engine": engine.name,
+                "direct_io": segs.direct,
+                "queue_depth": engine.queue_depth,
+                "io_bytes": engine.io_bytes,
+                "segments": len(segs.segs),
+                "segment_bytes": segs.segment_bytes,
+                "disk_bytes": segs.disk_bytes,
+                "file_bytes": segs.file_bytes,
+                "dead_bytes": segs.dead_bytes,
+                "compactions": space.compactions,
+                "compacted_bytes": space.compacted_bytes,
+                "journal_records": self.durability.journal.records,
+                "broken_segments": sum(1 for s in segs.segs.values() if s.broken),
+                "io_size_histogram": engine.io_sizes("read"),  # read I/Os by size
+                "write_io_size_histogram": engine.io_sizes("write"),
+                "bytes_requested": requested,
+                "bytes_read_from_disk": c["bytes_read_from_disk"],
+                "read_amplification": c["bytes_read_from_disk"] / requested if requested else 0.0,
+            }
+            return StoreStats(
+                capacity_bytes=self.capacity,
+                used_bytes=segs.used_bytes,
+                blocks=len(self.index),
+                pinned=self.index.pinned_blocks,
+                hits=c["hits"],
+                misses=c["misses"],
+                evictions=space.evictions,
+                quarantined=c["quarantined"],
+                bytes_written=c["bytes_written"],
+                bytes_read=c["bytes_read"],
+                extra=extra,
+            )
 
     def check_integrity(self) -> None:
         """Raise AssertionError with the numbers if index, segments, files or policy disagree."""
-        with self._op(), self._lock:
-            self._check_segments()
-            used, disk = self._segs.used_bytes, self._segs.file_bytes
-            if used > self._capacity:
-                raise AssertionError(f"used {used} > capacity {self._capacity}")
-            limit = self._capacity + self._segs.segment_bytes
+        with self.lock:
+            check_segments(self.index, self.segs)
+            used, disk = self.segs.used_bytes, self.segs.file_bytes
+            if used > self.capacity:
+                raise AssertionError(f"used {used} > capacity {self.capacity}")
+            limit = self.capacity + self.segs.segment_bytes
             if disk > limit:
-                raise AssertionError(f"disk {disk} > capacity {self._capacity} + segment "
-                                     f"{self._segs.segment_bytes}")
-            if len(self._policy) != len(self._index):
-                raise AssertionError(f"policy holds {len(self._policy)}, index {len(self._index)}")
-            missing = [k for k in self._index if k not in self._policy]
-            if missing:
-                raise AssertionError(f"{len(missing)} indexed keys unknown to the policy")
-            if any(n <= 0 for n in self._pins.values()):
-                raise AssertionError(f"non-positive pin counts: {sorted(self._pins.values())}")
-            self._policy.check_integrity()
+                raise AssertionError(f"disk {disk} > capacity {self.capacity} + segment "
+                                     f"{self.segs.segment_bytes}")
+            self.index.check()
 
-    def _check_segments(self) -> None:
-        by_seg: dict[int, list[BlockEntry]] = {}
-        for entry in self._index.values():
-            if entry.seg not in self._segs.segs:
-                raise AssertionError(f"{entry.key.hex()[:12]} in missing segment {entry.seg}")
-            by_seg.setdefault(entry.seg, []).append(entry)
-        for seg in self._segs.segs.values():
-            entries = sorted(by_seg.get(seg.id, []), key=lambda e: e.offset)
-            live = sum(e.extent for e in entries)
-            if seg.dead < 0 or seg.live != live:
-                raise AssertionError(
-                    f"segment {seg.id}: live {seg.live} (index {live}) + pending {seg.pending} "
-                    f"+ dead {seg.dead} != head {seg.head}"
-                )
-            if {e.key for e in entries} != seg.keys:
-                raise AssertionError(
-                    f"segment {seg.id}: {len(seg.keys)} keys, index {len(entries)}"
-                )
-            for a, b in zip(entries, entries[1:]):
-                if a.end > b.offset:
-                    raise AssertionError(f"segment {seg.id}: extents [{a.offset}, {a.end}) and "
-                                         f"[{b.offset}, {b.end}) overlap")
-            if entries and (entries[0].offset < 0 or entries[-1].end > seg.head):
-                raise AssertionError(f"segment {seg.id}: extent ends at {entries[-1].end} past "
-                                     f"head {seg.head}")
-            size = os.fstat(seg.fd).st_size
-            if entries and size < entries[-1].end:
-                raise AssertionError(f"segment {seg.id}: file {size} < last extent end "
-                                     f"{entries[-1].end}")
-            if size > max(seg.head, seg.allocated):
-                raise AssertionError(f"segment {seg.id}: file {size} > head {seg.head} and "
-                                     f"allocation {seg.allocated}")
+
+def _lock_dir(files: FileOps, root: str) -> int:
+    fd = files.open(os.path.join(root, "LOCK"), os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        files.close(fd)
+        raise StoreLockedError(f"{root} is already open in another NvmeStore") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd

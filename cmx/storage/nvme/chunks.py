@@ -52,7 +52,7 @@ def block_sums(payload: np.ndarray) -> tuple[int, bytes]:
     sums = np.empty(chunk_count(length), dtype="<u8")
     for i in range(len(sums)):
         start, end = i * CHUNK_BYTES, min((i + 1) * CHUNK_BYTES, ext)
-        piece = payload[start:min(end, length)]
+        piece = payload[start:min(end, length)].data  # a memoryview: a Buffer, not a copy
         whole.update(piece)
         if end <= length:
             sums[i] = xxhash.xxh3_64_intdigest(piece)

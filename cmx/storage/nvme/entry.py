@@ -18,6 +18,8 @@ class BlockEntry:
     length: int  # payload bytes; the extent is padded with zeros to 4 KiB
     checksum: int  # XXH3-64 of the payload
     chunk_sums: bytes  # little-endian XXH3-64 per CHUNK_BYTES of the padded extent
+    seq: int = 0  # the store-wide sequence number of this record; a move takes a new one
+    tag: str = ""  # the owner's label (a namespace id), kept across reopen; "" for none
 
     @property
     def extent(self) -> int:
@@ -27,6 +29,6 @@ class BlockEntry:
     def end(self) -> int:
         return self.offset + self.extent
 
-    def moved(self, seg: int, offset: int) -> BlockEntry:
+    def moved(self, seg: int, offset: int, seq: int) -> BlockEntry:
         return BlockEntry(self.key, self.parent, seg, offset, self.length, self.checksum,
-                          self.chunk_sums)
+                          self.chunk_sums, seq, self.tag)

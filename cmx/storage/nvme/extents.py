@@ -1,16 +1,17 @@
-"""Two-phase extents: the NVMe store's space and index, with the bytes moved by someone else.
+"""Two-phase extents: the NVMe store's books, with the bytes moved by someone else.
 
 The service splits the NVMe tier into a control plane (the tier actor: space, index, journal,
 eviction) and a data plane (the node's offload agent, which writes and reads the segment
-files itself with O_DIRECT). ``ExtentStore`` is the store as that control plane sees it.
+files itself with O_DIRECT). ``ExtentStore`` is the store as that control plane sees it: the
+same ``NvmeBooks`` that ``NvmeStore`` runs, called without its ``ExtentIo``.
 
 Protocol, in call order:
 
-1. ``reserve_extent(key, parent, size)`` -> a PendingExtent (segment path and offset), or
+1. ``reserve_extent(key, parent, size, tag)`` -> a PendingExtent (segment path and offset), or
    None if the key is stored or being stored. The space is held until 2.
 2. The writer writes the padded extent, then ``commit_extent(pending, checksum, chunk_sums)``
    (the block is visible; durable at the next ``flush``) or ``abort_extent(pending)``.
-3. Readers ``pin(key)``, ``locate(key)`` for the extent, read it, ``unpin(key)``. A pinned
+3. Readers ``pin(key)``, ``entry_of(key)`` for the extent, read it, ``unpin(key)``. A pinned
    block is never evicted or moved by compaction, so its extent stays valid while pinned.
 """
 
@@ -22,9 +23,10 @@ from dataclasses import dataclass, field
 
 from cmx.errors import BlockTooLargeError
 from cmx.keys import BlockHash, check_key
+from cmx.storage.nvme.books import Reservation
 from cmx.storage.nvme.chunks import chunk_count, extent_bytes
 from cmx.storage.nvme.entry import BlockEntry
-from cmx.storage.nvme.segments import Segment
+from cmx.storage.nvme.records import check_tag
 from cmx.storage.nvme.store import NvmeStore
 
 __all__ = ["ExtentStore", "PendingExtent"]
@@ -34,34 +36,36 @@ __all__ = ["ExtentStore", "PendingExtent"]
 class PendingExtent:
     key: BlockHash
     parent: BlockHash | None
-    seg: Segment
+    reservation: Reservation
     offset: int
     size: int  # payload bytes; the extent is extent_bytes(size)
     path: str  # the segment file
     since: float = field(default_factory=time.monotonic)
+    tag: str = ""  # the owner's label (a namespace id), kept with the block
 
 
 class ExtentStore(NvmeStore):
     @property
     def event_lock(self) -> threading.RLock:
         """Held while events are emitted; hold it to read holdings and sequence together."""
-        return self._lock
+        return self.books.lock
 
     def reserve_extent(
-        self, key: bytes, parent: bytes | None, size: int
+        self, key: bytes, parent: bytes | None, size: int, tag: str = ""
     ) -> PendingExtent | None:
         key = check_key(key)
         parent = None if parent is None else check_key(parent)
-        if size <= 0 or size > self._block_bytes or extent_bytes(size) > self._capacity:
+        check_tag(tag)
+        if size <= 0 or size > self.block_bytes or extent_bytes(size) > self.capacity_bytes:
             raise BlockTooLargeError(
-                f"block of {size} bytes exceeds block_bytes {self._block_bytes} or capacity"
+                f"block of {size} bytes exceeds block_bytes {self.block_bytes} or capacity"
             )
-        with self._op():
-            reserved = self._reserve(key, extent_bytes(size))
-            if reserved is None:
+        with self.books.op():
+            r = self.books.reserve(key, size, parent, tag)
+            if r is None:
                 return None
-            seg, offset = reserved
-            return PendingExtent(key, parent, seg, offset, size, self._segs.path(seg.id))
+            return PendingExtent(BlockHash(key), None if parent is None else BlockHash(parent),
+                                 r, r.offset, size, r.seg.path, tag=tag)
 
     def commit_extent(self, pending: PendingExtent, checksum: int, chunk_sums: bytes) -> None:
         if len(chunk_sums) != 8 * chunk_count(pending.size):
@@ -69,28 +73,26 @@ class ExtentStore(NvmeStore):
             raise ValueError(
                 f"{len(chunk_sums)} bytes of chunk sums for a block of {pending.size} bytes"
             )
-        entry = BlockEntry(pending.key, pending.parent, pending.seg.id, pending.offset,
-                           pending.size, checksum, chunk_sums)
-        with self._op():
-            self._finish_put(pending.key, pending.seg, extent_bytes(pending.size), entry)
+        with self.books.op():
+            self.books.commit(pending.reservation, checksum, chunk_sums)
 
     def abort_extent(self, pending: PendingExtent) -> None:
-        with self._op():
-            self._finish_put(pending.key, pending.seg, extent_bytes(pending.size), None)
+        with self.books.op():
+            self.books.abort(pending.reservation)
 
     def entry_of(self, key: bytes) -> BlockEntry | None:
         """The index entry of a committed block (segment id, offset, checksums), or None."""
-        with self._op(), self._lock:
-            return self._index.get(key)
+        with self.books.op(), self.books.lock:
+            return self.books.index.get(key)
 
     def segment_path(self, seg_id: int) -> str:
-        return self._segs.path(seg_id)
+        return self.books.segs.path(seg_id)
 
     def quarantine(self, key: bytes) -> bool:
         """Drop a block whose bytes failed a reader's checksum; True if it was there."""
-        with self._op(), self._lock:
-            entry = self._index.get(key)
+        with self.books.op(), self.books.lock:
+            entry = self.books.index.get(key)
             if entry is None:
                 return False
-            self._quarantine(entry)
+            self.books.quarantine(entry)
             return True

@@ -16,9 +16,7 @@ Protocol, in call order:
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
 import queue
 import threading
 from abc import ABC, abstractmethod
@@ -28,6 +26,7 @@ from typing import ClassVar
 import numpy as np
 
 from cmx.buffers import ALIGN
+from cmx.storage.nvme.files import FileOps
 
 __all__ = [
     "AUTO_ORDER",
@@ -172,8 +171,10 @@ class ThreadIoEngine(IoEngine):
 
     name = "threads"
 
-    def __init__(self, queue_depth: int = 16, io_bytes: int = 4 << 20) -> None:
+    def __init__(self, queue_depth: int = 16, io_bytes: int = 4 << 20,
+                 files: FileOps | None = None) -> None:
         super().__init__(queue_depth, io_bytes)
+        self._files = files or FileOps()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._threads = [
             threading.Thread(target=self._work, name=f"cmx-nvme-io-{i}", daemon=True)
@@ -183,7 +184,7 @@ class ThreadIoEngine(IoEngine):
             thread.start()
 
     def _submit(self, op: str, pieces: list[IoRequest]) -> IoBatch:
-        fn = _pwrite_all if op == "write" else _pread_all
+        fn = self._files.pwrite_all if op == "write" else self._files.pread_all
         batch = _ThreadBatch(len(pieces), min(len(pieces), self.queue_depth))
         for fd, off, buf in pieces:
             self._queue.put((batch, fn, fd, off, buf))
@@ -197,7 +198,7 @@ class ThreadIoEngine(IoEngine):
             batch, fn, fd, off, buf = item
             batch._started.release()
             try:
-                fn(fd, off, buf)
+                fn(fd, memoryview(buf), off)
             except BaseException as exc:  # handed to the waiter
                 batch._finished(exc)
             else:
@@ -210,28 +211,14 @@ class ThreadIoEngine(IoEngine):
             thread.join()
 
 
-def _pwrite_all(fd: int, offset: int, buf: np.ndarray) -> None:
-    done = 0
-    while done < buf.nbytes:
-        n = os.pwritev(fd, [buf[done:]], offset + done)
-        if n <= 0:
-            raise OSError(errno.EIO, f"short write at offset {offset + done} of fd {fd}")
-        done += n
+def make_io_engine(name: str, queue_depth: int = 16, io_bytes: int = 4 << 20,
+                   files: FileOps | None = None) -> IoEngine:
+    """An engine by name: "threads", "nixl", or "auto" (AUTO_ORDER, skipping what cannot load).
 
-
-def _pread_all(fd: int, offset: int, buf: np.ndarray) -> None:
-    done = 0
-    while done < buf.nbytes:
-        n = os.preadv(fd, [buf[done:]], offset + done)
-        if n <= 0:
-            raise OSError(errno.EIO, f"short read at offset {offset + done} of fd {fd}")
-        done += n
-
-
-def make_io_engine(name: str, queue_depth: int = 16, io_bytes: int = 4 << 20) -> IoEngine:
-    """An engine by name: "threads", "nixl", or "auto" (AUTO_ORDER, skipping what cannot load)."""
+    ``files`` carries the thread engine's reads and writes; NIXL's io_uring path bypasses it.
+    """
     if name == "threads":
-        return ThreadIoEngine(queue_depth, io_bytes)
+        return ThreadIoEngine(queue_depth, io_bytes, files)
     if name == "nixl":
         from cmx.storage.nvme.nixl_io import NixlIoEngine
 
@@ -240,7 +227,7 @@ def make_io_engine(name: str, queue_depth: int = 16, io_bytes: int = 4 << 20) ->
         errors = []
         for candidate in AUTO_ORDER:
             try:
-                return make_io_engine(candidate, queue_depth, io_bytes)
+                return make_io_engine(candidate, queue_depth, io_bytes, files)
             except Exception as exc:  # an engine that cannot load is skipped, and said so
                 log.warning("I/O engine %s unavailable: %s", candidate, exc)
                 errors.append(f"{candidate}: {exc}")

@@ -1,18 +1,23 @@
-"""The index journal: an append-only file of fixed-size, individually checksummed records.
+"""Record logs: the index journal and each segment's own record log.
 
-File: a 64-byte header (magic, format version, generation, XXH3 of the header) then records of
-``RECORD_BYTES``. Every record ends with the XXH3-64 of its first 120 bytes seeded with the
-journal's generation, so a torn or stale record never parses. Kinds:
+A record log is a file of a 64-byte header (magic, format version, seed, XXH3 of the header)
+then records (``records.py``) sealed with that seed. Two kinds exist:
 
-- PUT: key, parent (optional), segment, offset, length, block checksum, chunk count; followed
-  by ceil(chunks / 14) CHUNKS records carrying the chunk checksums. A PUT counts only with all
-  of its CHUNKS records.
-- DEL: key. The block left the store (deleted, evicted or quarantined).
+- the journal (``journal.log``, seed = generation): the index changes since the last snapshot.
+  A snapshot restarts it with the next generation (temp file, fsync, rename), carrying over
+  the DEL records of dead blocks whose records still lie in live segments (``tombstones``),
+  so that a store that loses its snapshot never brings a deleted block back.
+- a segment's record log (``seg-<id>.rec``, seed = segment id): a PUT for each block written
+  to the segment, so the index can be rebuilt from the segments alone.
 
-Replay stops at the first record that does not parse: that is the torn tail of a crash, and
-the caller truncates the file there. Records are appended only after the data they describe
-was written and fdatasync'ed (the store's flush), so a replayed PUT never points at unwritten
-data.
+Appends are written at the log's known end, never with O_APPEND: a write that fails part-way
+is cut back (truncate) and, if even that fails, the next append overwrites the torn bytes,
+so no acknowledged record ever sits behind garbage. Replay stops at the first record that
+does not parse: the torn tail of a crash, which ``open_append`` cuts.
+
+Records are appended only after the data they describe was written and fdatasync'ed (the
+store's flush), so a replayed PUT never points at unwritten data. Not thread-safe: the store
+calls a log under its flush lock.
 """
 
 from __future__ import annotations
@@ -20,204 +25,145 @@ from __future__ import annotations
 import os
 import struct
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 
 import xxhash
 
 from cmx.storage.nvme.entry import BlockEntry
+from cmx.storage.nvme.files import FileOps
+from cmx.storage.nvme.records import RECORD_BYTES, RecordDel, decode, encode_del, encode_put
 
-__all__ = ["RECORD_BYTES", "Journal", "JournalDel", "encode_put", "encode_del"]
+__all__ = ["JOURNAL_MAGIC", "RECORD_BYTES", "SEGMENT_MAGIC", "Journal", "RecordDel", "RecordLog",
+           "encode_del", "encode_put"]
 
-RECORD_BYTES = 128
-_BODY = RECORD_BYTES - 8
-_MAGIC = b"CMXJRNL1"
-_HEADER = struct.Struct("<8sIQ")  # magic, version, generation; + 8-byte xxh3 -> padded to 64
+JOURNAL_MAGIC = b"CMXJRNL1"
+SEGMENT_MAGIC = b"CMXSEGR1"
+_HEADER = struct.Struct("<8sIQ")  # magic, version, seed; + 8-byte xxh3 -> padded to 64
 _HEADER_BYTES = 64
 _VERSION = 1
 
-_PUT, _DEL, _CHUNKS = 1, 2, 3
-_HAS_PARENT = 1
-_PUT_REC = struct.Struct("<BB2xI32s32sQQQI")  # kind, flags, seg, key, parent, off, len, sum, n
-_DEL_REC = struct.Struct("<BB2xI32s")  # kind, flags, seg (unused), key
-_CHUNKS_REC = struct.Struct("<BBHI")  # kind, flags, count, first chunk index
-_SUMS_PER_REC = (_BODY - _CHUNKS_REC.size) // 8  # 14
-_PAD = bytes(_BODY)
+
+def _header(magic: bytes, seed: int) -> bytes:
+    head = _HEADER.pack(magic, _VERSION, seed)
+    head += xxhash.xxh3_64_intdigest(head).to_bytes(8, "little")
+    return head.ljust(_HEADER_BYTES, b"\0")
 
 
-@dataclass(frozen=True)
-class JournalDel:
-    key: bytes
+class RecordLog:
+    """One record log file (see the module docstring)."""
 
-
-def _seal(body: bytes, gen: int) -> bytes:
-    body = body + _PAD[: _BODY - len(body)]
-    return body + xxhash.xxh3_64_intdigest(body, seed=gen).to_bytes(8, "little")
-
-
-def encode_put(entry: BlockEntry, gen: int) -> bytes:
-    sums = entry.chunk_sums
-    n = len(sums) // 8
-    flags = _HAS_PARENT if entry.parent is not None else 0
-    out = [
-        _seal(
-            _PUT_REC.pack(_PUT, flags, entry.seg, entry.key, entry.parent or bytes(32),
-                          entry.offset, entry.length, entry.checksum, n),
-            gen,
-        )
-    ]
-    for first in range(0, n, _SUMS_PER_REC):
-        count = min(_SUMS_PER_REC, n - first)
-        body = _CHUNKS_REC.pack(_CHUNKS, 0, count, first) + sums[first * 8 : (first + count) * 8]
-        out.append(_seal(body, gen))
-    return b"".join(out)
-
-
-def encode_del(key: bytes, gen: int) -> bytes:
-    return _seal(_DEL_REC.pack(_DEL, 0, 0, key), gen)
-
-
-class Journal:
-    """The journal file. Not thread-safe: the store calls it under its flush lock."""
-
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, files: FileOps, magic: bytes = JOURNAL_MAGIC) -> None:
         self.path = path
-        self.generation = 0
+        self.files = files
+        self.magic = magic
+        self.generation = 0  # the seed records are sealed with
         self.records = 0  # records appended since the header was written
+        self.size = 0  # bytes of header and whole records: where the next append goes
+        self.valid_bytes = 0  # after replay: the length of the parsed prefix
         self._fd = -1
 
     # -- opening and replay --------------------------------------------------------------------
 
-    def read_generation(self) -> int | None:
-        """The generation in the file's header, or None if there is no valid journal."""
-        try:
-            with open(self.path, "rb") as f:
-                head = f.read(_HEADER_BYTES)
-        except FileNotFoundError:
+    def read(self) -> tuple[int, bytes] | None:
+        """(seed, whole file) if the file exists with a valid header, else None."""
+        data = self.files.read_file(self.path)
+        if data is None or len(data) < _HEADER_BYTES:
             return None
-        if len(head) < _HEADER_BYTES:
-            return None
-        magic, version, gen = _HEADER.unpack_from(head)
-        crc = int.from_bytes(head[_HEADER.size : _HEADER.size + 8], "little")
-        if magic != _MAGIC or version != _VERSION or crc != xxhash.xxh3_64_intdigest(
-            head[: _HEADER.size]
+        magic, version, seed = _HEADER.unpack_from(data)
+        crc = int.from_bytes(data[_HEADER.size : _HEADER.size + 8], "little")
+        if magic != self.magic or version != _VERSION or crc != xxhash.xxh3_64_intdigest(
+            data[: _HEADER.size]
         ):
             return None
-        return gen
+        return seed, data
 
-    def replay(self, gen: int) -> Iterator[BlockEntry | JournalDel]:
-        """Yield the complete records of a generation-``gen`` journal; stops at a torn tail.
+    def read_generation(self) -> int | None:
+        got = self.read()
+        return None if got is None else got[0]
 
-        After the iterator is exhausted, ``valid_bytes`` is the length of the parsed prefix.
+    def replay(self, gen: int, data: bytes | None = None) -> Iterator[BlockEntry | RecordDel]:
+        """Yield the complete records of a generation-``gen`` log; stops at a torn tail.
+
+        After the iterator is exhausted, ``valid_bytes`` is the length of the parsed prefix
+        and ``records`` the number of records in it.
         """
-        with open(self.path, "rb") as f:
-            data = f.read()
-        pos = _HEADER_BYTES
-        self.valid_bytes = pos
+        if data is None:
+            got = self.read()
+            data = got[1] if got is not None else b""
+        self.valid_bytes = min(_HEADER_BYTES, len(data))
         self.records = 0
-        while pos + RECORD_BYTES <= len(data):
-            rec = _parse(data, pos, gen)
-            if rec is None:
-                return
-            kind, fields = rec
-            used = 1
-            if kind == _DEL:
-                yield JournalDel(fields[3])
-            elif kind == _PUT:
-                _, flags, seg, key, parent, off, length, checksum, n = fields
-                sums = _read_chunks(data, pos + RECORD_BYTES, gen, n)
-                if sums is None:
-                    return
-                used += -(-n // _SUMS_PER_REC)
-                yield BlockEntry(key, parent if flags & _HAS_PARENT else None, seg, off, length,
-                                 checksum, sums)
-            else:
-                return  # a CHUNKS record without its PUT: not something we write
-            pos += used * RECORD_BYTES
-            self.valid_bytes = pos
-            self.records += used
+        for end, rec in decode(data, _HEADER_BYTES, gen):
+            self.records += (end - self.valid_bytes) // RECORD_BYTES
+            self.valid_bytes = end
+            yield rec
 
     # -- writing -------------------------------------------------------------------------------
 
     def open_append(self, gen: int, valid_bytes: int) -> None:
-        """Continue a replayed journal of generation ``gen``, cutting a torn tail."""
+        """Continue a replayed log of generation ``gen``, cutting a torn tail."""
         self._close_fd()
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
-        os.ftruncate(self._fd, valid_bytes)
-        os.fsync(self._fd)
+        self._fd = self.files.open(self.path, os.O_WRONLY)
+        self.files.ftruncate(self._fd, valid_bytes)
+        self.files.fsync(self._fd)
         self.generation = gen
+        self.size = valid_bytes
 
-    def restart(self, gen: int) -> None:
-        """Replace the journal by an empty one of generation ``gen`` (temp file, fsync, rename)."""
+    def create(self, gen: int) -> None:
+        """A new, empty log of generation ``gen`` in place (a segment's, made with it)."""
         self._close_fd()
-        tmp = self.path + ".tmp"
-        head = _HEADER.pack(_MAGIC, _VERSION, gen)
-        head += xxhash.xxh3_64_intdigest(head).to_bytes(8, "little")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.write(fd, head.ljust(_HEADER_BYTES, b"\0"))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.path)
-        fsync_dir(os.path.dirname(self.path))
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        self._fd = self.files.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         self.generation = gen
         self.records = 0
+        self.size = 0
+        self._write(_header(self.magic, gen))
+
+    def restart(self, gen: int, carried: bytes = b"") -> None:
+        """Replace the log by one of generation ``gen`` holding only ``carried`` records
+        (temp file, fsync, rename, directory fsync)."""
+        self._close_fd()
+        tmp = self.path + ".tmp"
+        fd = self.files.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            self.files.pwrite_all(fd, _header(self.magic, gen) + carried, 0)
+            self.files.fsync(fd)
+        finally:
+            self.files.close(fd)
+        self.files.replace(tmp, self.path)
+        self.files.fsync_dir(os.path.dirname(self.path))
+        self._fd = self.files.open(self.path, os.O_WRONLY)
+        self.generation = gen
+        self.records = 0
+        self.size = _HEADER_BYTES + len(carried)
 
     def append(self, records: Iterable[bytes]) -> None:
         blob = b"".join(records)
-        view = memoryview(blob)
-        while view:
-            view = view[os.write(self._fd, view):]
+        self._write(blob)
         self.records += len(blob) // RECORD_BYTES
 
+    def _write(self, blob: bytes) -> None:
+        try:
+            self.files.pwrite_all(self._fd, blob, self.size)
+        except BaseException:
+            try:  # cut the torn bytes; if this fails too, the next append overwrites them
+                self.files.ftruncate(self._fd, self.size)
+            except OSError:
+                pass
+            raise
+        self.size += len(blob)
+
     def sync(self) -> None:
-        os.fsync(self._fd)
+        self.files.fsync(self._fd)
 
     def close(self) -> None:
         self._close_fd()
 
     def _close_fd(self) -> None:
         if self._fd >= 0:
-            os.close(self._fd)
+            self.files.close(self._fd)
             self._fd = -1
 
 
-def _parse(data: bytes, pos: int, gen: int) -> tuple[int, tuple] | None:
-    body = data[pos : pos + _BODY]
-    crc = int.from_bytes(data[pos + _BODY : pos + RECORD_BYTES], "little")
-    if crc != xxhash.xxh3_64_intdigest(body, seed=gen):
-        return None
-    kind = body[0]
-    if kind == _PUT:
-        return kind, _PUT_REC.unpack_from(body)
-    if kind == _DEL:
-        return kind, _DEL_REC.unpack_from(body)
-    if kind == _CHUNKS:
-        return kind, _CHUNKS_REC.unpack_from(body)
-    return None
+class Journal(RecordLog):
+    """The index journal (``journal.log``); its seed is the generation."""
 
-
-def _read_chunks(data: bytes, pos: int, gen: int, n: int) -> bytes | None:
-    sums = []
-    for first in range(0, n, _SUMS_PER_REC):
-        if pos + RECORD_BYTES > len(data):
-            return None
-        rec = _parse(data, pos, gen)
-        if rec is None or rec[0] != _CHUNKS:
-            return None
-        _, _, count, at = rec[1]
-        if at != first or count != min(_SUMS_PER_REC, n - first):
-            return None
-        start = pos + _CHUNKS_REC.size
-        sums.append(data[start : start + count * 8])
-        pos += RECORD_BYTES
-    return b"".join(sums)
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path or ".", os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    def __init__(self, path: str, files: FileOps | None = None) -> None:
+        super().__init__(path, files or FileOps(), JOURNAL_MAGIC)

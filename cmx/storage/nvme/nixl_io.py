@@ -16,6 +16,7 @@ import threading
 import time
 
 from cmx.nixl_api import nixl_api
+from cmx.storage.nvme.errors import StoreIOError
 from cmx.storage.nvme.io import IoBatch, IoEngine, IoRequest
 
 __all__ = ["NixlIoEngine"]
@@ -93,7 +94,7 @@ class _NixlBatch(IoBatch):
                 handle = agent.initialize_xfer(op, local, remote, engine.agent_name)
                 self._handles.append(handle)
                 if agent.transfer(handle) == "ERR":
-                    raise OSError(errno.EIO, f"NIXL {op} failed to post")
+                    raise StoreIOError(errno.EIO, f"NIXL {op} failed to post")
         except BaseException as exc:  # finish what was posted before reporting
             self._error = exc
 
@@ -109,7 +110,7 @@ class _NixlBatch(IoBatch):
                 if state == "DONE":
                     break
                 if state == "ERR":
-                    error = error or OSError(errno.EIO, "NIXL transfer failed")
+                    error = error or StoreIOError(errno.EIO, "NIXL transfer failed")
                     break
                 time.sleep(_POLL_SLEEP_S)
             agent.release_xfer_handle(handle)
@@ -118,6 +119,7 @@ class _NixlBatch(IoBatch):
             agent.deregister_memory(self._reg)
             self._reg = None
         if error is not None:
-            if isinstance(error, OSError):
+            if isinstance(error, StoreIOError):
                 raise error
-            raise OSError(errno.EIO, f"NIXL transfer failed: {error}") from error
+            raise StoreIOError(getattr(error, "errno", None) or errno.EIO,
+                               f"NIXL transfer failed: {error}") from error

@@ -15,23 +15,33 @@ A sealed segment with nothing live or pending is *retired*. Its file is deleted 
 journal records that emptied it are durable (``mark_durable``) and no I/O holds it
 (``io_refs``), so a crash can never replay a record into a deleted file whose id was reused.
 
+Beside each segment file lies its record log ``seg-<id>.rec`` (``journal.RecordLog``): a PUT
+record for every block committed there, appended at each flush after the segment's data is
+fdatasync'ed, and synced before the next snapshot (until then the journal holds the same
+records). With the journal's DEL records it lets the index be rebuilt from the segments
+alone when the snapshot is lost. Records of blocks that left a live segment are remembered
+(``killed``) so that a snapshot can carry their DELs into the next journal.
+
+A segment whose fdatasync failed is *broken*: the page cache may have dropped its unsynced
+bytes, so it is sealed, and a block of it not yet recorded is dropped rather than
+acknowledged (see ``durability.py``).
+
 Not thread-safe: the store calls every method under its lock.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
 import logging
 import os
 import re
 from dataclasses import dataclass, field
 
+from cmx.storage.nvme.files import FileOps
 from cmx.storage.nvme.io import IoEngine
-from cmx.storage.nvme.journal import fsync_dir
+from cmx.storage.nvme.journal import SEGMENT_MAGIC, RecordLog
 
-__all__ = ["Segment", "SegmentSet", "preallocate", "segment_ids"]
+__all__ = ["Segment", "SegmentSet", "segment_ids"]
 
 log = logging.getLogger(__name__)
 
@@ -43,36 +53,25 @@ def segment_ids(root: str) -> list[int]:
     return sorted(int(m.group(1)) for name in os.listdir(root) if (m := _NAME.match(name)))
 
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-_libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
-
-
-def preallocate(fd: int, nbytes: int) -> bool:
-    """Allocate ``[0, nbytes)`` of ``fd`` (the file grows to ``nbytes``; new space reads as
-    zeros); never emulated by writing zeros, as ``posix_fallocate`` would be. False where it
-    cannot (no fallocate here, or no room): allocating ahead only speeds appends up, so it
-    never fails one; a write that finds no room fails on its own."""
-    if _libc.fallocate(fd, 0, 0, nbytes) == 0:
-        return True
-    err = ctypes.get_errno()
-    log.debug("fallocate of %d bytes: %s", nbytes, os.strerror(err))
-    return False
-
-
 @dataclass(eq=False)
 class Segment:
     id: int
     path: str
     fd: int
+    records: RecordLog  # the segment's own record log
     head: int = 0  # bytes appended so far
     allocated: int = 0  # bytes of the file allocated ahead of the head, from its start
     live: int = 0  # extent bytes of committed blocks
     pending: int = 0  # extent bytes reserved by writes in flight
     keys: set[bytes] = field(default_factory=set)  # committed blocks stored here
+    killed: dict[int, bytes] = field(default_factory=dict)  # seq -> key of ended records
     io_refs: int = 0  # I/Os running outside the store lock
     sealed: bool = False  # no more appends
     retired: bool = False  # empty; delete when durable and unreferenced
     durable: bool = False  # the records that emptied it are in the journal
+    broken: bool = False  # a data sync failed: unrecorded blocks here are dropped
+    records_unsynced: bool = False  # record-log appends not yet synced
+    records_stale: bool = False  # a record-log append failed: rewrite it before a snapshot
 
     @property
     def dead(self) -> int:
@@ -81,11 +80,12 @@ class Segment:
 
 class SegmentSet:
     def __init__(self, root: str, segment_bytes: int, engine: IoEngine,
-                 file_limit: int | None = None) -> None:
+                 file_limit: int | None = None, files: FileOps | None = None) -> None:
         self.root = root
         self.segment_bytes = segment_bytes
         self.file_limit = file_limit  # most bytes all segment files may take; None: no bound
         self.engine = engine
+        self.files = files or FileOps()
         self.segs: dict[int, Segment] = {}
         self.active: Segment | None = None
         self.next_id = 1
@@ -95,25 +95,37 @@ class SegmentSet:
     def path(self, seg_id: int) -> str:
         return os.path.join(self.root, f"seg-{seg_id:06d}.dat")
 
+    def records_path(self, seg_id: int) -> str:
+        return os.path.join(self.root, f"seg-{seg_id:06d}.rec")
+
     # -- files ---------------------------------------------------------------------------------
 
     def open(self, seg_id: int, create: bool = False) -> Segment:
+        """Open (or create) a segment file; its record log is created with it, or left for
+        the caller (recovery) to open."""
         path = self.path(seg_id)
         flags = os.O_RDWR | (os.O_CREAT | os.O_TRUNC if create else 0)
         fd = -1
         if self.direct:
             try:
-                fd = os.open(path, flags | os.O_DIRECT, 0o644)
+                fd = self.files.open(path, flags | os.O_DIRECT)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
                 self.direct = False
         if fd < 0:
-            fd = os.open(path, flags, 0o644)
-        if create:
-            fsync_dir(self.root)  # the name must survive before any record names the file
-        self.engine.register_file(fd)
-        seg = Segment(seg_id, path, fd, head=os.fstat(fd).st_size)
+            fd = self.files.open(path, flags)
+        records = RecordLog(self.records_path(seg_id), self.files, SEGMENT_MAGIC)
+        try:
+            if create:
+                records.create(seg_id)  # synced with its first records, before a snapshot
+                self.files.fsync_dir(self.root)  # names survive before any record names them
+            self.engine.register_file(fd)
+        except BaseException:
+            records.close()
+            self.files.close(fd)
+            raise
+        seg = Segment(seg_id, path, fd, records, head=os.fstat(fd).st_size)
         self.segs[seg_id] = seg
         self.next_id = max(self.next_id, seg_id + 1)
         return seg
@@ -131,22 +143,28 @@ class SegmentSet:
             want = min(want, (self.file_limit - others) // 4096 * 4096)
         if not self.direct or want <= seg.head:
             return
-        if preallocate(seg.fd, want):
+        if self.files.fallocate(seg.fd, want):
             seg.allocated = want
 
     def delete(self, seg: Segment) -> None:
         self.engine.unregister_file(seg.fd)
-        os.close(seg.fd)
-        os.unlink(seg.path)
+        self.files.close(seg.fd)
+        seg.records.close()
         del self.segs[seg.id]
         self.dirty.discard(seg.id)
         if seg is self.active:
             self.active = None
+        self.files.unlink(seg.path)
+        try:
+            self.files.unlink(seg.records.path)
+        except FileNotFoundError:
+            pass
 
     def close(self) -> None:
         for seg in list(self.segs.values()):
             self.engine.unregister_file(seg.fd)
-            os.close(seg.fd)
+            self.files.close(seg.fd)
+            seg.records.close()
         self.segs.clear()
         self.active = None
 
@@ -176,11 +194,12 @@ class SegmentSet:
         self.unref(seg)
         self._maybe_retire(seg)
 
-    def drop(self, seg_id: int, key: bytes, nbytes: int) -> None:
-        """A committed block left segment ``seg_id``: its bytes are dead."""
+    def drop(self, seg_id: int, key: bytes, nbytes: int, seq: int) -> None:
+        """A committed block's record ``seq`` in segment ``seg_id`` ended: its bytes are dead."""
         seg = self.segs[seg_id]
         seg.live -= nbytes
         seg.keys.discard(key)
+        seg.killed[seq] = key
         self._maybe_retire(seg)
 
     def seal(self, seg: Segment) -> None:
@@ -189,6 +208,19 @@ class SegmentSet:
             self.active = None
         self._trim(seg)
         self._maybe_retire(seg)
+
+    def break_(self, seg: Segment) -> None:
+        """A sync of ``seg`` failed: no more appends to it (see the module docstring)."""
+        if not seg.broken:
+            log.error("segment %s: fdatasync failed; sealed, its unrecorded blocks are dropped",
+                      seg.path)
+        seg.broken = True
+        if not seg.sealed:
+            self.seal(seg)
+
+    def tombstones(self) -> list[tuple[int, int, bytes]]:
+        """(segment, seq, key) of every ended record in a live segment."""
+        return [(s.id, seq, key) for s in self.segs.values() for seq, key in s.killed.items()]
 
     def ref(self, seg_id: int) -> Segment:
         seg = self.segs[seg_id]
@@ -215,7 +247,10 @@ class SegmentSet:
         """Give back a sealed segment's space allocated past its head, once no I/O uses it
         (a truncate would wait for every O_DIRECT I/O on the file)."""
         if seg.sealed and seg.allocated > seg.head and seg.io_refs == 0:
-            os.ftruncate(seg.fd, seg.head)
+            try:
+                self.files.ftruncate(seg.fd, seg.head)
+            except OSError as exc:  # only space allocated ahead stays taken; retried never
+                log.warning("segment %s: giving back allocated space failed: %s", seg.path, exc)
             seg.allocated = seg.head
 
     def _maybe_retire(self, seg: Segment) -> None:

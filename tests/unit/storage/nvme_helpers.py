@@ -43,7 +43,7 @@ def open_store(root: Path | str, **kwargs: object) -> NvmeStore:
 
 
 def segment_files(root: Path | str) -> list[str]:
-    return sorted(n for n in os.listdir(root) if n.startswith("seg-"))
+    return sorted(n for n in os.listdir(root) if n.startswith("seg-") and n.endswith(".dat"))
 
 
 def disk_bytes(root: Path | str) -> int:

@@ -17,7 +17,6 @@ from cmx.storage.nvme.journal import RECORD_BYTES, Journal, encode_put
 
 
 def crash(store) -> None:
-    store._closed = True
     store._teardown()
 
 
@@ -92,7 +91,7 @@ def test_a_put_without_all_its_chunk_records_is_ignored(tmp_path):
     store = open_store(tmp_path)
     fill(store, range(2))
     store.flush()
-    gen = store._journal.generation
+    gen = store.books.durability.journal.generation
     crash(store)
     ghost = BlockEntry(key(7), None, 1, 0, BLOCK, 0, bytes(16))
     record = encode_put(ghost, gen)
@@ -176,7 +175,7 @@ def test_stray_files_are_cleaned_on_open(tmp_path):
     (tmp_path / "index.arrow.tmp").write_bytes(b"half a snapshot")
     store = open_store(tmp_path)
     assert sorted(os.listdir(tmp_path)) == ["LOCK", "index.arrow", "journal.log",
-                                            "seg-000001.dat"]
+                                            "seg-000001.dat", "seg-000001.rec"]
     assert_holds(store, [0])
     fill(store, [1])  # the next segment id is past the stray one's
     store.close()

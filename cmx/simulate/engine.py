@@ -132,6 +132,16 @@ class Simulator:
             events += 1
         return self.probe.result(self, events, time.perf_counter() - t0)
 
+    def time_load(self, replica: Replica, sources: list[int], keys: list[bytes]) -> float:
+        """Seconds one load job takes from now, alone on the cluster (for calibration)."""
+        job = self.mover.load_job(replica, sources, keys, Priority.LOAD)
+        start = self.now
+        self._submit(replica.node.agent, job)
+        while not job.finished:
+            self.now, _, handler, arg = heapq.heappop(self._events)
+            handler(arg)
+        return self.now - start
+
     def _sample(self, _: Any) -> None:
         """Every ``step`` of simulated time while anything else is still to happen."""
         self.probe.sample(self.now)

@@ -1,6 +1,7 @@
 """``cmx simulate --calibrate``: does the simulator predict the service on this machine?
 
-1. This machine's tier speeds, measured without the service: the copy the agent makes between
+1. This machine's tier speeds, measured without the service, in each repetition right
+   before the service's loads (the machine is shared; its speeds drift): the agent's copy between
    arenas (``cmx.buffers.copy_bytes``), the client's copy of a block into its output tensor,
    O_DIRECT reads of a file in the NVMe directory (4 MiB, 8 in flight), XXH3 checksums, and
    NIXL (UCX) between two processes (``calibrate_nixl``).
@@ -67,11 +68,15 @@ class Row:
     blocks: int
     nbytes: int
     measured_s: tuple[float, ...]  # the service, one per repetition
-    predicted_s: float  # the simulator
+    predicted_each_s: tuple[float, ...]  # the simulator, from each repetition's own figures
 
     @property
     def measured(self) -> float:
         return float(statistics.median(self.measured_s))
+
+    @property
+    def predicted_s(self) -> float:
+        return float(statistics.median(self.predicted_each_s))
 
     @property
     def error(self) -> float:
@@ -104,7 +109,8 @@ class CalibrationResult:
     def to_dict(self) -> dict[str, Any]:
         return {"speeds": asdict(self.speeds),
                 "control": {k: asdict(v) for k, v in self.control.items()},
-                "rows": [{**asdict(r), "measured_median_s": r.measured, "error": r.error}
+                "rows": [{**asdict(r), "measured_median_s": r.measured,
+                          "predicted_median_s": r.predicted_s, "error": r.error}
                          for r in self.rows],
                 "ok": self.ok, "goal": GOAL, "notes": list(self.notes), "command": COMMAND}
 
@@ -128,11 +134,13 @@ def _copy_out_rate(block_bytes: int, blocks: int) -> float:
     from cmx.simulate.hardware import LLAMA3_8B
 
     layout = LLAMA3_8B.layout(block_bytes // LLAMA3_8B.kv_bytes_per_token)
-    payload = np.ones(layout.block_bytes, np.uint8)
-    out = torch.empty(layout.shape(blocks * layout.block_tokens), dtype=layout.torch_dtype())
+    payload = np.random.default_rng(0).integers(0, 256, layout.block_bytes, dtype=np.uint8)
     T = layout.block_tokens
 
     def run() -> None:
+        # A new tensor each time, as the client makes for each load: its pages fault in
+        # as the blocks land, and that is part of the cost.
+        out = torch.empty(layout.shape(blocks * T), dtype=layout.torch_dtype())
         for i in range(blocks):
             out[:, :, :, i * T:(i + 1) * T].copy_(layout.from_payload(payload))
 
@@ -175,21 +183,23 @@ def _memory_rates(nbytes: int) -> tuple[float, float]:
     return copy, checksum
 
 
-def measure_machine(directory: Path, nbytes: int = 512 * MiB, block_bytes: int = 32 * MiB,
-                    log: Callable[[str], None] = print) -> MachineSpeeds:
+def measure_machine(directory: Path, nbytes: int = 256 * MiB, block_bytes: int = 16 * MiB,
+                    nixl: tuple[float | None, str] | None = None) -> MachineSpeeds:
+    """This machine's speeds now; ``nixl`` as measured before (it takes a process)."""
     from cmx.simulate.calibrate_nixl import nixl_read_rate
 
     copy, checksum = _memory_rates(nbytes)
-    log(f"copy_bytes {copy / GB:.2f} GB/s, XXH3 {checksum / GB:.2f} GB/s")
     copy_out = _copy_out_rate(block_bytes, nbytes // block_bytes)
-    log(f"client copy-out {copy_out / GB:.2f} GB/s")
     odirect = _odirect_read_rate(directory, nbytes)
-    log(f"O_DIRECT read {odirect / GB:.2f} GB/s")
-    nixl, note = nixl_read_rate(nbytes)
-    if nixl is None:
-        nixl = copy
-    log(f"NIXL {nixl / GB:.2f} GB/s ({note})")
-    return MachineSpeeds(copy, copy_out, odirect, checksum, nixl, note)
+    rate, note = nixl or nixl_read_rate(nbytes)
+    if rate is None:
+        rate = copy
+    return MachineSpeeds(copy, copy_out, odirect, checksum, rate, note)
+
+
+def _describe(s: MachineSpeeds) -> str:
+    return (f"copy {s.copy / GB:.2f}, copy-out {s.copy_out / GB:.2f}, O_DIRECT read "
+            f"{s.odirect_read / GB:.2f}, XXH3 {s.checksum / GB:.2f}, NIXL {s.nixl / GB:.2f} GB/s")
 
 
 # -- 3. the prediction ---------------------------------------------------------------------------
@@ -232,25 +242,52 @@ def predict_load(speeds: MachineSpeeds, control: ControlCosts, source: str, bloc
     return sim.time_load(here.replicas[0], [holder.index * 4 + tier] * blocks, keys)
 
 
-def _control(tiny: dict[int, list[float]]) -> ControlCosts:
-    one, eight = (statistics.median(tiny[n]) for n in (1, 8))
+def _control(tiny: dict[int, list[float]], rep: int) -> ControlCosts:
+    one, eight = tiny[1][rep], tiny[8][rep]
     per_block = max(0.0, (eight - one) / 7)
     return ControlCosts(max(0.0, one - per_block), per_block)
 
 
+def _median_speeds(all_speeds: list[MachineSpeeds]) -> MachineSpeeds:
+    def med(name: str) -> float:
+        return float(statistics.median(getattr(s, name) for s in all_speeds))
+
+    return MachineSpeeds(med("copy"), med("copy_out"), med("odirect_read"), med("checksum"),
+                         med("nixl"), all_speeds[0].nixl_note)
+
+
 def run_calibration(log: Callable[[str], None] = print, reps: int = 3, blocks: int = 16,
                     directory: Path = Path("/var/tmp")) -> CalibrationResult:
+    """Each repetition measures this machine's speeds right before the service's loads (the
+    machine is shared and its speeds drift), and the tiny loads right before the large ones;
+    each repetition's prediction uses its own figures."""
+    from cmx.simulate.calibrate_nixl import nixl_read_rate
     from cmx.simulate.calibrate_service import BLOCK_BYTES, measure_service
 
-    speeds = measure_machine(directory, log=log)
-    loads = measure_service(directory, reps=reps, blocks=blocks, log=log)
-    control = {s: _control(loads.tiny[s]) for s in SOURCES}
-    rows = tuple(Row(s, blocks, blocks * BLOCK_BYTES, tuple(loads.large[s]),
-                     predict_load(speeds, control[s], s, blocks, BLOCK_BYTES))
-                 for s in SOURCES)
+    nixl = nixl_read_rate(256 * MiB)
+    log(f"NIXL {nixl[0] / GB if nixl[0] else float('nan'):.2f} GB/s ({nixl[1]})")
+
+    def baseline() -> MachineSpeeds:
+        speeds = measure_machine(directory, block_bytes=BLOCK_BYTES, nixl=nixl)
+        log(_describe(speeds))
+        return speeds
+
+    loads = measure_service(directory, reps=reps, blocks=blocks, log=log, baseline=baseline)
+    rows, control = [], {}
+    for s in SOURCES:
+        predicted = []
+        for rep in range(reps):
+            costs = _control(loads.tiny[s], rep)
+            predicted.append(predict_load(loads.baselines[s][rep], costs, s, blocks,
+                                          BLOCK_BYTES))
+        control[s] = _control({n: [float(statistics.median(v))] for n, v in
+                               loads.tiny[s].items()}, 0)
+        rows.append(Row(s, blocks, blocks * BLOCK_BYTES, tuple(loads.large[s]),
+                        tuple(predicted)))
+    speeds = _median_speeds([b for v in loads.baselines.values() for b in v])
     notes = (f"load average {os.getloadavg()[0]:.1f} at the end, on {os.cpu_count()} cores",
              *loads.notes)
-    return CalibrationResult(speeds, control, rows, notes)
+    return CalibrationResult(speeds, control, tuple(rows), notes)
 
 
 def write_calibration(result: CalibrationResult, json_path: Path, docs: Path | None) -> None:

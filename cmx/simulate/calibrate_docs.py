@@ -30,7 +30,8 @@ def render(result: CalibrationResult) -> str:
         f"Machine: {platform.processor() or platform.machine()}, {platform.node()}  ",
         f"Run: {when}",
         "",
-        "This machine's speeds, measured first, without the service:",
+        "This machine's speeds, without the service (medians of the measurements made right "
+        "before each repetition's loads):",
         "",
         "| move | GB/s |",
         "| --- | --- |",
@@ -50,10 +51,12 @@ def render(result: CalibrationResult) -> str:
         f"The service's loads (`NamespaceClient.load`) against the simulator's prediction "
         f"(goal: within {GOAL:.0%}):",
         "",
-        "| source | bytes | measured s (median) | samples | predicted s | error | result |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| source | bytes | measured s (median) | samples | predicted s (median) | samples "
+        "| error | result |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
         *(f"| {r.source} | {r.nbytes >> 20} MiB | {r.measured:.3f} | "
           f"{' / '.join(f'{x:.3f}' for x in r.measured_s)} | {r.predicted_s:.3f} | "
+          f"{' / '.join(f'{x:.3f}' for x in r.predicted_each_s)} | "
           f"{100 * r.error:+.1f}% | {'**PASS**' if abs(r.error) <= GOAL else '**MISS**'} |"
           for r in result.rows),
         "",

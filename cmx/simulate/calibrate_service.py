@@ -11,7 +11,7 @@ node "b" is another node), one after the other:
 
 Each repetition stores new prefixes: a load leaves the blocks in the loader's HBM tier, so a
 second load of the same prefix would measure HBM. Prefixes of one and of eight tiny blocks
-(4 KiB each) are measured the same way: their time is the control path alone.
+(4 KiB each, in 16 MiB slots) are measured the same way: their time is the control path alone.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from cmx.layout import KVLayout
 __all__ = ["BLOCK_BYTES", "ServiceLoads", "measure_service"]
 
 LARGE = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16",
-                 block_tokens=256)
+                 block_tokens=128)
 TINY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", block_tokens=16)
-BLOCK_BYTES = LARGE.block_bytes  # 32 MiB
+BLOCK_BYTES = LARGE.block_bytes  # 16 MiB: two clusters' arenas must fit a shared machine
 TINY_SIZES = (1, 8)
 
 
@@ -40,13 +40,15 @@ TINY_SIZES = (1, 8)
 class ServiceLoads:
     tiny: dict[str, dict[int, list[float]]] = field(default_factory=dict)  # source -> n -> s
     large: dict[str, list[float]] = field(default_factory=dict)  # source -> s
+    baselines: dict[str, list[Any]] = field(default_factory=dict)  # source -> speeds, per rep
     notes: list[str] = field(default_factory=list)
 
     def add_tiny(self, source: str, n: int, seconds: float) -> None:
         self.tiny.setdefault(source, {}).setdefault(n, []).append(seconds)
 
-    def add_large(self, source: str, seconds: float) -> None:
+    def add_large(self, source: str, seconds: float, baseline: Any) -> None:
         self.large.setdefault(source, []).append(seconds)
+        self.baselines.setdefault(source, []).append(baseline)
 
 
 def _tokens(layout: KVLayout, blocks: int, seed: int) -> np.ndarray:
@@ -112,13 +114,14 @@ def _loader_class() -> Any:
 
 
 def _memory(directory: Path, reps: int, blocks: int, out: ServiceLoads,
-            log: Callable[[str], None]) -> None:
+            log: Callable[[str], None], baseline: Callable[[], Any]) -> None:
     from cmx.bench.cluster import bench_cluster, on_node
 
-    slots = reps * (blocks + sum(TINY_SIZES)) + 2 * (blocks + 8) + 8
-    config = ServiceConfig(block_bytes=BLOCK_BYTES, hbm_bytes=2 * (blocks + 8) * BLOCK_BYTES,
-                           dram_bytes=slots * BLOCK_BYTES, nvme_bytes=4 * BLOCK_BYTES,
-                           nvme_dir=str(directory), load_timeout_s=300)
+    # DRAM holds every prefix of the run: nothing is evicted, so no disk traffic here.
+    config = ServiceConfig(block_bytes=BLOCK_BYTES, hbm_bytes=(2 * blocks + 2) * BLOCK_BYTES,
+                           dram_bytes=(reps + 1) * (blocks + sum(TINY_SIZES)) * BLOCK_BYTES,
+                           nvme_bytes=4 * BLOCK_BYTES, nvme_dir=str(directory),
+                           load_timeout_s=300)
     with bench_cluster(config) as bc:
         loader = _loader_class().options(scheduling_strategy=on_node(bc.node_b)).remote(
             bc.config)
@@ -134,11 +137,12 @@ def _memory(directory: Path, reps: int, blocks: int, out: ServiceLoads,
                 seed += 1
                 layout = TINY if n in TINY_SIZES and n != blocks else LARGE
                 ns, toks, check = _store(bc.cm, layout, n, seed)
+                speeds = baseline() if layout is LARGE else None
                 peer = ray.get(loader.load.remote(layout, seed, n, check))
                 local = _timed_load(ns, toks, n, check)
                 if layout is LARGE:
-                    out.add_large("dram@peer", peer)
-                    out.add_large("dram", local)
+                    out.add_large("dram@peer", peer, speeds)
+                    out.add_large("dram", local, speeds)
                 else:
                     out.add_tiny("dram@peer", n, peer)
                     out.add_tiny("dram", n, local)
@@ -150,13 +154,12 @@ def _memory(directory: Path, reps: int, blocks: int, out: ServiceLoads,
 
 
 def _disk(directory: Path, reps: int, blocks: int, out: ServiceLoads,
-          log: Callable[[str], None]) -> None:
+          log: Callable[[str], None], baseline: Callable[[], Any]) -> None:
     from cmx.bench.cluster import bench_cluster
 
     per_rep = blocks + sum(TINY_SIZES) + 4
-    config = ServiceConfig(block_bytes=BLOCK_BYTES, hbm_bytes=2 * (blocks + 8) * BLOCK_BYTES,
+    config = ServiceConfig(block_bytes=BLOCK_BYTES, hbm_bytes=(2 * blocks + 2) * BLOCK_BYTES,
                            dram_bytes=4 * BLOCK_BYTES, placement="write_back",
-                           nvme_admission_min_count=1,
                            nvme_bytes=(reps + 1) * per_rep * BLOCK_BYTES + 64 * BLOCK_BYTES,
                            nvme_dir=str(directory), load_timeout_s=300)
     with bench_cluster(config) as bc:
@@ -172,20 +175,22 @@ def _disk(directory: Path, reps: int, blocks: int, out: ServiceLoads,
             _store(bc.cm, TINY, 4, seed)  # four more: the DRAM's four slots turn over
             for n, _, ns, toks, _ in stored:
                 _wait_tier(ns, toks, n, "nvme")
+            speeds = baseline() if rep else None
             for n, layout, ns, toks, check in stored:
                 seconds = _timed_load(ns, toks, n, check)
                 if rep and layout is LARGE:
-                    out.add_large("nvme", seconds)
+                    out.add_large("nvme", seconds, speeds)
                 elif rep:
                     out.add_tiny("nvme", n, seconds)
 
 
-def measure_service(directory: Path, reps: int = 3, blocks: int = 16,
-                    log: Callable[[str], None] = print) -> ServiceLoads:
-    """Load times of ``blocks`` 32 MiB blocks and of tiny prefixes, per source."""
+def measure_service(directory: Path, reps: int, blocks: int, log: Callable[[str], None],
+                    baseline: Callable[[], Any]) -> ServiceLoads:
+    """Load times of ``blocks`` 16 MiB blocks and of tiny prefixes, per source;
+    ``baseline()`` is called right before each repetition's large loads."""
     if blocks in TINY_SIZES:
         raise ValueError(f"blocks must differ from the tiny sizes {TINY_SIZES}")
     out = ServiceLoads()
-    _memory(directory, reps, blocks, out, log)
-    _disk(directory, reps, blocks, out, log)
+    _memory(directory, reps, blocks, out, log, baseline)
+    _disk(directory, reps, blocks, out, log, baseline)
     return out

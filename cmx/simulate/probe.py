@@ -76,6 +76,7 @@ class SimResult:
     queue_depth_mean: float  # per agent, time-weighted
     events: int
     wall_s: float
+    cpu_s: float  # this process's CPU time: what the run costs on a machine others share
     series: dict[str, list[float]] = field(repr=False)
     ttft_samples: tuple[float, ...] = field(repr=False, default=())
 
@@ -137,7 +138,7 @@ class Probe:
         self.peak = [max(a, b) for a, b in zip(self.peak, used)]
         self.rows.append((now, work, *used, queued, running))
 
-    def result(self, sim: Simulator, events: int, wall_s: float) -> SimResult:
+    def result(self, sim: Simulator, events: int, wall_s: float, cpu_s: float) -> SimResult:
         cfg, cluster, traffic = self.config, self.cluster, sim.mover.traffic
         done = ~np.isnan(self.ttft)
         ctx = self.context[done].sum()
@@ -166,7 +167,7 @@ class Probe:
             dropped_jobs=traffic.dropped_jobs, unplaced_blocks=traffic.unplaced,
             tiers=self._tiers(), queue_depth_max=max(a.max_queued for a in agents),
             queue_depth_mean=sum(a.area for a in agents) / span / len(agents),
-            events=events, wall_s=wall_s, series=series,
+            events=events, wall_s=wall_s, cpu_s=cpu_s, series=series,
             ttft_samples=tuple(self.ttft[done].tolist()))
 
     def _tiers(self) -> tuple[TierStats, ...]:

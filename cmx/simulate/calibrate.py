@@ -242,10 +242,16 @@ def predict_load(speeds: MachineSpeeds, control: ControlCosts, source: str, bloc
     return sim.time_load(here.replicas[0], [holder.index * 4 + tier] * blocks, keys)
 
 
-def _control(tiny: dict[int, list[float]], rep: int) -> ControlCosts:
+def _control(tiny: dict[int, list[float]], rep: int, slot_s: float = 0.0) -> ControlCosts:
+    """Fixed and per-block control costs from the tiny loads of repetition ``rep``.
+
+    ``slot_s``: seconds the service spends moving each tiny block's bytes beyond the block
+    itself. A peer pull moves whole slots (the transport's descriptors are per slot piece),
+    so a 4 KiB block costs a slot's transfer; that is bandwidth, not control.
+    """
     one, eight = tiny[1][rep], tiny[8][rep]
-    per_block = max(0.0, (eight - one) / 7)
-    return ControlCosts(max(0.0, one - per_block), per_block)
+    per_block = max(0.0, (eight - one) / 7 - slot_s)
+    return ControlCosts(max(0.0, one - per_block - slot_s), per_block)
 
 
 def _median_speeds(all_speeds: list[MachineSpeeds]) -> MachineSpeeds:
@@ -264,11 +270,11 @@ def run_calibration(log: Callable[[str], None] = print, reps: int = 3, blocks: i
     from cmx.simulate.calibrate_nixl import nixl_read_rate
     from cmx.simulate.calibrate_service import BLOCK_BYTES, measure_service
 
-    nixl = nixl_read_rate(256 * MiB)
-    log(f"NIXL {nixl[0] / GB if nixl[0] else float('nan'):.2f} GB/s ({nixl[1]})")
+    log("calibration: this machine's speeds are measured before each repetition's loads")
 
     def baseline() -> MachineSpeeds:
-        speeds = measure_machine(directory, block_bytes=BLOCK_BYTES, nixl=nixl)
+        speeds = measure_machine(directory, block_bytes=BLOCK_BYTES, nixl=nixl_read_rate(
+            256 * MiB))
         log(_describe(speeds))
         return speeds
 
@@ -276,12 +282,14 @@ def run_calibration(log: Callable[[str], None] = print, reps: int = 3, blocks: i
     rows, control = [], {}
     for s in SOURCES:
         predicted = []
+        slots = []
         for rep in range(reps):
-            costs = _control(loads.tiny[s], rep)
-            predicted.append(predict_load(loads.baselines[s][rep], costs, s, blocks,
-                                          BLOCK_BYTES))
+            speeds = loads.baselines[s][rep]
+            slots.append(BLOCK_BYTES / speeds.nixl if s.endswith("@peer") else 0.0)
+            costs = _control(loads.tiny[s], rep, slots[-1])
+            predicted.append(predict_load(speeds, costs, s, blocks, BLOCK_BYTES))
         control[s] = _control({n: [float(statistics.median(v))] for n, v in
-                               loads.tiny[s].items()}, 0)
+                               loads.tiny[s].items()}, 0, float(statistics.median(slots)))
         rows.append(Row(s, blocks, blocks * BLOCK_BYTES, tuple(loads.large[s]),
                         tuple(predicted)))
     speeds = _median_speeds([b for v in loads.baselines.values() for b in v])

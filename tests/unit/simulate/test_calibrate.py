@@ -60,3 +60,13 @@ def test_the_docs_section_is_replaced_between_its_markers_and_nothing_else(
     text = page.read_text()
     assert text.count(BEGIN) == text.count(END) == 1
     assert "**MISS**" in text and "**PASS**" not in text and text.endswith("after\n")
+
+
+def test_control_costs_come_from_the_tiny_loads_less_the_slots_a_peer_moves() -> None:
+    from cmx.simulate.calibrate import _control
+
+    tiny = {1: [0.012], 8: [0.026]}
+    local = _control(tiny, 0)
+    assert local.per_block_s == pytest.approx(0.002) and local.fixed_s == pytest.approx(0.010)
+    peer = _control(tiny, 0, slot_s=0.0015)  # each tiny block moved a whole slot
+    assert peer.per_block_s == pytest.approx(0.0005) and peer.fixed_s == pytest.approx(0.010)

@@ -262,7 +262,7 @@ def _median_speeds(all_speeds: list[MachineSpeeds]) -> MachineSpeeds:
                          med("nixl"), all_speeds[0].nixl_note)
 
 
-def run_calibration(log: Callable[[str], None] = print, reps: int = 3, blocks: int = 16,
+def run_calibration(log: Callable[[str], None] = print, reps: int = 5, blocks: int = 16,
                     directory: Path = Path("/var/tmp")) -> CalibrationResult:
     """Each repetition measures this machine's speeds right before the service's loads (the
     machine is shared and its speeds drift), and the tiny loads right before the large ones;

@@ -34,6 +34,9 @@ LARGE = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16",
 TINY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", block_tokens=16)
 BLOCK_BYTES = LARGE.block_bytes  # 16 MiB: two clusters' arenas must fit a shared machine
 TINY_SIZES = (1, 8)
+# A control call that takes longer is a miss; a machine shared with other work can take that
+# long, and a miss would end the calibration.
+CALL_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -121,7 +124,7 @@ def _memory(directory: Path, reps: int, blocks: int, out: ServiceLoads,
     config = ServiceConfig(block_bytes=BLOCK_BYTES, hbm_bytes=(2 * blocks + 2) * BLOCK_BYTES,
                            dram_bytes=(reps + 1) * (blocks + sum(TINY_SIZES)) * BLOCK_BYTES,
                            nvme_bytes=4 * BLOCK_BYTES, nvme_dir=str(directory),
-                           load_timeout_s=300)
+                           load_timeout_s=300, call_timeout_s=CALL_TIMEOUT_S)
     with bench_cluster(config) as bc:
         loader = _loader_class().options(scheduling_strategy=on_node(bc.node_b)).remote(
             bc.config)
@@ -161,7 +164,8 @@ def _disk(directory: Path, reps: int, blocks: int, out: ServiceLoads,
     config = ServiceConfig(block_bytes=BLOCK_BYTES, hbm_bytes=(2 * blocks + 2) * BLOCK_BYTES,
                            dram_bytes=4 * BLOCK_BYTES, placement="write_back",
                            nvme_bytes=(reps + 1) * per_rep * BLOCK_BYTES + 64 * BLOCK_BYTES,
-                           nvme_dir=str(directory), load_timeout_s=300)
+                           nvme_dir=str(directory), load_timeout_s=300,
+                           call_timeout_s=CALL_TIMEOUT_S)
     with bench_cluster(config) as bc:
         seed = 500
         for rep in range(reps + 1):  # the first is a warm-up

@@ -12,7 +12,10 @@
     probe      what a run measures, and the typed result
     scenarios  the named workloads of the command
     report     the table, JSON and plots
+    cli        the ``cmx simulate`` command
     calibrate  this machine's tier speeds, the service's load times, and the prediction
+               (calibrate_service: the loads on an embedded cluster; calibrate_nixl: NIXL
+               between two processes; calibrate_docs: its section of docs/BENCHMARKS.md)
 """
 
 from __future__ import annotations

@@ -112,6 +112,11 @@ def bench(
         raise typer.Exit(code=1)
 
 
+# simulate: the cluster at scale, on the service's own policies
+from cmx.simulate.cli import simulate_command  # noqa: E402 - mounted after this module's commands
+
+app.command("simulate")(simulate_command)
+
 # up, status, lookup, block, evict, down
 from cmx.operate.cli import app as _operate  # noqa: E402 - mounted after this module's commands
 

@@ -65,11 +65,17 @@ class PrefetchPolicy(ABC):
         if prefetch.done():
             return Waited(PrefetchOutcome.DONE, 0.0)
         start = clock()
-        budget = min(self._deadline(prefetch, start) - start, cap_s, 3600.0)
+        budget = self.deadline(prefetch, start, cap_s) - start
         if not budget > 0:
             return Waited(PrefetchOutcome.CUT, 0.0)
         done = prefetch.wait(budget)
         return Waited(PrefetchOutcome.DONE if done else PrefetchOutcome.CUT, clock() - start)
+
+    def deadline(self, prefetch: PendingPrefetch, now: float,
+                 cap_s: float = float("inf")) -> float:
+        """Clock time until which ``wait`` would wait, for callers that cannot block (an
+        event-driven simulation): the policy's deadline, at most ``cap_s`` (and an hour) on."""
+        return now + max(0.0, min(self._deadline(prefetch, now) - now, cap_s, 3600.0))
 
     @abstractmethod
     def _deadline(self, prefetch: PendingPrefetch, now: float) -> float:

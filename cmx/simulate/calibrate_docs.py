@@ -1,0 +1,79 @@
+"""The calibration's section of docs/BENCHMARKS.md, rewritten between its markers."""
+
+from __future__ import annotations
+
+import datetime
+import platform
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cmx.simulate.calibrate import CalibrationResult
+
+__all__ = ["render", "rewrite_section"]
+
+BEGIN = "<!-- cmx-simulate:calibration:begin -->"
+END = "<!-- cmx-simulate:calibration:end -->"
+GB = 1e9
+
+
+def render(result: CalibrationResult) -> str:
+    from cmx.simulate.calibrate import COMMAND, GOAL
+
+    s = result.speeds
+    when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    lines = [
+        BEGIN,
+        "### `simulate --calibrate`",
+        "",
+        f"Command: `{COMMAND}`  ",
+        f"Machine: {platform.processor() or platform.machine()}, {platform.node()}  ",
+        f"Run: {when}",
+        "",
+        "This machine's speeds, without the service (medians of the measurements made right "
+        "before each repetition's loads):",
+        "",
+        "| move | GB/s |",
+        "| --- | --- |",
+        f"| copy between arenas (`copy_bytes`) | {s.copy / GB:.2f} |",
+        f"| a block into the client's tensor | {s.copy_out / GB:.2f} |",
+        f"| O_DIRECT read, 4 MiB x 8 in flight | {s.odirect_read / GB:.2f} |",
+        f"| XXH3 checksum | {s.checksum / GB:.2f} |",
+        f"| NIXL read between processes ({s.nixl_note}) | {s.nixl / GB:.2f} |",
+        "",
+        "Control path per load, from loads of 1 and 8 tiny blocks through the client:",
+        "",
+        "| source | fixed ms | per block ms |",
+        "| --- | --- | --- |",
+        *(f"| {k} | {v.fixed_s * 1e3:.2f} | {v.per_block_s * 1e3:.2f} |"
+          for k, v in result.control.items()),
+        "",
+        f"The service's loads (`NamespaceClient.load`) against the simulator's prediction "
+        f"(goal: within {GOAL:.0%}):",
+        "",
+        "| source | bytes | measured s (median) | samples | predicted s (median) | samples "
+        "| error | result |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        *(f"| {r.source} | {r.nbytes >> 20} MiB | {r.measured:.3f} | "
+          f"{' / '.join(f'{x:.3f}' for x in r.measured_s)} | {r.predicted_s:.3f} | "
+          f"{' / '.join(f'{x:.3f}' for x in r.predicted_each_s)} | "
+          f"{100 * r.error:+.1f}% | {'**PASS**' if abs(r.error) <= GOAL else '**MISS**'} |"
+          for r in result.rows),
+        "",
+        *(f"- {n}" for n in result.notes),
+        END,
+    ]
+    return "\n".join(lines)
+
+
+def rewrite_section(path: Path, result: CalibrationResult) -> None:
+    """Replace the section between the markers, or append it if the page has none."""
+    text = path.read_text() if path.exists() else ""
+    section = render(result)
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        tail = rest.split(END, 1)[1]
+        text = head + section + tail
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    path.write_text(text)

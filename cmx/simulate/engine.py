@@ -1,0 +1,346 @@
+"""The discrete-event loop: requests arrive, find their cached prefix, wait, load, compute.
+
+One heap of (time, sequence, handler, argument); the sequence number breaks ties, so a run is
+deterministic. A request's life:
+
+1. arrival: routed to the less loaded of two replicas drawn at random; its shared prefix is
+   looked up in the directory, each block's best copy chosen by the break-even policy's link
+   costs, and the policy's plan says how much of it to load. With prefetch, the load is queued
+   on the node's agent at once (and its copies pinned).
+2. start, when its replica is free: the prefetch policy says how long to wait for a move still
+   in flight (the patience of the plan caps it); a request that stops waiting recomputes.
+3. compute: the prefill of the tokens not loaded, by the break-even policy's own cost model.
+4. done: time to first token recorded; the blocks it computed are stored through the agent.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from cmx.policies.breakeven import BreakEven
+from cmx.policies.prefetch import make_prefetch
+from cmx.simulate.agent import Agent, Job, Priority
+from cmx.simulate.cluster import DRAM, HBM, NVME, POOL, Cluster, ClusterSpec, Node, Replica
+from cmx.simulate.hardware import LLAMA3_8B, ModelSpec, prefill_cost
+from cmx.simulate.movement import Mover
+from cmx.simulate.probe import Probe
+from cmx.simulate.strategy import CMX, Strategy
+from cmx.simulate.workload import WorkloadSpec, generate
+
+__all__ = ["SimConfig", "Simulator"]
+
+_KEY = struct.Struct("<QI")
+_SUFFIX = 1 << 62  # suffix keys live above every shared prefix id
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    workload: WorkloadSpec
+    cluster: ClusterSpec = ClusterSpec()
+    model: ModelSpec = LLAMA3_8B
+    strategy: Strategy = CMX
+    unit_tokens: int = 4096  # tokens per simulated block (an extent of 256-token blocks)
+    samples: int = 200  # points of the occupancy and queue-depth series
+
+    def __post_init__(self) -> None:
+        if self.unit_tokens < 1 or self.samples < 2:
+            raise ValueError("unit_tokens >= 1 and samples >= 2 needed")
+        longest = max(t.context_tokens[1] for t in self.workload.tenants)
+        need = self.model.weight_bytes + longest * self.model.kv_bytes_per_token
+        have = self.cluster.node.replica_hbm_bytes
+        if need > have:
+            raise ValueError(
+                f"{self.model.name} with a {longest:,}-token context needs {need / 1e9:.0f} GB "
+                f"of HBM (weights + KV), a replica of {self.cluster.node.gpus_per_replica} "
+                f"GPU(s) has {have / 1e9:.0f} GB: use more GPUs per replica")
+
+
+class Req:
+    __slots__ = ("i", "replica", "keys", "sources", "load_keys", "job", "start",
+                 "compute_start", "cut", "context")
+
+    def __init__(self, i: int, replica: Replica, context: int) -> None:
+        self.i = i
+        self.replica = replica
+        self.context = context
+        self.keys: list[bytes] = []
+        self.sources: list[int] = []  # where each loaded block is read from
+        self.load_keys: list[bytes] = []
+        self.job: Job | None = None
+        self.start = -1.0
+        self.compute_start = -1.0
+        self.cut = False
+
+
+class _Pending:
+    """A load in flight, as the prefetch policy sees one (``PendingPrefetch``)."""
+
+    def __init__(self, job: Job, started_s: float) -> None:
+        self.job = job
+        self.started_s = started_s
+
+    def done(self) -> bool:
+        return self.job.finished
+
+    def wait(self, timeout_s: float) -> bool:
+        raise RuntimeError("a simulation never blocks: it asks the policy for its deadline")
+
+
+class Simulator:
+    def __init__(self, config: SimConfig) -> None:
+        self.config = config
+        self.strategy = config.strategy
+        self.unit = config.unit_tokens
+        self.trace = generate(config.workload, self.unit)
+        self.cluster = Cluster(config.cluster, self.strategy, self._hbm_cache_bytes())
+        self.mover = Mover(self.cluster, config.model, self.unit, self._submit)
+        self.breakeven = BreakEven(prefill=prefill_cost(config.model, config.cluster.node),
+                                   links=self._link_priors(), enabled=self.strategy.gating)
+        self.prefetch = make_prefetch(self.strategy.prefetch_policy)
+        self.rng = np.random.default_rng(config.workload.seed + 1)
+        self._draw = random.Random(config.workload.seed + 2).random
+        self._order = self._source_order()
+        self.probe = Probe(self.trace.arrival_s, self.cluster, config)
+        self.now = 0.0
+        self._events: list[tuple[float, int, Callable[[Any], None], Any]] = []
+        self._seq = 0
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def at(self, t: float, handler: Callable[[Any], None], arg: Any = None) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, self._seq, handler, arg))
+
+    def run(self) -> Any:
+        t0, c0 = time.perf_counter(), time.process_time()
+        for i, t in enumerate(self.trace.arrival_s.tolist()):
+            self.at(t, self._arrive, i)
+        self._step = self.config.workload.duration_s / (self.config.samples - 1)
+        self.at(0.0, self._sample)
+        events = 0
+        while self._events:
+            self.now, _, handler, arg = heapq.heappop(self._events)
+            handler(arg)
+            events += 1
+        return self.probe.result(self, events, time.perf_counter() - t0,
+                                 time.process_time() - c0)
+
+    def time_load(self, replica: Replica, sources: list[int], keys: list[bytes]) -> float:
+        """Seconds one load job takes from now, alone on the cluster (for calibration)."""
+        job = self.mover.load_job(replica, sources, keys, Priority.LOAD)
+        start = self.now
+        self._submit(replica.node.agent, job)
+        while not job.finished:
+            self.now, _, handler, arg = heapq.heappop(self._events)
+            handler(arg)
+        return self.now - start
+
+    def _sample(self, _: Any) -> None:
+        """Every ``step`` of simulated time while anything else is still to happen."""
+        self.probe.sample(self.now)
+        if self._events:
+            self.at(self.now + self._step, self._sample)
+
+    def _submit(self, agent: Agent, job: Job) -> bool:
+        if not agent.submit(job, self.now):
+            return False
+        self._pump(agent)
+        return True
+
+    def _pump(self, agent: Agent) -> None:
+        while (job := agent.next_job(self.now)) is not None:
+            self.at(job.run(self.now), self._job_done, (agent, job))
+
+    def _job_done(self, arg: tuple[Agent, Job]) -> None:
+        agent, job = arg
+        job.finished = True
+        job.done(self.now)
+        for waiter in job.waiters:
+            waiter(self.now)
+        agent.finish()
+        self._pump(agent)
+
+    # -- a request's life ----------------------------------------------------------------------
+
+    def _arrive(self, i: int) -> None:
+        tr = self.trace
+        a, b = self.rng.integers(0, len(self.cluster.replicas), 2).tolist()
+        ra, rb = self.cluster.replicas[a], self.cluster.replicas[b]
+        replica = ra if _load(ra) <= _load(rb) else rb
+        r = Req(i, replica, int(tr.context_tokens[i]))
+        r.keys = self._keys(i)
+        n_shared = int(tr.shared_tokens[i]) // self.unit
+        found = self._lookup(r.keys[:n_shared], replica.node)
+        blocks = [(self.mover.source_class(c, replica.node), self.mover.unit_bytes)
+                  for c in found]
+        plan = self.breakeven.plan(blocks, self.unit, r.context)
+        n_load = plan.load_tokens // self.unit
+        r.sources, r.load_keys = found[:n_load], r.keys[:n_load]
+        self.probe.planned(i, len(found) * self.unit, n_load * self.unit, plan.patience_s)
+        if n_load and self.strategy.prefetch:
+            job = self.mover.load_job(replica, r.sources, r.load_keys, Priority.PREFETCH)
+            if self._submit(replica.node.agent, job):
+                r.job = job
+            else:
+                self.mover.release(r.load_keys, r.sources, hit=False)
+        replica.queue.append(r)
+        if replica.busy is None:
+            self._start(replica)
+
+    def _keys(self, i: int) -> list[bytes]:
+        tr = self.trace
+        n_shared = int(tr.shared_tokens[i]) // self.unit
+        n_all = int(tr.context_tokens[i]) // self.unit
+        prefix = int(tr.prefix[i])
+        keys = [_KEY.pack(prefix, j) for j in range(n_shared)]
+        keys += [_KEY.pack(_SUFFIX + i, j) for j in range(n_all - n_shared)]
+        parent = self.cluster.parent
+        for j, key in enumerate(keys):
+            if key not in parent:
+                parent[key] = keys[j - 1] if j else None
+        return keys
+
+    def _lookup(self, keys: list[bytes], here: Node) -> list[int]:
+        """Each key's best copy, for the longest prefix that has one.
+
+        The one rule: the copy the break-even policy says is cheapest to load (``_order``);
+        among the nodes holding the cheapest kind of copy, one drawn at random, so readers of
+        a hot prefix spread over its holders.
+        """
+        out: list[int] = []
+        directory = self.cluster.directory
+        for key in keys:
+            tiers = directory.get(key)
+            if tiers is None:
+                break
+            best = -1
+            for tier, local in self._order:
+                holders = tiers[tier]
+                if holders is None:
+                    continue
+                if local:
+                    if here.index in holders:
+                        best = here.index * 4 + tier
+                        break
+                else:
+                    best = holders.pick(self._draw()) * 4 + tier
+                    break
+            if best < 0:
+                break
+            self.mover.sighted(self.cluster.all_nodes[best // 4], key)
+            out.append(best)
+        return out
+
+    def _source_order(self) -> list[tuple[int, bool]]:
+        """(tier, local) kinds of copy, cheapest first by the break-even policy's link costs;
+        peers' copies only where the strategy reads from peers."""
+        kinds = [(t, True) for t in (HBM, DRAM, NVME)]
+        if self.strategy.peers:
+            kinds += [(t, False) for t in (HBM, DRAM, NVME, POOL)]
+        names = {HBM: "hbm", DRAM: "dram", NVME: "nvme", POOL: "pool"}
+
+        def cost(kind: tuple[int, bool]) -> float:
+            cls = names[kind[0]] if kind[1] else f"{names[kind[0]]}@peer"
+            return self.breakeven.link(cls).seconds(self.mover.unit_bytes)
+
+        return sorted(kinds, key=cost)
+
+    def _start(self, replica: Replica) -> None:
+        if replica.busy is not None or not replica.queue:
+            return
+        r: Req = replica.queue.popleft()
+        replica.busy = r
+        r.start = self.now
+        replica.hbm_used = r.context * self.config.model.kv_bytes_per_token
+        if not r.load_keys:
+            self._compute(r)
+            return
+        if r.job is None:  # no prefetch (or its queue was full): the load starts now
+            r.job = self.mover.load_job(replica, r.sources, r.load_keys, Priority.LOAD)
+            r.job.waiters.append(lambda now: self._loaded(r))
+            self._submit(replica.node.agent, r.job)
+            return
+        if r.job.finished:
+            self._compute(r)
+            return
+        replica.node.agent.promote(r.job)
+        self._pump(replica.node.agent)
+        deadline = self.prefetch.deadline(_Pending(r.job, self.probe.arrival(r.i)), self.now,
+                                          self.probe.patience(r.i))
+        r.job.waiters.append(lambda now: self._loaded(r))
+        if deadline <= self.now:
+            self._cut(r)
+        else:
+            self.at(deadline, self._cut, r)
+
+    def _loaded(self, r: Req) -> None:
+        if r.compute_start < 0 and r.replica.busy is r:
+            self._compute(r)
+
+    def _cut(self, r: Req) -> None:
+        """The prefetch policy's deadline passed with the load in flight: recompute."""
+        if r.compute_start < 0:
+            r.cut = True
+            self._compute(r)
+
+    def _compute(self, r: Req) -> None:
+        r.compute_start = self.now
+        loaded = 0 if r.cut else len(r.load_keys) * self.unit
+        seconds = self.breakeven.prefill.seconds(loaded, r.context)
+        self.at(self.now + seconds, self._done, r)
+
+    def _done(self, r: Req) -> None:
+        replica = r.replica
+        loaded = 0 if r.cut else len(r.load_keys)
+        self.probe.request(r, self.now, loaded * self.unit)
+        replica.busy = None
+        replica.hbm_used = 0
+        self.mover.keep_in_hbm(replica.node, r.keys[loaded:])
+        self.mover.store(replica, r.keys[loaded:])
+        self._start(replica)
+
+    def _hbm_cache_bytes(self) -> int:
+        """A node's HBM beyond every replica's weights and its longest context's KV."""
+        cfg = self.config
+        n = cfg.cluster.node
+        longest = max(t.context_tokens[1] for t in cfg.workload.tenants)
+        work = cfg.model.weight_bytes + longest * cfg.model.kv_bytes_per_token
+        return max(0, n.gpu.hbm_bytes * n.gpus - n.replicas * work)
+
+    def _link_priors(self) -> dict[str, tuple[float, float]]:
+        """Latency and bandwidth of each source class on the simulated hardware: what a
+        deployment's break-even models would have measured."""
+        spec, s = self.config.cluster, self.strategy
+        n, net = spec.node, spec.network
+        link = n.replica_link_bandwidth
+        out = {}
+        hbm = n.gpu.hbm_bandwidth * n.gpus_per_replica
+        for cls, (lat, bw, verified) in {
+            "hbm": (1e-6, hbm, False),
+            "hbm@peer": (net.latency_s, min(link, net.bandwidth), True),
+            "dram": (n.dram.latency_s, min(link, n.dram_bus_bandwidth), False),
+            "nvme": (n.nvme.latency_s, min(link, n.nvme.bandwidth), True),
+            "dram@peer": (n.dram.latency_s + net.latency_s, min(link, net.bandwidth), True),
+            "nvme@peer": (n.nvme.latency_s + net.latency_s,
+                          min(link, net.bandwidth, n.nvme.bandwidth), True),
+            "pool@peer": (spec.pool.latency_s + net.latency_s,
+                          min(link, net.bandwidth, spec.pool.bandwidth), True),
+        }.items():
+            per_byte = 1.0 / bw + self.mover.cpu_seconds(1 << 30, verified) / (1 << 30)
+            io = self.mover.io_bytes
+            per_byte += s.per_io_cpu_s / io
+            out[cls] = (s.control_s + lat, 1.0 / per_byte)
+        return out
+
+
+def _load(replica: Replica) -> int:
+    return len(replica.queue) + (replica.busy is not None)
+

@@ -1,0 +1,217 @@
+"""Every byte the simulated agents move: loads, stores, demotions, pool writes.
+
+Each movement is an agent ``Job`` whose ``run`` reserves the links of its path (see
+``links.reserve``) and whose ``done`` commits the result to the tiers and the directory. Where
+a block goes is the placement policy's answer, whether it deserves the slow tiers is the
+admission policy's; a tier that fills evicts in its eviction policy's order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from cmx.policies.breakeven import source_class
+from cmx.simulate.agent import Agent, Job, Priority
+from cmx.simulate.cluster import DRAM, HBM, NVME, POOL, TIER_OF, Cluster, Node, Replica
+from cmx.simulate.hardware import ModelSpec
+from cmx.simulate.links import Resource, reserve
+from cmx.tiers import Tier
+
+__all__ = ["Mover", "Traffic"]
+
+
+@dataclass
+class Traffic:
+    """Bytes moved, by kind; and what was dropped for want of queue room or space."""
+
+    loaded: dict[str, int] = field(default_factory=dict)  # by source class
+    stored: int = 0  # HBM -> this node's DRAM
+    demoted: int = 0  # DRAM -> NVMe (write-back) and write-through NVMe writes
+    pooled: int = 0  # node -> pool NVMe
+    network: int = 0  # bytes that crossed a NIC
+    dropped_jobs: int = 0  # prefetches and background writes refused by a full queue
+    unplaced: int = 0  # blocks a full (pinned) tier could not take
+
+
+class Mover:
+    def __init__(self, cluster: Cluster, model: ModelSpec, unit: int,
+                 submit: Callable[[Agent, Job], bool]) -> None:
+        self.cluster = cluster
+        self.strategy = cluster.strategy
+        self.spec = cluster.spec
+        self.unit_bytes = unit * model.kv_bytes_per_token
+        self.io_bytes = self.strategy.io_size(model.kv_bytes_per_token)
+        self.submit = submit
+        self.traffic = Traffic()
+        self._pooling: set[bytes] = set()
+
+    # -- where a copy is, seen from a node -----------------------------------------------------
+
+    def source_class(self, code: int, here: Node) -> str:
+        node = self.cluster.all_nodes[code // 4]
+        return source_class(TIER_OF[code % 4].value, node.name, here.name)
+
+    def path(self, code: int, replica: Replica) -> tuple[list[Resource], float]:
+        """The links a block at ``code`` crosses into ``replica``'s HBM, and their latency."""
+        src = self.cluster.all_nodes[code // 4]
+        here = replica.node
+        tier = code % 4
+        n = self.spec.node
+        first = {HBM: src.hbm, DRAM: src.dram_bus}.get(tier, src.nvme_read)
+        latency = {HBM: 1e-6, DRAM: n.dram.latency_s, NVME: n.nvme.latency_s}.get(
+            tier, self.spec.pool.latency_s)
+        if src is here:
+            return ([src.hbm] if tier == HBM else [first, replica.h2d]), latency
+        return ([first, src.nic_out, here.nic_in, replica.h2d],
+                latency + self.spec.network.latency_s)
+
+    def cpu_seconds(self, nbytes: int, verified: bool) -> float:
+        """Per-byte CPU work of a load path on a host without a GPU: checksums, copy-out."""
+        s = self.strategy
+        t = nbytes / s.copy_out_bandwidth if s.copy_out_bandwidth else 0.0
+        if verified and s.verify_bandwidth:
+            t += nbytes / s.verify_bandwidth
+        return t
+
+    # -- loads ---------------------------------------------------------------------------------
+
+    def load_job(self, replica: Replica, sources: list[int], keys: list[bytes],
+                 priority: Priority) -> Job:
+        """Move ``keys`` (their copies at ``sources``) into ``replica``'s HBM; pins them now."""
+        for key, code in zip(keys, sources):
+            self.cluster.cache(code).pin(key)
+        by_code: dict[int, int] = {}
+        for code in sources:
+            by_code[code] = by_code.get(code, 0) + self.unit_bytes
+        s = self.strategy
+
+        def run(now: float) -> float:
+            end = now
+            begin = now + s.control_s
+            for code, nbytes in by_code.items():
+                path, latency = self.path(code, replica)
+                stop = reserve(path, begin, nbytes, latency, self.io_bytes, s.io_depth,
+                                  s.per_io_cpu_s)
+                verified = code % 4 not in (HBM, DRAM) or code // 4 != replica.node.index
+                end = max(end, stop + self.cpu_seconds(nbytes, verified))
+            return end
+
+        def done(now: float) -> None:
+            self.release(keys, sources, hit=True)
+            self.keep_in_hbm(replica.node, keys)
+            for code, nbytes in by_code.items():
+                cls = self.source_class(code, replica.node)
+                self.traffic.loaded[cls] = self.traffic.loaded.get(cls, 0) + nbytes
+                if code // 4 != replica.node.index:
+                    self.traffic.network += nbytes
+
+        return Job(priority, run, done)
+
+    def release(self, keys: list[bytes], sources: list[int], hit: bool) -> None:
+        """Unpin what ``load_job`` pinned; a completed load counts as a hit of each copy."""
+        for key, code in zip(keys, sources):
+            cache = self.cluster.cache(code)
+            cache.unpin(key)
+            if hit and key in cache:
+                cache.touch(key)
+
+    def keep_in_hbm(self, node: Node, keys: list[bytes]) -> None:
+        """Blocks now in this node's HBM stay there, as a cache, until evicted."""
+        for key in keys:
+            if not self.cluster.has(key, node, HBM):
+                self.cluster.add_copy(key, node, HBM, self.unit_bytes)
+
+    # -- stores and what follows from them -----------------------------------------------------
+
+    def store(self, replica: Replica, keys: list[bytes]) -> None:
+        """Hand freshly computed blocks to the node's agent: HBM -> DRAM, then placement."""
+        if not keys:
+            return
+        node = replica.node
+        nbytes = len(keys) * self.unit_bytes
+
+        def run(now: float) -> float:
+            return reserve([replica.d2h, node.dram_bus], now, nbytes, self.spec.node.dram.latency_s,
+                           self.io_bytes, self.strategy.io_depth, self.strategy.per_io_cpu_s)
+
+        def done(now: float) -> None:
+            self.traffic.stored += nbytes
+            for key in keys:
+                self.commit(node, key)
+
+        if not self.submit(node.agent, Job(Priority.BACKGROUND, run, done)):
+            self.traffic.dropped_jobs += 1
+
+    def commit(self, node: Node, key: bytes) -> None:
+        node.admission.record(key)
+        admitted = node.admission.admit(key)
+        for tier in self.cluster.placement.on_store(admitted):
+            if tier is Tier.DRAM:
+                self._put_dram(node, key)
+            elif tier is Tier.NVME:
+                self._write(node, key, NVME)
+        if admitted:
+            self.maybe_pool(node, key)
+
+    def sighted(self, holder: Node, key: bytes) -> None:
+        """A lookup hit ``key`` on ``holder``: count it; a block that just became worth
+        pooling is pooled."""
+        holder.admission.record(key)
+        if self.cluster.has(key, holder, DRAM) and holder.admission.admit(key):
+            self.maybe_pool(holder, key)
+
+    def _put_dram(self, node: Node, key: bytes) -> None:
+        evicted = self.cluster.add_copy(key, node, DRAM, self.unit_bytes)
+        if evicted is None:
+            self.traffic.unplaced += 1
+            return
+        for victim in evicted:
+            below = self.cluster.placement.on_evict(
+                Tier.DRAM, node.admission.admit(victim),
+                has_lower_copy=self.cluster.has(victim, node, NVME))
+            if below is Tier.NVME:
+                self._write(node, victim, NVME)
+
+    def _write(self, node: Node, key: bytes, tier: int) -> None:
+        """DRAM -> this node's NVMe, in the background."""
+        nbytes = self.unit_bytes
+        s = self.strategy
+
+        def run(now: float) -> float:
+            return reserve([node.dram_bus, node.nvme_write], now, nbytes,
+                           self.spec.node.nvme.latency_s, self.io_bytes, s.io_depth,
+                           s.per_io_cpu_s)
+
+        def done(now: float) -> None:
+            self.traffic.demoted += nbytes
+            if self.cluster.add_copy(key, node, tier, nbytes) is None:
+                self.traffic.unplaced += 1
+
+        if not self.submit(node.agent, Job(Priority.BACKGROUND, run, done)):
+            self.traffic.dropped_jobs += 1
+
+    def maybe_pool(self, node: Node, key: bytes) -> None:
+        """Copy an admitted block to its pool owner, once."""
+        owner = self.cluster.pool_owner(key) if self.strategy.pool else None
+        if owner is None or key in self._pooling or self.cluster.has(key, owner, POOL):
+            return
+        self._pooling.add(key)
+        nbytes = self.unit_bytes
+        s = self.strategy
+
+        def run(now: float) -> float:
+            path = [node.dram_bus, node.nic_out, owner.nic_in, owner.nvme_write]
+            return reserve(path, now, nbytes, self.spec.pool.latency_s, self.io_bytes,
+                           s.io_depth, s.per_io_cpu_s)
+
+        def done(now: float) -> None:
+            self._pooling.discard(key)
+            self.traffic.pooled += nbytes
+            self.traffic.network += nbytes
+            if self.cluster.add_copy(key, owner, POOL, nbytes) is None:
+                self.traffic.unplaced += 1
+
+        if not self.submit(node.agent, Job(Priority.BACKGROUND, run, done)):
+            self._pooling.discard(key)
+            self.traffic.dropped_jobs += 1

@@ -1,0 +1,183 @@
+"""What a run measures: per request, per tier, per agent, over time; and the typed result.
+
+``Probe`` records as the loop runs (numpy arrays, one slot per request; one row per sample),
+and ``result`` folds it into a frozen ``SimResult``: what the table, the JSON and the plots show.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from cmx.simulate.cluster import DRAM, HBM, NVME, POOL, Cluster
+
+if TYPE_CHECKING:
+    from cmx.simulate.engine import Req, SimConfig, Simulator
+
+__all__ = ["Distribution", "Probe", "SimResult", "TierStats"]
+
+
+@dataclass(frozen=True)
+class Distribution:
+    mean: float
+    p50: float
+    p90: float
+    p99: float
+    max: float
+
+    @classmethod
+    def of(cls, x: np.ndarray) -> Distribution:
+        if not len(x):
+            return cls(0.0, 0.0, 0.0, 0.0, 0.0)
+        p = np.percentile(x, [50, 90, 99])
+        return cls(float(x.mean()), float(p[0]), float(p[1]), float(p[2]), float(x.max()))
+
+
+@dataclass(frozen=True)
+class TierStats:
+    tier: str
+    capacity_bytes: int  # summed over the nodes that have the tier
+    used_bytes: int  # at the end
+    peak_bytes: int  # the largest sample
+    written_bytes: int  # committed into the tier over the run
+    evictions: int
+    hits: int  # loads served from it
+
+
+@dataclass(frozen=True)
+class SimResult:
+    strategy: str
+    model: str
+    nodes: int
+    gpus: int
+    replicas: int
+    requests: int
+    completed: int
+    duration_s: float  # of arrivals
+    end_s: float  # simulated time the last request finished
+    ttft_s: Distribution
+    queue_s: Distribution  # arrival to start on a replica
+    io_wait_s: Distribution  # start to compute: the GPU idle, waiting on KV I/O
+    io_wait_fraction: float  # of the GPUs' busy time (waiting + computing)
+    cached_fraction: float  # of context tokens found cached at arrival
+    loaded_fraction: float  # of context tokens loaded (the plan's and the deadlines' cut)
+    cut: int  # requests whose load missed the prefetch policy's deadline
+    loaded_bytes: dict[str, int]  # by source class
+    stored_bytes: int
+    demoted_bytes: int
+    pooled_bytes: int
+    network_bytes: int
+    dropped_jobs: int
+    unplaced_blocks: int
+    tiers: tuple[TierStats, ...]
+    queue_depth_max: int  # the most jobs queued at one agent
+    queue_depth_mean: float  # per agent, time-weighted
+    events: int
+    wall_s: float
+    cpu_s: float  # this process's CPU time: what the run costs on a machine others share
+    series: dict[str, list[float]] = field(repr=False)
+    ttft_samples: tuple[float, ...] = field(repr=False, default=())
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.pop("ttft_samples")
+        return out
+
+
+class Probe:
+    def __init__(self, arrival_s: np.ndarray, cluster: Cluster, config: SimConfig) -> None:
+        n = len(arrival_s)
+        self.cluster = cluster
+        self.config = config
+        self.arrival_s = np.asarray(arrival_s, dtype=float)
+        self.ttft = np.full(n, np.nan)
+        self.queue = np.zeros(n)
+        self.io_wait = np.zeros(n)
+        self.found = np.zeros(n, np.int64)
+        self.planned_load = np.zeros(n, np.int64)  # tokens a load job moves (cut or not)
+        self.loaded = np.zeros(n, np.int64)
+        self.context = np.zeros(n, np.int64)
+        self.patience_s = np.zeros(n)
+        self.cuts = 0
+        self.rows: list[tuple[float, ...]] = []
+        self.peak = [0, 0, 0, 0]
+
+    def planned(self, i: int, found_tokens: int, load_tokens: int, patience_s: float) -> None:
+        self.found[i] = found_tokens
+        self.planned_load[i] = load_tokens
+        self.patience_s[i] = patience_s
+
+    def arrival(self, i: int) -> float:
+        return float(self.arrival_s[i])
+
+    def patience(self, i: int) -> float:
+        return float(self.patience_s[i])
+
+    def request(self, r: Req, now: float, loaded_tokens: int) -> None:
+        i = r.i
+        self.ttft[i] = now - self.arrival_s[i]
+        self.queue[i] = r.start - self.arrival_s[i]
+        self.io_wait[i] = r.compute_start - r.start
+        self.loaded[i] = loaded_tokens
+        self.context[i] = r.context
+        self.cuts += r.cut
+
+    def sample(self, now: float) -> None:
+        used = [0, 0, 0, 0]
+        queued = running = 0
+        for node in self.cluster.all_nodes:
+            for tier in (HBM, DRAM, NVME, POOL):
+                cache = node.caches[tier]
+                if cache is not None:
+                    used[tier] += cache.used
+            queued += node.agent.queued
+            running += node.agent.running
+        work = sum(r.hbm_used for r in self.cluster.replicas)
+        self.peak = [max(a, b) for a, b in zip(self.peak, used)]
+        self.rows.append((now, work, *used, queued, running))
+
+    def result(self, sim: Simulator, events: int, wall_s: float, cpu_s: float) -> SimResult:
+        cfg, cluster, traffic = self.config, self.cluster, sim.mover.traffic
+        done = ~np.isnan(self.ttft)
+        ctx = self.context[done].sum()
+        compute = self.ttft[done] - self.queue[done] - self.io_wait[done]
+        busy = compute.sum() + self.io_wait[done].sum()
+        self.sample(sim.now)
+        series = {name: [row[k] for row in self.rows] for k, name in enumerate(
+            ("t_s", "hbm_work_bytes", "hbm_bytes", "dram_bytes", "nvme_bytes", "pool_bytes",
+             "queued", "running"))}
+        agents = [n.agent for n in cluster.all_nodes]
+        for agent in agents:
+            agent.advance(sim.now)
+        span = max(sim.now, 1e-9)
+        return SimResult(
+            strategy=cfg.strategy.name, model=cfg.model.name, nodes=cfg.cluster.nodes,
+            gpus=cfg.cluster.gpus, replicas=cfg.cluster.replicas, requests=len(self.ttft),
+            completed=int(done.sum()), duration_s=cfg.workload.duration_s, end_s=sim.now,
+            ttft_s=Distribution.of(self.ttft[done]), queue_s=Distribution.of(self.queue[done]),
+            io_wait_s=Distribution.of(self.io_wait[done]),
+            io_wait_fraction=float(self.io_wait[done].sum() / busy) if busy > 0 else 0.0,
+            cached_fraction=float(self.found[done].sum() / ctx) if ctx else 0.0,
+            loaded_fraction=float(self.loaded[done].sum() / ctx) if ctx else 0.0,
+            cut=self.cuts, loaded_bytes=dict(sorted(traffic.loaded.items())),
+            stored_bytes=traffic.stored, demoted_bytes=traffic.demoted,
+            pooled_bytes=traffic.pooled, network_bytes=traffic.network,
+            dropped_jobs=traffic.dropped_jobs, unplaced_blocks=traffic.unplaced,
+            tiers=self._tiers(), queue_depth_max=max(a.max_queued for a in agents),
+            queue_depth_mean=sum(a.area for a in agents) / span / len(agents),
+            events=events, wall_s=wall_s, cpu_s=cpu_s, series=series,
+            ttft_samples=tuple(self.ttft[done].tolist()))
+
+    def _tiers(self) -> tuple[TierStats, ...]:
+        out = []
+        for tier, name in ((HBM, "hbm"), (DRAM, "dram"), (NVME, "nvme"), (POOL, "pool")):
+            caches = [n.caches[tier] for n in self.cluster.all_nodes if n.caches[tier]]
+            if not caches:
+                continue
+            out.append(TierStats(
+                name, sum(c.capacity for c in caches if c), sum(c.used for c in caches if c),
+                self.peak[tier], sum(c.bytes_in for c in caches if c),
+                sum(c.evictions for c in caches if c), sum(c.hits for c in caches if c)))
+        return tuple(out)

@@ -1,0 +1,69 @@
+"""How a caching system moves KV: the part of the simulation that differs between systems.
+
+The hardware and the trace are shared; a ``Strategy`` names the policies (by the registry names
+of ``cmx.policies``) and the shape of the data path. Two are built in:
+
+- ``CMX``: the offload agent moves bytes in 2 MiB pieces, 16 in flight, off the serving CPU;
+  a request's prefix starts moving when it arrives (prefetch); loads come from any node's
+  DRAM or NVMe and from the pool; NVMe and the pool admit blocks seen twice; break-even gating.
+- ``LMCACHE_LIKE``: the serving process's CPU orchestrates every transfer, one file per
+  256-token chunk read by 4 I/O threads, each chunk paying its CPU cost on that one thread; the
+  load starts when the request is scheduled (no prefetch); only this node's DRAM and disk;
+  every stored chunk written to disk (write-through, no admission); every hit loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+__all__ = ["CMX", "LMCACHE_LIKE", "STRATEGIES", "Strategy"]
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    prefetch: bool  # a request's prefix starts moving on arrival, not when it is scheduled
+    peers: bool  # copies on other nodes and in the pool are loadable
+    io_bytes: int  # bytes per I/O when io_tokens is None
+    io_tokens: int | None  # one I/O per this many tokens (a file per chunk), overrides io_bytes
+    io_depth: int  # I/Os in flight per transfer
+    per_io_cpu_s: float  # orchestrator time to issue and complete one I/O, serialized
+    lanes: int  # transfers one node's mover runs at once
+    queue_bound: int = 256  # queued jobs per priority class; a full class drops (not loads)
+    control_s: float = 200e-6  # fixed control cost per load: lookup, pins, slot grants
+    eviction: str = "lru"  # cmx.policies.eviction registry name
+    admission: str = "frequency"  # cmx.policies.admission registry name
+    admission_min_count: int = 2
+    placement: str = "write_back"  # cmx.policies.placement: write_back or write_through
+    prefetch_policy: str = "wait_complete"  # cmx.policies.prefetch registry name
+    gating: bool = True  # break-even: recompute where a load would be slower
+    pool: bool = True  # admitted blocks are copied to the pool (rendezvous owners)
+    verify_bandwidth: float | None = None  # checksum bytes/s on disk and network reads
+    copy_out_bandwidth: float | None = None  # a host copy of each loaded byte; None on a GPU
+
+    def __post_init__(self) -> None:
+        if self.io_bytes <= 0 or self.io_depth < 1 or self.lanes < 1 or self.queue_bound < 1:
+            raise ValueError(f"{self.name}: io_bytes, io_depth, lanes, queue_bound must be >= 1")
+        if self.io_tokens is not None and self.io_tokens < 1:
+            raise ValueError(f"{self.name}: io_tokens must be >= 1, got {self.io_tokens}")
+        if self.per_io_cpu_s < 0 or self.control_s < 0:
+            raise ValueError(f"{self.name}: per_io_cpu_s and control_s must be >= 0")
+
+    def io_size(self, token_bytes: int) -> int:
+        return self.io_tokens * token_bytes if self.io_tokens else self.io_bytes
+
+    def with_(self, **changes: object) -> Strategy:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+CMX = Strategy("cmx", prefetch=True, peers=True, io_bytes=2 * MiB, io_tokens=None,
+               io_depth=16, per_io_cpu_s=5e-6, lanes=8)
+
+LMCACHE_LIKE = Strategy(
+    "lmcache-like", prefetch=False, peers=False, io_bytes=32 * MiB, io_tokens=256, io_depth=4,
+    per_io_cpu_s=500e-6, lanes=8, control_s=1e-3, admission="always", placement="write_through",
+    gating=False, pool=False)
+
+STRATEGIES: dict[str, Strategy] = {s.name: s for s in (CMX, LMCACHE_LIKE)}

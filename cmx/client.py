@@ -1,6 +1,6 @@
 """``ContextMemory``: what a serving replica uses to store and find KV blocks cluster-wide.
 
-    cm = ContextMemory.connect(address=None)     # None: an embedded local Ray cluster
+    cm = ContextMemory.connect()                 # a Ray cluster of its own (or address=...)
     ns = cm.namespace(model="llama-3-8b", layout=KVLayout(...), salt="tenant-a")
     ns.store(token_ids, kv).wait()               # kv: [layers, 2, kv_heads, tokens, head_dim]
     ns.lookup(token_ids).num_tokens              # longest committed prefix, and where it is
@@ -14,16 +14,18 @@ shorter prefix), never a hang and never wrong bytes.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from cmx.actors.directory import Copy, shard_of
-from cmx.actors.links import RAY_NAMESPACE, RayLink, actor_name
+from cmx.actors.links import RayLink, actor_name
 from cmx.config import ServiceConfig
 from cmx.errors import LayoutMismatchError, UnavailableError
 from cmx.keys import BlockHash, Namespace, chain_keys
 from cmx.layout import KVLayout
+from cmx.operate.ray_cluster import DEFAULT_JOIN_TIMEOUT_S, join, start_own
 from cmx.storage.arena import SharedArena
 from cmx.tiers import Tier
 
@@ -88,9 +90,19 @@ class ContextMemory:
     @classmethod
     def connect(
         cls, address: str | None = None, config: ServiceConfig | None = None,
-        start_service: bool = True, **ray_init: Any,
+        start_service: bool = True, join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
+        **ray_init: Any,
     ) -> ContextMemory:
-        """Join the Ray cluster at ``address`` (or start a local one) and the service on it."""
+        """Join the service on a Ray cluster, or on an embedded cluster of this process's own.
+
+        Which cluster: the one this process is already connected to (a Serve replica, a Ray
+        task), else ``address`` (host:port, ray://host:port, or "auto": the cluster ``ray start``
+        last started here), else ``RAY_ADDRESS``, else a new local cluster started now, never
+        one that already runs on the machine. Joining waits at most ``join_timeout_s`` for the
+        cluster to answer (ClusterUnreachableError), with Ray's token authentication as
+        ``ray start`` uses it. ``shutdown()`` stops the service and Ray only if this call
+        started Ray.
+        """
         import ray
 
         from cmx.actors.service import ensure_service
@@ -98,8 +110,12 @@ class ContextMemory:
         config = config or ServiceConfig.from_env()
         owns = False
         if not ray.is_initialized():
-            ray.init(address=address, namespace=RAY_NAMESPACE, **ray_init)
-            owns = address is None
+            target = address or os.environ.get("RAY_ADDRESS") or None
+            if target is None:
+                start_own(**ray_init)
+                owns = True
+            else:
+                join(target, join_timeout_s, **ray_init)
         if start_service:
             ensure_service(config)
         node_id = ray.get_runtime_context().get_node_id()

@@ -17,7 +17,7 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from cmx.actors.directory import Copy, shard_of
 from cmx.actors.links import RayLink, actor_name
@@ -90,8 +90,8 @@ class ContextMemory:
     @classmethod
     def connect(
         cls, address: str | None = None, config: ServiceConfig | None = None,
-        start_service: bool = True, join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
-        **ray_init: Any,
+        start_service: bool | Literal["wait"] = True,
+        join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S, **ray_init: Any,
     ) -> ContextMemory:
         """Join the service on a Ray cluster, or on an embedded cluster of this process's own.
 
@@ -102,10 +102,16 @@ class ContextMemory:
         cluster to answer (ClusterUnreachableError), with Ray's token authentication as
         ``ray start`` uses it. ``shutdown()`` stops the service and Ray only if this call
         started Ray.
+
+        ``start_service``: True starts the service if it is not running (any number of
+        processes may, at once: the first one's ``config`` wins); "wait" waits up to
+        ``join_timeout_s`` for someone else to start it (UnavailableError after); False uses
+        whatever runs. A client connected while the service is down gets misses, never a hang,
+        and finds the service again once it returns (``ready()`` tells when).
         """
         import ray
 
-        from cmx.actors.service import ensure_service
+        from cmx.actors.service import ensure_service, wait_for_service
 
         config = config or ServiceConfig.from_env()
         owns = False
@@ -116,10 +122,18 @@ class ContextMemory:
                 owns = True
             else:
                 join(target, join_timeout_s, **ray_init)
-        if start_service:
-            ensure_service(config)
         node_id = ray.get_runtime_context().get_node_id()
+        if start_service == "wait":
+            wait_for_service(node_id, join_timeout_s)
+        elif start_service:
+            ensure_service(config)
         return cls(config, node_id, owns)
+
+    def ready(self) -> bool:
+        """Whether the service runs and serves this client's node (its agent answers)."""
+        from cmx.actors.service import service_ready
+
+        return service_ready(self.node_id, self.config.call_timeout_s)
 
     def namespace(
         self, model: str, layout: KVLayout, salt: str = "", weights: str = "",

@@ -31,7 +31,7 @@ from cmx.operate.local_ray import (
 from cmx.operate.ray_cluster import join, match_ray_auth, stop_local_head
 from cmx.operate.state import ServiceState
 
-__all__ = ["DownResult", "UpOptions", "UpResult", "down", "up"]
+__all__ = ["DownResult", "UpOptions", "UpResult", "down", "orphans", "up"]
 
 Step = Callable[[str], None]  # reports the step under way
 
@@ -116,6 +116,24 @@ def down(admin: AdminConfig, address: str | None = None, step: Step = lambda s: 
         ray_stopped = stop_local_head(state.ray_pid, state.ray_address)
     ServiceState.clear(path)
     return DownResult(stopped, ray_stopped, state is not None)
+
+
+def orphans(admin: AdminConfig, address: str | None, collect: bool, older_than_s: float
+            ) -> dict[str, list[Any]]:
+    """The orphaned store directories of the service's nodes (removed if ``collect``)."""
+    import ray
+
+    from cmx.operate.orphans import collect_orphans, list_orphans
+
+    state = ServiceState.load(admin.state_path)
+    address = address or (state.ray_address if state else None)
+    if address is None:
+        raise CmxError("no service recorded here: run `cmx up`, or pass --address")
+    join(address, logging_level=logging.WARNING, log_to_driver=False)
+    try:
+        return collect_orphans(older_than_s) if collect else list_orphans()
+    finally:
+        ray.shutdown()
 
 
 # -- helpers -----------------------------------------------------------------------------------

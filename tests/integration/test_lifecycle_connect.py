@@ -40,7 +40,21 @@ def test_join_by_address_embedded_beside_and_after_down_with_a_token(tmp_path: P
         own = m.python(client_code(None), RAY_ADDRESS="")
         assert (own["stored"], own["found"]) == (4, 64)
         assert not own["gcs"].endswith(f":{gcs}") and own["ray_after"] is False
-        assert m.cmx("status", "--json")["nodes"], "an embedded client stopped the service"
+        view = m.cmx("status", "--json")
+        assert view["nodes"], "an embedded client stopped the service"
+        nvme = view["nodes"][0]["tiers"][2]
+        assert nvme["tier"] == "nvme" and nvme["extra"]["store_id"]
+
+        # The embedded cluster's store, and one of the old layout (named by a Ray node id),
+        # are claimed by no running node: orphans.
+        old = tmp_path / "nvme" / "0123456789abcdef"
+        old.mkdir()
+        listed = {o["name"] for dirs in m.cmx("orphans", "--json").values() for o in dirs}
+        live = f"node-{nvme['extra']['store_id']}"
+        assert old.name in listed and len(listed) == 2 and live not in listed
+        collected = m.cmx("orphans", "--collect", "--json")
+        assert {o["name"] for dirs in collected.values() for o in dirs} == listed
+        assert {p.name for p in (tmp_path / "nvme").iterdir()} == {live, f"{live}.claim"}
     finally:
         down = m.cmx("down", "--json")
     assert down["ray_stopped"] is True and not port_open("127.0.0.1", gcs)

@@ -18,7 +18,7 @@ def _tiers(timeout_s: float) -> dict[str, Any]:
     import ray
 
     controller = ray.get_actor("cmx:controller", namespace=RAY_NAMESPACE)
-    nodes = ray.get(controller.nodes.remote(), timeout=timeout_s)
+    nodes: list[str] = ray.get(controller.nodes.remote(), timeout=timeout_s)
     out = {}
     for node in nodes:
         try:

@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 _CLAIMED = re.compile(r"^node-([A-Za-z0-9_.-]{1,64})$")
 _LEGACY = re.compile(r"^[0-9a-f]{16}$")  # a Ray node id's first 16 hex digits
+MINE_TRIES = 20  # a restarted tier's own claim: tries, 50 ms apart (another's scan holds it)
 
 
 class StoreClaimedError(CmxError):
@@ -97,7 +98,13 @@ class StoreDirs:
             return held
         ids = self._claim_ids()
         mine = [i for i in ids if self._holder(i) == ray_node]
-        for store_id in mine + sorted(set(ids) - set(mine)):
+        for store_id in mine:  # held for an instant by another node's orphan scan: retry
+            for _ in range(MINE_TRIES):
+                held = self._try_claim(store_id, ray_node)
+                if held is not None:
+                    return held
+                time.sleep(0.05)
+        for store_id in sorted(set(ids) - set(mine)):
             held = self._try_claim(store_id, ray_node)
             if held is not None:
                 return held

@@ -14,7 +14,6 @@ shorter prefix), never a hang and never wrong bytes.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -25,7 +24,7 @@ from cmx.config import ServiceConfig
 from cmx.errors import LayoutMismatchError, UnavailableError
 from cmx.keys import BlockHash, Namespace, chain_keys
 from cmx.layout import KVLayout
-from cmx.operate.ray_cluster import DEFAULT_JOIN_TIMEOUT_S, join, start_own
+from cmx.operate.ray_cluster import DEFAULT_JOIN_TIMEOUT_S, join_or_start
 from cmx.storage.arena import SharedArena
 from cmx.tiers import Tier
 
@@ -116,12 +115,7 @@ class ContextMemory:
         config = config or ServiceConfig.from_env()
         owns = False
         if not ray.is_initialized():
-            target = address or os.environ.get("RAY_ADDRESS") or None
-            if target is None:
-                start_own(**ray_init)
-                owns = True
-            else:
-                join(target, join_timeout_s, **ray_init)
+            owns = join_or_start(address, join_timeout_s, **ray_init)
         node_id = ray.get_runtime_context().get_node_id()
         if start_service == "wait":
             wait_for_service(node_id, join_timeout_s)

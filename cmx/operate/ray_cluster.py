@@ -30,7 +30,7 @@ from cmx.actors.links import RAY_NAMESPACE
 from cmx.errors import UnavailableError
 from cmx.operate.local_ray import is_local, port_open, split_address, stop_head
 
-__all__ = ["ClusterUnreachableError", "current_cluster", "forget_head", "join",
+__all__ = ["ClusterUnreachableError", "current_cluster", "forget_head", "join", "join_or_start",
            "match_ray_auth", "resolve", "start_own", "stop_local_head", "wait_for_gcs"]
 
 log = logging.getLogger(__name__)
@@ -111,6 +111,18 @@ def start_own(**ray_init: Any) -> str:
     ray_init.setdefault("namespace", RAY_NAMESPACE)
     ray.init(address="local", **ray_init)
     return str(ray.get_runtime_context().gcs_address)
+
+
+def join_or_start(address: str | None, timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
+                  **ray_init: Any) -> bool:
+    """Join ``address`` (else ``RAY_ADDRESS``), or with neither start a cluster of this
+    process's own; True if it was started here (so this process may stop it)."""
+    target = address or os.environ.get("RAY_ADDRESS") or None
+    if target is None:
+        start_own(**ray_init)
+        return True
+    join(target, timeout_s, **ray_init)
+    return False
 
 
 def forget_head(address: str, temp_dir: str | None = None) -> bool:

@@ -27,25 +27,34 @@ from cmx.actors.nvme_tier import NvmeTierService
 from cmx.actors.pool import PoolNodeService
 from cmx.config import ServiceConfig
 from cmx.errors import UnavailableError
+from cmx.operate.degraded import Fallback, describe
+from cmx.operate.store_dirs import NodeDisk, Orphan
 from cmx.tiers import Tier
 
-__all__ = ["alive_nodes", "ensure_service", "node_actors", "stop_service"]
+__all__ = ["alive_nodes", "ensure_service", "node_actors", "restart_agent", "service_ready",
+           "stop_service", "wait_for_service"]
 
 log = logging.getLogger(__name__)
 
 _RESTART = {"max_restarts": -1, "max_task_retries": 0, "lifetime": "detached"}
+ORPHAN_SCAN_S = 60.0  # how often a tier lists (and ages out) unclaimed store directories
 
 
 def _heartbeat(service: Any, every_s: float) -> None:
+    _every(every_s, service.heartbeat)
+
+
+def _every(every_s: float, call: Any) -> None:
     def loop() -> None:
         while True:
             time.sleep(every_s)
             try:
-                service.heartbeat()
-            except Exception:  # noqa: BLE001 - the next beat tries again
-                log.debug("heartbeat failed", exc_info=True)
+                call()
+            except Exception:  # noqa: BLE001 - the next round tries again
+                log.debug("%s failed", getattr(call, "__name__", call), exc_info=True)
 
-    threading.Thread(target=loop, name="cmx-heartbeat", daemon=True).start()
+    threading.Thread(target=loop, name=f"cmx-{getattr(call, '__name__', 'loop')}",
+                     daemon=True).start()
 
 
 class ArenaTierActor(ArenaTierService):
@@ -59,19 +68,47 @@ class ArenaTierActor(ArenaTierService):
 
 
 class NvmeTierActor(NvmeTierService):
-    def __init__(self, node: str, config: ServiceConfig) -> None:
+    """The NVMe tier of one node, on a store directory that outlives the Ray node id (the
+    node's claim under ``nvme_dir``, held while this actor runs: cmx.operate.store_dirs)."""
+
+    def __init__(self, node: str, config: ServiceConfig, store_id: str | None = None) -> None:
+        self.disk = NodeDisk(config.nvme_dir, node, store_id, config.orphan_max_age_s)
         super().__init__(
-            node, os.path.join(config.nvme_dir, node[:16]), config.nvme_bytes,
+            node, self.disk.root, config.nvme_bytes,
             config.block_bytes, RayLink(config.call_timeout_s), config.directory_shards,
             config.eviction, segment_bytes=config.nvme_segment_bytes,
         )
         _heartbeat(self, config.heartbeat_s)
+        _every(ORPHAN_SCAN_S, self.disk.scan)
+
+    def orphans(self) -> list[Orphan]:
+        return self.disk.orphans()
+
+    def collect_orphans(self, older_than_s: float = 0.0) -> list[Orphan]:
+        return self.disk.collect(older_than_s)
+
+    def stats(self) -> dict[str, object]:
+        return {**super().stats(), **self.disk.figures()}
+
+    def close(self) -> None:
+        super().close()
+        self.disk.release()
 
 
 class AgentActor(OffloadAgent):
     def __init__(self, node: str, config: ServiceConfig) -> None:
         super().__init__(node, config, RayLink(config.call_timeout_s))
         self.placed_on = ray.get_runtime_context().get_node_id()
+        reason = getattr(self.transport, "fallback_reason", None)
+        self.degraded = None if reason is None else \
+            describe(Fallback.OBJECT_STORE_TRANSPORT, reason)
+        if self.degraded:
+            log.warning("agent of node %s moves bytes between nodes through Ray's object store: "
+                        "%s", node, reason)
+
+    def stats(self) -> dict[str, object]:
+        own = {"degraded": self.degraded} if self.degraded else {}
+        return {**super().stats(), **own}
 
     def placement(self) -> dict[str, object]:
         return {"node": self.node, "placed_on": self.placed_on, "dpu": self.placed_on != self.node}
@@ -96,6 +133,7 @@ class Controller:
         self.config = config
         self.known: set[str] = set()
         self.pool: set[str] = set()
+        self.agent_on: dict[str, str] = {}  # node -> the node its agent runs on (it, or its DPU)
         self._lock = threading.Lock()
         threading.Thread(target=self._loop, name="cmx-controller", daemon=True).start()
 
@@ -111,9 +149,26 @@ class Controller:
             for node_id in gone:
                 self._forget(node_id)
             self.known = {n for n in alive if not _is_dpu(alive[n], self.config)}
+            moved = self._place_agents(alive)
             pool = self._reconcile_pool(alive)
             return {"started": started, "gone": gone, "nodes": sorted(self.known),
-                    "pool": pool}
+                    "pool": pool, "agents_moved": moved}
+
+    def _place_agents(self, alive: dict[str, dict[str, Any]]) -> list[str]:
+        """Move each agent whose node's DPU joined or left since it was placed (a DPU that
+        boots after its host takes the host's agent over); returns the nodes moved."""
+        moved = []
+        for node_id in sorted(self.known):
+            want = _dpu_of(node_id, self.config, alive) or node_id
+            have = self.agent_on.get(node_id) or _placed_on(node_id, self.config)
+            if have is not None and have != want:
+                log.warning("moving the agent of node %s from %s to %s", node_id, have, want)
+                restart_agent(node_id, self.config, alive)
+                moved.append(node_id)
+            self.agent_on[node_id] = want
+        for node_id in set(self.agent_on) - self.known:
+            del self.agent_on[node_id]
+        return moved
 
     def _reconcile_pool(self, alive: dict[str, dict[str, Any]]) -> list[str]:
         pool = {}
@@ -170,18 +225,64 @@ def _is_dpu(node: dict[str, Any], config: ServiceConfig) -> bool:
     return config.dpu_label in (node.get("Labels") or {})
 
 
+def _dpu_of(node_id: str, config: ServiceConfig, alive: dict[str, dict[str, Any]]
+            ) -> str | None:
+    """The alive DPU node of ``node_id``'s host (same ``host_label`` value), if any."""
+    host = (alive.get(node_id, {}).get("Labels") or {}).get(config.host_label)
+    if host is None:
+        return None
+    for dpu_id, node in sorted(alive.items()):
+        labels = node.get("Labels") or {}
+        if config.dpu_label in labels and labels.get(config.host_label) == host:
+            return dpu_id
+    return None
+
+
 def _agent_placement(
     node_id: str, config: ServiceConfig, alive: dict[str, dict[str, Any]]
 ) -> dict[str, Any]:
     """Options placing a node's agent: on the node's DPU if one has joined, else on the node."""
-    host = (alive.get(node_id, {}).get("Labels") or {}).get(config.host_label)
-    if host is not None:
-        for node in alive.values():
-            labels = node.get("Labels") or {}
-            if config.dpu_label in labels and labels.get(config.host_label) == host:
-                return {"label_selector": {config.dpu_label: labels[config.dpu_label],
-                                           config.host_label: host}}
-    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
+    dpu = _dpu_of(node_id, config, alive)
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(dpu or node_id, soft=False)}
+
+
+def _placed_on(node_id: str, config: ServiceConfig) -> str | None:
+    """Where the running agent of ``node_id`` is (None: it does not answer)."""
+    try:
+        agent = ray.get_actor(actor_name("agent", node_id), namespace=RAY_NAMESPACE)
+        return str(ray.get(agent.placement.remote(), timeout=config.call_timeout_s)["placed_on"])
+    except Exception:  # noqa: BLE001 - not running, or not answering: nothing to move
+        return None
+
+
+def _start_agent(node_id: str, config: ServiceConfig, alive: dict[str, dict[str, Any]]
+                 ) -> Any:
+    handle = ray.remote(AgentActor).options(
+        name=actor_name("agent", node_id), namespace=RAY_NAMESPACE, get_if_exists=True,
+        num_cpus=0, max_concurrency=32, **_agent_placement(node_id, config, alive), **_RESTART,
+    ).remote(node_id, config)
+    ray.get(handle.peer_info.remote(), timeout=60)
+    return handle
+
+
+def restart_agent(node_id: str, config: ServiceConfig, alive: dict[str, dict[str, Any]]
+                  ) -> Any:
+    """Close and kill the agent of ``node_id``, then start it where it belongs now."""
+    name = actor_name("agent", node_id)
+    try:
+        old = ray.get_actor(name, namespace=RAY_NAMESPACE)
+        ray.wait([old.close.remote()], timeout=config.call_timeout_s)
+        ray.kill(old, no_restart=True)
+    except ValueError:
+        pass
+    deadline = time.monotonic() + 60.0
+    while time.monotonic() < deadline:  # the name is free once the old actor is gone
+        try:
+            ray.get_actor(name, namespace=RAY_NAMESPACE)
+        except ValueError:
+            break
+        time.sleep(0.2)
+    return _start_agent(node_id, config, alive)
 
 
 def start_node_actors(
@@ -196,17 +297,14 @@ def start_node_actors(
             name=actor_name(tier.value, node_id), scheduling_strategy=on_node,
             max_concurrency=16, **common,
         ).remote(tier, node_id, config)
+    labels = (alive or {}).get(node_id, {}).get("Labels") or {}
     handles["nvme"] = ray.remote(NvmeTierActor).options(
         name=actor_name("nvme", node_id), scheduling_strategy=on_node, max_concurrency=16,
         **common,
-    ).remote(node_id, config)
+    ).remote(node_id, config, labels.get(config.node_id_label))
     # The agent maps the tiers' arenas when it starts: wait until they exist.
     ray.get([h.info.remote() for h in handles.values()], timeout=60)
-    handles["agent"] = ray.remote(AgentActor).options(
-        name=actor_name("agent", node_id),
-        max_concurrency=32, **_agent_placement(node_id, config, alive or {}), **common,
-    ).remote(node_id, config)
-    ray.get(handles["agent"].peer_info.remote(), timeout=60)
+    handles["agent"] = _start_agent(node_id, config, alive or {})
     return handles
 
 
@@ -232,6 +330,31 @@ def ensure_service(config: ServiceConfig) -> Any:
     ).remote(config)
     ray.get(controller.reconcile.remote(), timeout=180)
     return controller
+
+
+def service_ready(node_id: str, timeout_s: float = 10.0) -> bool:
+    """Whether the controller lists ``node_id`` and the node's agent answers."""
+    try:
+        controller = ray.get_actor("cmx:controller", namespace=RAY_NAMESPACE)
+        if node_id not in ray.get(controller.nodes.remote(), timeout=timeout_s):
+            return False
+        agent = ray.get_actor(actor_name("agent", node_id), namespace=RAY_NAMESPACE)
+        ray.get(agent.placement.remote(), timeout=timeout_s)
+        return True
+    except Exception:  # noqa: BLE001 - not started, restarting or not answering: not ready
+        return False
+
+
+def wait_for_service(node_id: str, timeout_s: float) -> None:
+    """Return once the service serves ``node_id`` (someone else starts it); UnavailableError
+    after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not service_ready(node_id, max(0.5, min(10.0, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            raise UnavailableError(
+                f"the context memory service did not come up for node {node_id[:12]} within "
+                f"{timeout_s:g} s (start it with `cmx up`, or connect with start_service=True)")
+        time.sleep(0.5)
 
 
 def node_actors(node_id: str) -> dict[str, Any]:

@@ -140,10 +140,12 @@ class RayTransport(Transport):
     name = "ray"
 
     def __init__(
-        self, agent: str, fetch: Callable[[str, list[tuple[str, int]]], list[np.ndarray]]
+        self, agent: str, fetch: Callable[[str, list[tuple[str, int]]], list[np.ndarray]],
+        fallback_reason: str | None = None,
     ) -> None:
         super().__init__(agent)
         self._fetch = fetch
+        self.fallback_reason = fallback_reason  # why NIXL is not used, when it was wanted
 
     def info(self) -> PeerInfo:
         return PeerInfo(self.agent, self.name, tuple(r for r, _ in self.regions.values()))
@@ -170,12 +172,14 @@ def make_transport(
     fetch: Callable[[str, list[tuple[str, int]]], list[np.ndarray]],
 ) -> Transport:
     """NIXL where it loads (unless ``prefer == "ray"``), else the Ray fallback."""
+    reason = None
     if prefer != "ray":
         try:
             from cmx.actors.nixl_transport import NixlTransport
 
             return NixlTransport(agent)
-        except Exception:  # noqa: BLE001 - any load failure means falling back
+        except Exception as exc:  # noqa: BLE001 - any load failure means falling back
             if prefer == "nixl":
                 raise
-    return RayTransport(agent, fetch)
+            reason = f"NIXL did not start: {exc}"
+    return RayTransport(agent, fetch, reason)

@@ -12,6 +12,7 @@ import enum
 from dataclasses import dataclass, field
 
 from cmx.api.models import PoolStatus, TiersView
+from cmx.api.views import degradations
 
 __all__ = ["Figure", "HistogramValue", "Kind", "figures"]
 
@@ -74,6 +75,8 @@ def _catalogue() -> dict[str, Figure]:
         ("cmx_agent_staging_bytes_in_use", G, "Staging memory the agent holds.", ("node",)),
         ("cmx_agent_info", G, "The agent's transport and placement (value 1).",
          ("node", "transport", "placement")),
+        ("cmx_degraded", G, "1 for each fallback in force (object-store transport, buffered "
+         "I/O).", ("node", "component", "kind")),
         ("cmx_directory_blocks", G, "Blocks a directory shard knows.", ("shard",)),
         ("cmx_directory_copies", G, "Copies a directory shard knows.", ("shard",)),
         ("cmx_pool_enabled", G, "1 if the service runs a pool tier.", ()),
@@ -133,6 +136,8 @@ def figures(view: TiersView, pool: PoolStatus) -> list[Figure]:
             f["cmx_agent_queue_depth"].add((n.node, prio), float(getattr(a.queues, prio)))
         f["cmx_agent_staging_bytes_in_use"].add((n.node,), float(a.queues.staging_bytes_in_use))
         f["cmx_agent_info"].add((n.node, a.transport or "", "dpu" if a.dpu else "host"), 1.0)
+    for node, component, kind, _ in degradations(view):
+        f["cmx_degraded"].add((node, component, kind), 1.0)
     for shard in view.directory:
         f["cmx_component_up"].add(("", f"dir:{shard.shard}"), float(shard.available))
         if shard.available:

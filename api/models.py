@@ -103,6 +103,7 @@ class AgentInfo(_Model):
     transport: str | None = None  # "nixl-ucx", "ray", ...
     placed_on: str | None = None  # the Ray node the agent runs on
     dpu: bool = False  # placed on the node's DPU rather than on the host
+    degraded: str | None = None  # a fallback in force, "<kind>: <why>" (cmx.operate.degraded)
     queues: QueueDepths = QueueDepths()
     moved_bytes: dict[str, int] = {}  # "src->dst" -> bytes
     moved_via: dict[str, int] = {}  # transport (or "local", "nvme") -> bytes

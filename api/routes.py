@@ -32,7 +32,7 @@ from cmx.api.problems import ApiProblem, problem_responses
 from cmx.api.prometheus import CONTENT_TYPE_LATEST, render
 from cmx.api.security import require_query, require_read
 from cmx.api.state import ApiState
-from cmx.api.views import history_view, nodes_view, pool_view
+from cmx.api.views import degradations, history_view, nodes_view, pool_view
 
 __all__ = ["router"]
 
@@ -69,7 +69,13 @@ def readiness(state: State) -> Readiness | JSONResponse:
     if not nodes:
         body = Readiness(ready=False, nodes=0, detail="the service runs on no node yet")
         return JSONResponse(body.model_dump(), status_code=503)
-    return Readiness(ready=True, nodes=len(nodes))
+    try:  # ready, but a fallback in force is said
+        fallbacks = degradations(state.view()[1])
+    except Exception:  # noqa: BLE001 - no figures yet: nothing to say
+        fallbacks = []
+    detail = "; ".join(f"{node[:12]} {part}: {kind} ({why})"
+                       for node, part, kind, why in fallbacks) or None
+    return Readiness(ready=True, nodes=len(nodes), detail=detail)
 
 
 @router.get("/api/v1/tiers", tags=["tiers"], response_model=TiersView,

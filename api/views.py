@@ -31,9 +31,10 @@ from cmx.api.models import (
     TiersView,
 )
 from cmx.api.stats_samples import Sample, rates_between
+from cmx.operate.degraded import parse
 from cmx.tiers import Tier
 
-__all__ = ["history_view", "nodes_view", "pool_view", "tiers_view"]
+__all__ = ["degradations", "history_view", "nodes_view", "pool_view", "tiers_view"]
 
 NODE_TIERS = (Tier.HBM.value, Tier.DRAM.value, Tier.NVME.value)
 _TIER_FIELDS = ("capacity_bytes", "used_bytes", "blocks", "pinned", "hits", "misses",
@@ -83,6 +84,7 @@ def agent_info(raw: Any) -> AgentInfo:
     return AgentInfo(
         available=True, name=raw.get("agent"), transport=raw.get("transport"),
         placed_on=placement.get("placed_on"), dpu=bool(placement.get("dpu", False)),
+        degraded=raw.get("degraded"),
         queues=QueueDepths(
             load=_int(queued.get("load")), prefetch=_int(queued.get("prefetch")),
             demote=_int(queued.get("demote")),
@@ -93,6 +95,19 @@ def agent_info(raw: Any) -> AgentInfo:
         moved_via={str(k): _int(v) for k, v in (raw.get("moved_via") or {}).items()},
         latency_s=latency,
     )
+
+
+def degradations(view: TiersView) -> list[tuple[str, str, str, str]]:
+    """(node, component, kind, why) of every fallback in force: agents' and tiers'."""
+    found = []
+    for n in view.nodes:
+        if n.agent.degraded:
+            found.append((n.node, "agent", *parse(n.agent.degraded)))
+        for t in n.tiers:
+            text = t.extra.get("degraded")
+            if isinstance(text, str):
+                found.append((n.node, t.tier, *parse(text)))
+    return found
 
 
 def tiers_view(latest: Sample, previous: Sample | None) -> TiersView:

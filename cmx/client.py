@@ -1,6 +1,6 @@
 """``ContextMemory``: what a serving replica uses to store and find KV blocks cluster-wide.
 
-    cm = ContextMemory.connect(address=None)     # None: an embedded local Ray cluster
+    cm = ContextMemory.connect()                 # a Ray cluster of its own (or address=...)
     ns = cm.namespace(model="llama-3-8b", layout=KVLayout(...), salt="tenant-a")
     ns.store(token_ids, kv).wait()               # kv: [layers, 2, kv_heads, tokens, head_dim]
     ns.lookup(token_ids).num_tokens              # longest committed prefix, and where it is
@@ -16,14 +16,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from cmx.actors.directory import Copy, shard_of
-from cmx.actors.links import RAY_NAMESPACE, RayLink, actor_name
+from cmx.actors.links import RayLink, actor_name
 from cmx.config import ServiceConfig
 from cmx.errors import LayoutMismatchError, UnavailableError
 from cmx.keys import BlockHash, Namespace, chain_keys, namespace_id
 from cmx.layout import KVLayout
+from cmx.operate.ray_cluster import DEFAULT_JOIN_TIMEOUT_S, join_or_start
 from cmx.storage.arena import SharedArena
 from cmx.tiers import Tier
 
@@ -88,22 +89,45 @@ class ContextMemory:
     @classmethod
     def connect(
         cls, address: str | None = None, config: ServiceConfig | None = None,
-        start_service: bool = True, **ray_init: Any,
+        start_service: bool | Literal["wait"] = True,
+        join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S, **ray_init: Any,
     ) -> ContextMemory:
-        """Join the Ray cluster at ``address`` (or start a local one) and the service on it."""
+        """Join the service on a Ray cluster, or on an embedded cluster of this process's own.
+
+        Which cluster: the one this process is already connected to (a Serve replica, a Ray
+        task), else ``address`` (host:port, ray://host:port, or "auto": the cluster ``ray start``
+        last started here), else ``RAY_ADDRESS``, else a new local cluster started now, never
+        one that already runs on the machine. Joining waits at most ``join_timeout_s`` for the
+        cluster to answer (ClusterUnreachableError), with Ray's token authentication as
+        ``ray start`` uses it. ``shutdown()`` stops the service and Ray only if this call
+        started Ray.
+
+        ``start_service``: True starts the service if it is not running (any number of
+        processes may, at once: the first one's ``config`` wins); "wait" waits up to
+        ``join_timeout_s`` for someone else to start it (UnavailableError after); False uses
+        whatever runs. A client connected while the service is down gets misses, never a hang,
+        and finds the service again once it returns (``ready()`` tells when).
+        """
         import ray
 
-        from cmx.actors.service import ensure_service
+        from cmx.actors.service import ensure_service, wait_for_service
 
         config = config or ServiceConfig.from_env()
         owns = False
         if not ray.is_initialized():
-            ray.init(address=address, namespace=RAY_NAMESPACE, **ray_init)
-            owns = address is None
-        if start_service:
-            ensure_service(config)
+            owns = join_or_start(address, join_timeout_s, **ray_init)
         node_id = ray.get_runtime_context().get_node_id()
+        if start_service == "wait":
+            wait_for_service(node_id, join_timeout_s)
+        elif start_service:
+            ensure_service(config)
         return cls(config, node_id, owns)
+
+    def ready(self) -> bool:
+        """Whether the service runs and serves this client's node (its agent answers)."""
+        from cmx.actors.service import service_ready
+
+        return service_ready(self.node_id, self.config.call_timeout_s)
 
     def namespace(
         self, model: str, layout: KVLayout, salt: str = "", weights: str = "",

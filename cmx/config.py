@@ -23,6 +23,8 @@ class ServiceConfig:
     dram_bytes: int = 1 * GiB  # per node, shared-memory arena
     nvme_bytes: int = 8 * GiB  # per node, segment files under nvme_dir
     nvme_dir: str = "/var/tmp/cmx"  # per-node subdirectories are made under it
+    node_id_label: str = "cmx.io/node-id"  # node label naming a node's store; else one claimed
+    orphan_max_age_s: float = 7 * 86400.0  # store dirs unclaimed this long are removed; 0: never
     nvme_segment_bytes: int = 256 * MiB  # size of one log segment file
     directory_shards: int = 2  # directory actors; keys spread by hash
     eviction: str = "lru"  # eviction policy of every tier ("lru", "s3fifo")

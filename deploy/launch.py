@@ -115,9 +115,9 @@ def start(options: ServeOptions, address: str | None = None, port: int = 8000,
         state = _deploy(options, address, pid, port, step)
     except BaseException:
         if pid is not None:
-            from cmx.operate.local_ray import stop_head
+            from cmx.operate.ray_cluster import stop_local_head
 
-            stop_head(pid)
+            stop_local_head(pid, address)
         raise
     state.save(path)
     return state, False
@@ -128,14 +128,13 @@ def _deploy(options: ServeOptions, address: str, pid: int | None, port: int,
     import ray
     from ray import serve
 
-    from cmx.actors.links import RAY_NAMESPACE
     from cmx.client import ContextMemory
     from cmx.deploy.app import build
     from cmx.deploy.local import wait_replicas
+    from cmx.operate.ray_cluster import join
 
     step(f"connecting to the Ray cluster at {address}")
-    ray.init(address=address, namespace=RAY_NAMESPACE, logging_level=logging.ERROR,
-             log_to_driver=False)
+    join(address, logging_level=logging.ERROR, log_to_driver=False)
     try:
         named = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
         had_service = "cmx:controller" in named
@@ -194,8 +193,8 @@ def stop(step: Step = lambda _s: None) -> StopResult:
     import ray
     from ray import serve
 
-    from cmx.actors.links import RAY_NAMESPACE
-    from cmx.operate.local_ray import port_open, split_address, stop_head
+    from cmx.operate.local_ray import port_open, split_address
+    from cmx.operate.ray_cluster import join, stop_local_head
 
     path = serve_state_path()
     state = ServeState.load(path)
@@ -205,8 +204,7 @@ def stop(step: Step = lambda _s: None) -> StopResult:
     reachable = state.ray_address == "auto" or port_open(*split_address(state.ray_address))
     if reachable:
         step(f"stopping the application {state.app}")
-        ray.init(address=state.ray_address, namespace=RAY_NAMESPACE, logging_level=logging.ERROR,
-                 log_to_driver=False)
+        join(state.ray_address, logging_level=logging.ERROR, log_to_driver=False)
         try:
             try:
                 serve.delete(state.app)
@@ -225,6 +223,6 @@ def stop(step: Step = lambda _s: None) -> StopResult:
     stopped = False
     if state.started_ray and state.ray_pid is not None:
         step("stopping the Ray head")
-        stopped = stop_head(state.ray_pid)
+        stopped = stop_local_head(state.ray_pid, state.ray_address)
     os.unlink(path)
     return StopResult(True, deleted, killed, stopped)

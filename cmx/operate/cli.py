@@ -264,6 +264,39 @@ def evict(
 
 
 @app.command()
+def orphans(
+    collect: Annotated[bool, typer.Option(
+        "--collect", help="Remove them (stores open anywhere are never removed).")] = False,
+    older_than: Annotated[float, typer.Option(
+        help="Only those unclaimed at least this many seconds.", min=0.0)] = 0.0,
+    address: Annotated[str | None, typer.Option(
+        help="Ray cluster (default: the one `cmx up` recorded).", show_default=False)] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Store directories no running node claims (left by nodes that are gone), per machine."""
+    from cmx.config import AdminConfig
+    from cmx.errors import CmxError
+    from cmx.operate.lifecycle import orphans as run
+
+    try:
+        found = run(AdminConfig.from_env(), address, collect, older_than)
+    except CmxError as exc:
+        raise _fail(str(exc), code=1) from exc
+    if json_out:
+        _print_json({node: [{"name": o.name, "bytes": o.bytes, "age_s": o.age_s} for o in dirs]
+                     for node, dirs in found.items()})
+        return
+    from cmx.operate.render import human_bytes
+
+    verb = "removed" if collect else "unclaimed"
+    rows = {o.name: o for dirs in found.values() for o in dirs}
+    if not rows:
+        out.print(f"no store directory {'removed' if collect else 'is unclaimed'}")
+    for o in sorted(rows.values(), key=lambda o: -o.age_s):
+        out.print(f"  {verb}  {o.name}  {human_bytes(o.bytes)}  {o.age_s / 3600:.1f} h")
+
+
+@app.command()
 def down(
     address: Annotated[str | None, typer.Option(
         help="Stop the service on this cluster even if `cmx up` did not record it.",

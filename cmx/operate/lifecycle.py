@@ -28,10 +28,10 @@ from cmx.operate.local_ray import (
     split_address,
     start_head,
 )
-from cmx.operate.local_ray import stop_head as stop_local_head
+from cmx.operate.ray_cluster import join, match_ray_auth, stop_local_head
 from cmx.operate.state import ServiceState
 
-__all__ = ["DownResult", "UpOptions", "UpResult", "down", "up"]
+__all__ = ["DownResult", "UpOptions", "UpResult", "down", "orphans", "up"]
 
 Step = Callable[[str], None]  # reports the step under way
 
@@ -66,7 +66,7 @@ def up(opts: UpOptions, step: Step = lambda s: None) -> UpResult:
         return UpResult(prior, already_up=True)
 
     address = opts.address or f"127.0.0.1:{opts.head.port}"
-    _match_ray_auth()
+    match_ray_auth()
     pid = None
     ray_dashboard: str | None = None
     log_path = os.path.join(os.path.dirname(path), "ray-head.log")
@@ -91,7 +91,7 @@ def up(opts: UpOptions, step: Step = lambda s: None) -> UpResult:
         _wait_ready(AdminClient(url, token, 5.0), opts.ready_timeout_s)
     except BaseException:
         if pid is not None and pid != (prior.ray_pid if prior else None):
-            stop_local_head(pid)
+            stop_local_head(pid, address)
         raise
     state = ServiceState(admin_url=url, token=token, ray_address=address,
                          started_ray=pid is not None, ray_pid=pid,
@@ -113,9 +113,27 @@ def down(admin: AdminConfig, address: str | None = None, step: Step = lambda s: 
     ray_stopped = False
     if state is not None and state.started_ray and state.ray_pid:
         step("stopping the local Ray head")
-        ray_stopped = stop_local_head(state.ray_pid)
+        ray_stopped = stop_local_head(state.ray_pid, state.ray_address)
     ServiceState.clear(path)
     return DownResult(stopped, ray_stopped, state is not None)
+
+
+def orphans(admin: AdminConfig, address: str | None, collect: bool, older_than_s: float
+            ) -> dict[str, list[Any]]:
+    """The orphaned store directories of the service's nodes (removed if ``collect``)."""
+    import ray
+
+    from cmx.operate.orphans import collect_orphans, list_orphans
+
+    state = ServiceState.load(admin.state_path)
+    address = address or (state.ray_address if state else None)
+    if address is None:
+        raise CmxError("no service recorded here: run `cmx up`, or pass --address")
+    join(address, logging_level=logging.WARNING, log_to_driver=False)
+    try:
+        return collect_orphans(older_than_s) if collect else list_orphans()
+    finally:
+        ray.shutdown()
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -143,13 +161,10 @@ def _start_on_cluster(address: str, opts: UpOptions, admin: AdminConfig, step: S
 def _stop_on_cluster(address: str) -> int:
     import ray
 
-    from cmx.actors.links import RAY_NAMESPACE
     from cmx.actors.service import stop_service
     from cmx.api.server import stop_admin_actor
 
-    _match_ray_auth()
-    ray.init(address=address, namespace=RAY_NAMESPACE, logging_level=logging.WARNING,
-             log_to_driver=False)
+    join(address, logging_level=logging.WARNING, log_to_driver=False)
     try:
         stopped = int(stop_admin_actor())
         _close_stores()
@@ -179,19 +194,6 @@ def _close_stores(timeout_s: float = 30.0) -> None:
             ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         except Exception:  # noqa: BLE001 - they are killed next anyway
             pass
-
-
-def _match_ray_auth() -> None:
-    """Ray's token authentication, as `ray start` decides it: on when a token exists
-    (~/.ray/auth_token, which any local ``ray.init()`` creates) and RAY_AUTH_MODE is unset.
-    This process, the head it starts and the drivers it runs must agree, or they cannot talk."""
-    try:
-        from ray._private.authentication.authentication_token_setup import (
-            maybe_enable_token_auth_if_token_available,
-        )
-    except ImportError:  # a Ray without token authentication
-        return
-    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
 def _reachable(address: str) -> bool:

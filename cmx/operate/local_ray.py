@@ -76,26 +76,25 @@ def ray_executable() -> str:
 
 
 def split_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
+    """(host, port) of host:port or ray://host:port; ValueError otherwise."""
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"{address!r} is not host:port")
     return host.strip("[]"), int(port)
 
 
 def is_local(host: str) -> bool:
+    """Whether ``host`` names this machine (Ray records a local head under the address of the
+    interface it reaches others by, not 127.0.0.1)."""
     if host in ("127.0.0.1", "localhost", "::1", "0.0.0.0", socket.gethostname()):
         return True
     try:
-        return socket.gethostbyname(host) in ("127.0.0.1", _own_ip())
+        ip = socket.gethostbyname(host)
+        with socket.socket() as s:
+            s.bind((ip, 0))  # only an address of one of this machine's interfaces binds
+        return True
     except OSError:
         return False
-
-
-def _own_ip() -> str:
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
 
 
 def port_open(host: str, port: int, timeout_s: float = 0.5) -> bool:

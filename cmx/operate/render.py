@@ -65,6 +65,19 @@ def _queues(node: dict[str, Any]) -> str:
             f"{q.get('demote', 0)} demote")
 
 
+def _extra_notes(name: str, extra: dict[str, Any]) -> list[str]:
+    """What a tier's extra figures say that needs an operator: its store, orphans, fallbacks."""
+    notes = []
+    if extra.get("store_id"):
+        notes.append(f"{name}: store node-{extra['store_id']}")
+    if extra.get("degraded"):
+        notes.append(f"{name}: DEGRADED, {extra['degraded']}")
+    if extra.get("orphan_dirs"):
+        notes.append(f"{name}: {extra['orphan_dirs']} orphaned store dir(s), "
+                     f"{human_bytes(extra.get('orphan_bytes', 0))} (`cmx orphans --collect`)")
+    return notes
+
+
 def _table(title: str) -> Table:
     table = Table(title=escape(title), title_justify="left", box=box.SIMPLE_HEAD,
                   padding=(0, 1), title_style="bold")
@@ -80,6 +93,8 @@ def status_tables(view: dict[str, Any], pool: dict[str, Any] | None = None) -> l
     for node in view.get("nodes", []):
         table = _table(_agent_line(node))
         notes: list[str] = [_queues(node)] if node.get("agent", {}).get("available") else []
+        if node.get("agent", {}).get("degraded"):
+            notes.append(f"agent: DEGRADED, {node['agent']['degraded']}")
         for tier in node.get("tiers", []):
             name = _TIER_NAMES.get(tier["tier"], tier["tier"])
             if not tier.get("available"):
@@ -91,6 +106,7 @@ def status_tables(view: dict[str, Any], pool: dict[str, Any] | None = None) -> l
                 notes.append("* emulated on host memory (no GPU)")
             if tier.get("pinned"):
                 notes.append(f"{name}: {tier['pinned']} block(s) pinned")
+            notes += _extra_notes(name, tier.get("extra") or {})
             bw = tier.get("bandwidth") or {}
             cap = tier["capacity_bytes"]
             table.add_row(

@@ -1,0 +1,172 @@
+"""Joining or starting Ray, one way for everything that does: the client, ``cmx up/status/down``
+and ``cmx serve``.
+
+- **Embedded** (``start_own()``): a new local Ray cluster of this process's own, even when
+  another one runs on the machine or Ray's current-cluster file (``/tmp/ray/ray_current_cluster``)
+  names one. What a process starts, it may stop; nothing else.
+- **Join** (``join(address)``): the cluster at ``address`` (``host:port``, ``ray://host:port``, or
+  ``"auto"``: the one Ray's current-cluster file names). Its GCS port must answer within a bound,
+  else ``ClusterUnreachableError``: ``ray.init`` itself retries a dead address for minutes.
+- **Token authentication** (``match_ray_auth()``): decided as ``ray start`` decides it. A token
+  on this machine (``~/.ray/auth_token``, written by any earlier ``ray.init()``) and no
+  ``RAY_AUTH_MODE`` mean token mode; then the head ``cmx up`` starts requires the token, and
+  every process that joins it must send it. ``ray.init(address=...)`` alone does not (Ray turns
+  it on only for a cluster it finds by itself), so ``join`` does. A client in token mode still
+  joins a cluster that runs without authentication.
+- **Forgetting a head** (``forget_head(address)``): a stopped head's address left in Ray's
+  current-cluster file makes the next plain ``ray.init()`` on the machine wait for it; the file is
+  removed only while it names that address and nothing answers there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+from cmx.actors.links import RAY_NAMESPACE
+from cmx.errors import UnavailableError
+from cmx.operate.local_ray import is_local, port_open, split_address, stop_head
+
+__all__ = ["ClusterUnreachableError", "current_cluster", "forget_head", "join", "join_or_start",
+           "match_ray_auth", "resolve", "start_own", "stop_local_head", "wait_for_gcs"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_JOIN_TIMEOUT_S = 30.0
+
+
+class ClusterUnreachableError(UnavailableError):
+    """No Ray cluster answered at the address in time (or no address could be found)."""
+
+
+def match_ray_auth() -> bool:
+    """Turn on Ray's token authentication in this process (and the processes it starts) where
+    ``ray start`` would: a token exists and ``RAY_AUTH_MODE`` is unset. True if it is on."""
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:  # a Ray without token authentication
+        return False
+    return bool(maybe_enable_token_auth_if_token_available(warn_if_disabled=False))
+
+
+def current_cluster() -> str | None:
+    """The address in Ray's current-cluster file (the last ``ray start`` here), if any."""
+    from ray._private.utils import read_ray_address
+
+    return read_ray_address() or None
+
+
+def resolve(address: str) -> str:
+    """``address`` as host:port (or ray://host:port); "auto" reads ``RAY_ADDRESS``, then Ray's
+    current-cluster file. ClusterUnreachableError if "auto" finds nothing."""
+    if address == "auto":
+        found = os.environ.get("RAY_ADDRESS") or current_cluster()
+        if not found or found == "auto":
+            raise ClusterUnreachableError(
+                "address 'auto': no RAY_ADDRESS and no cluster started with `ray start` here")
+        return found
+    return address
+
+
+def wait_for_gcs(address: str, timeout_s: float = DEFAULT_JOIN_TIMEOUT_S) -> None:
+    """Return once something accepts connections at ``address``; ClusterUnreachableError after
+    ``timeout_s``. (A head that is starting opens its port within seconds.)"""
+    host, port = split_address(address)
+    deadline = time.monotonic() + timeout_s
+    while not port_open(host, port):
+        if time.monotonic() >= deadline:
+            raise ClusterUnreachableError(
+                f"no Ray cluster answers at {address} (waited {timeout_s:g} s)")
+        time.sleep(0.25)
+
+
+def join(address: str, timeout_s: float = DEFAULT_JOIN_TIMEOUT_S, **ray_init: Any) -> str:
+    """Connect this process to the cluster at ``address``; returns the address joined.
+
+    Bounded: ClusterUnreachableError if its GCS does not answer within ``timeout_s``."""
+    import ray
+
+    target = resolve(address)
+    wait_for_gcs(target, timeout_s)
+    match_ray_auth()
+    ray_init.setdefault("namespace", RAY_NAMESPACE)
+    try:
+        ray.init(address=target, **ray_init)
+    except ConnectionError as exc:
+        raise ClusterUnreachableError(f"could not join the Ray cluster at {target}: {exc}") \
+            from exc
+    return target
+
+
+def start_own(**ray_init: Any) -> str:
+    """Start a new local Ray cluster for this process (never one already running); returns its
+    GCS address. ``ray.shutdown()`` stops it."""
+    import ray
+
+    ray_init.setdefault("namespace", RAY_NAMESPACE)
+    ray.init(address="local", **ray_init)
+    return str(ray.get_runtime_context().gcs_address)
+
+
+def join_or_start(address: str | None, timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
+                  **ray_init: Any) -> bool:
+    """Join ``address`` (else ``RAY_ADDRESS``), or with neither start a cluster of this
+    process's own; True if it was started here (so this process may stop it)."""
+    target = address or os.environ.get("RAY_ADDRESS") or None
+    if target is None:
+        start_own(**ray_init)
+        return True
+    join(target, timeout_s, **ray_init)
+    return False
+
+
+def forget_head(address: str, temp_dir: str | None = None) -> bool:
+    """Remove Ray's current-cluster file if it names ``address`` and nothing answers there any
+    more (a head that was stopped); True if removed. Another cluster's entry is left alone."""
+    from ray._common.utils import get_ray_address_file
+    from ray._private.utils import read_ray_address
+
+    recorded = read_ray_address(temp_dir)
+    if not recorded:
+        return False
+    try:
+        host, port = split_address(recorded)
+        want_host, want_port = split_address(address)
+    except ValueError:
+        return False
+    if port != want_port or not _same_host(host, want_host) or port_open(host, port):
+        return False
+    try:
+        os.unlink(get_ray_address_file(temp_dir))
+    except FileNotFoundError:
+        return False
+    log.info("forgot the stopped Ray head %s in Ray's current-cluster file", recorded)
+    return True
+
+
+def stop_local_head(pid: int, address: str) -> bool:
+    """Stop the ``ray start --block`` head at ``pid`` (see local_ray.stop_head) and forget it in
+    Ray's current-cluster file, so the next ``ray.init()`` here does not wait for it."""
+    stopped = stop_head(pid)
+    if stopped and address != "auto":
+        forget_head(address)
+    return stopped
+
+
+def _same_host(a: str, b: str) -> bool:
+    if a == b:
+        return True
+    try:
+        return _ip(a) == _ip(b)
+    except OSError:
+        return False
+
+
+def _ip(host: str) -> str:
+    # Ray records a local head under the machine's address, users name it 127.0.0.1.
+    return "local" if is_local(host) else socket.gethostbyname(host)

@@ -1,0 +1,97 @@
+"""Deployable: a client connected while the service is down gets misses, then finds the service
+when it returns; ``start_service="wait"`` waits for someone else to start it, within a bound;
+a DPU that joins after its host takes the host's agent over, and gives it back when it leaves."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import ray
+from lifecycle_support import new_machine
+from support import LAYOUT, client_on
+
+from cmx.actors.links import RAY_NAMESPACE, actor_name
+
+WAIT = """
+import json, threading, torch
+from cmx import ContextMemory, KVLayout
+from cmx.actors.service import ensure_service, stop_service
+from cmx.errors import UnavailableError
+
+layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=16, dtype="float16", block_tokens=16)
+tokens = list(range(64))
+kv = torch.randn(layout.shape(64), generator=torch.Generator().manual_seed(3)).to(torch.float16)
+early = ContextMemory.connect(start_service=False, num_cpus=1, include_dashboard=False)
+ns = early.namespace("m", layout)
+out = {"ready_before": early.ready(), "found_before": ns.lookup(tokens).num_tokens}
+threading.Timer(2.0, ensure_service, args=(early.config,)).start()  # the service comes up
+ContextMemory.connect(start_service="wait", join_timeout_s=240)
+out["ready_after"] = early.ready()
+out["stored"] = ns.store(tokens, kv).wait()
+out["found"] = ns.lookup(tokens).num_tokens
+out["exact"] = bool(torch.equal(ns.load(tokens), kv))
+stop_service()
+try:
+    ContextMemory.connect(start_service="wait", join_timeout_s=2)
+    out["wait_error"] = None
+except UnavailableError as exc:
+    out["wait_error"] = type(exc).__name__
+early.shutdown()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(600)
+def test_a_client_connected_while_the_service_is_down_finds_it_when_it_returns(
+    tmp_path: Path,
+) -> None:
+    m = new_machine(tmp_path, with_token=False)
+    out = m.python(WAIT, timeout_s=400, RAY_ADDRESS="")
+    assert (out["ready_before"], out["found_before"]) == (False, 0)
+    assert out["ready_after"] is True
+    assert (out["stored"], out["found"], out["exact"]) == (4, 64, True)
+    assert out["wait_error"] == "UnavailableError"
+    shutil.rmtree(m.ray_tmp, ignore_errors=True)
+
+
+def _placement(node_id: str) -> dict[str, Any]:
+    agent = ray.get_actor(actor_name("agent", node_id), namespace=RAY_NAMESPACE)
+    return dict(ray.get(agent.placement.remote(), timeout=60))
+
+
+def _reconcile() -> dict[str, Any]:
+    controller = ray.get_actor("cmx:controller", namespace=RAY_NAMESPACE)
+    return dict(ray.get(controller.reconcile.remote(), timeout=240))
+
+
+@pytest.mark.timeout(600)
+def test_a_dpu_that_joins_after_its_host_takes_its_agent_over(
+    cluster: Any, cm: Any, config: Any
+) -> None:
+    host = cluster.add_node(num_cpus=0, labels={config.host_label: "rack3-h2"})
+    cluster.wait_for_nodes()
+    _reconcile()
+    assert _placement(host.node_id)["dpu"] is False
+
+    dpu = cluster.add_node(
+        num_cpus=0, labels={config.dpu_label: "bluefield-3", config.host_label: "rack3-h2"})
+    cluster.wait_for_nodes()
+    assert host.node_id in _reconcile()["agents_moved"]
+    assert _placement(host.node_id) == {"node": host.node_id, "placed_on": dpu.node_id,
+                                        "dpu": True}
+    toks = np.random.default_rng(5).integers(0, 50_000, 2 * LAYOUT.block_tokens, dtype=np.uint32)
+    remote = client_on(host.node_id, config)
+    assert ray.get(remote.store.remote("m-dpu", LAYOUT, "t", toks,
+                                       LAYOUT.random_kv(len(toks), seed=5))) == 2
+
+    cluster.remove_node(dpu)  # the DPU goes: the agent comes back to its host
+    result = _reconcile()
+    assert host.node_id in result["agents_moved"]
+    assert _placement(host.node_id)["dpu"] is False
+    ray.kill(remote)
+    cluster.remove_node(host)
+    _reconcile()

@@ -1,0 +1,89 @@
+"""Ray's current-cluster file and addresses, as the lifecycle reads and forgets them (no Ray)."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cmx.operate.local_ray import is_local, split_address
+from cmx.operate.ray_cluster import (
+    ClusterUnreachableError,
+    current_cluster,
+    forget_head,
+    resolve,
+    wait_for_gcs,
+)
+
+
+@pytest.fixture()
+def ray_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    (tmp_path / "ray").mkdir()
+    return tmp_path / "ray" / "ray_current_cluster"
+
+
+@pytest.fixture()
+def listening() -> Iterator[int]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield int(s.getsockname()[1])
+
+
+def dead_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_stopped_head_is_forgotten_under_any_local_name(ray_tmp: Path) -> None:
+    port = dead_port()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("192.0.2.254", 9))  # no packet is sent: the interface Ray records is chosen
+        own_ip = s.getsockname()[0]
+    ray_tmp.write_text(f"{own_ip}:{port}")
+    assert current_cluster() == f"{own_ip}:{port}"
+    assert forget_head(f"127.0.0.1:{port}")
+    assert not ray_tmp.exists() and current_cluster() is None
+    assert not forget_head(f"127.0.0.1:{port}")  # nothing left to forget
+
+
+def test_another_clusters_entry_and_a_live_head_are_left_alone(
+    ray_tmp: Path, listening: int
+) -> None:
+    ray_tmp.write_text(f"127.0.0.1:{dead_port()}")
+    assert not forget_head(f"127.0.0.1:{listening}")  # another port: not ours
+    ray_tmp.write_text(f"127.0.0.1:{listening}")
+    assert not forget_head(f"127.0.0.1:{listening}")  # still answers: not stopped
+    assert ray_tmp.read_text() == f"127.0.0.1:{listening}"
+
+
+def test_auto_resolves_from_the_environment_then_the_file(
+    ray_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(ClusterUnreachableError, match="auto"):
+        resolve("auto")
+    ray_tmp.write_text("10.0.0.5:6379")
+    assert resolve("auto") == "10.0.0.5:6379"
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.6:6380")
+    assert resolve("auto") == "10.0.0.6:6380"
+    assert resolve("h:1") == "h:1"
+
+
+def test_waiting_for_a_dead_address_ends_in_a_typed_error(listening: int) -> None:
+    wait_for_gcs(f"127.0.0.1:{listening}", timeout_s=1.0)
+    with pytest.raises(ClusterUnreachableError, match="no Ray cluster answers"):
+        wait_for_gcs(f"127.0.0.1:{dead_port()}", timeout_s=0.5)
+
+
+def test_addresses_split_and_local_hosts() -> None:
+    assert split_address("ray://10.1.2.3:10001") == ("10.1.2.3", 10001)
+    assert split_address("[::1]:6379") == ("::1", 6379)
+    with pytest.raises(ValueError):
+        split_address("no-port")
+    assert is_local("127.0.0.1") and is_local(socket.gethostname())
+    assert not is_local("192.0.2.254")  # TEST-NET: no interface here has it

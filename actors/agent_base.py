@@ -7,6 +7,7 @@ each part is a mixin over this base, which holds the state and the calls into th
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -17,17 +18,25 @@ from cmx.actors.nvme_io import NvmeIo
 from cmx.actors.scheduler import Scheduler
 from cmx.actors.transport import PeerInfo, Region, Transport
 from cmx.config import ServiceConfig
+from cmx.errors import CmxError
 from cmx.metrics import Histogram
 from cmx.policies.admission import AdmissionPolicy
 from cmx.storage.arena import SharedArena
 from cmx.tiers import Tier
 
-__all__ = ["AgentBase"]
+__all__ = ["AgentBase", "StaleEpochError"]
 
 # Batch calls of a tier that do nothing for no keys: those answering a list, and the others.
 _EMPTY_LIST_CALLS = frozenset({"pin", "reserve", "acquire", "commit_pinned"})
 _EMPTY_NONE_CALLS = frozenset({"unpin", "abort"})
 _NO_ANSWER = object()
+log = logging.getLogger(__name__)
+
+KEEP_EPOCHS = 4  # arenas of earlier incarnations of a tier kept mapped for grants still in use
+
+
+class StaleEpochError(CmxError):
+    """A grant or pin of a tier incarnation whose arena is no longer mapped here."""
 
 
 class AgentBase:
@@ -42,7 +51,9 @@ class AgentBase:
     moved: Counter[str]  # "src->dst" -> bytes
     moved_via: Counter[str]  # transport, "local" or "nvme" -> bytes
     latency: dict[str, Histogram]
-    _arenas: dict[Tier, tuple[ArenaInfo, SharedArena]]
+    _arenas: dict[Tier, tuple[ArenaInfo, SharedArena]]  # the current incarnation's
+    _epochs: dict[str, tuple[ArenaInfo, SharedArena]]  # by epoch: current and a few earlier
+    owner: str  # whom the tiers' leases of this agent name
     _peers: dict[str, PeerInfo]  # actor name -> what it published
 
     def _call(self, tier: Tier, method: str, *args: object) -> Any:
@@ -61,18 +72,47 @@ class AgentBase:
                 results[i] = answer
         return results
 
+    def _give_back(self, tier: Tier, unpin: Sequence[int] = (),
+                   abort: Sequence[int] = ()) -> None:
+        """End leases on an error path. A tier that does not answer keeps them only until
+        they expire (or it restarted, and they went with it)."""
+        calls = [(tier, m, (list(ls),)) for m, ls in (("unpin", unpin), ("abort", abort)) if ls]
+        try:
+            self._call_many(calls)
+        except CmxError as exc:
+            log.warning("%s did not take back leases: %s", tier.value, exc)
+
     def _check_epoch(self, tier: Tier, result: object) -> None:
-        """A tier that restarted has a new arena: re-attach before using its slots."""
+        """A tier that restarted has a new arena: map it before its slots are used. Grants
+        and pins of the earlier one are still used in *its* arena (``_arena``), never here."""
         if tier not in self._arenas or not isinstance(result, list):
             return
         epochs = {getattr(r, "epoch", None) for r in result} - {None}
-        if epochs and epochs != {self._arenas[tier][0].epoch}:
+        if epochs - self._epochs.keys():
             self._attach(tier)
+
+    def _arena(self, epoch: str) -> SharedArena:
+        """The arena of a tier's incarnation: where a grant or pin of that epoch is valid.
+
+        An earlier incarnation's arena stays mapped, so a copy into an old grant lands in
+        memory no live tier uses (its commit is then refused) instead of in the slot of
+        whatever block the new incarnation put there."""
+        mapped = self._epochs.get(epoch)
+        if mapped is None:
+            raise StaleEpochError(f"no arena of epoch {epoch} is mapped here")
+        return mapped[1]
 
     def _attach(self, tier: Tier) -> None:
         info: ArenaInfo = self.link.call(actor_name(tier.value, self.node), "info")
+        if info.epoch in self._epochs:
+            return
         arena = SharedArena.attach(info.arena, populate=True)  # every block passes through here
         self._arenas[tier] = (info, arena)
+        self._epochs[info.epoch] = (info, arena)
+        of_tier = [e for e, (i, _) in self._epochs.items() if i.tier is tier]
+        for old in of_tier[:-KEEP_EPOCHS]:
+            # Not closed: a copy still running may hold a view; the mapping goes with the last.
+            del self._epochs[old]
         self.transport.register(
             Region(info.arena, arena.buffer.ctypes.data, info.slot_bytes, info.num_slots),
             arena.buffer,

@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cmx.actors.agent_base import AgentBase
+from cmx.actors.agent_base import AgentBase, StaleEpochError
 from cmx.actors.arena_tier import Grant, Pinned
 from cmx.actors.directory import Copy
 from cmx.actors.links import actor_name
@@ -81,17 +81,18 @@ class RemoteFills(AgentBase):
         return actor_name("agent", node), [i for i, n in first.items() if n == node]
 
     def _acquire(
-        self, keys: Sequence[BlockHash], sources: Sequence[list[tuple[Tier, str]]],
+        self, keys: Sequence[BlockHash], sources: Sequence[list[tuple[Tier, str]]], owner: str,
     ) -> tuple[list[Pinned | Grant | None], StagedAhead | None]:
-        """HBM's ``acquire`` of ``keys``, with the likely peer staging at the same time."""
+        """HBM's ``acquire`` of ``keys`` for ``owner``, with the likely peer staging at the
+        same time."""
         items = [(k, keys[i - 1] if i else None) for i, k in enumerate(keys)]
         plan = self._stage_plan(sources)
         if plan is None:
-            return self._call(Tier.HBM, "acquire", items), None
+            return self._call(Tier.HBM, "acquire", items, owner), None
         actor, idx = plan
         held, staged = self.link.call_many(  # type: ignore[attr-defined]
-            [(actor_name(Tier.HBM.value, self.node), "acquire", (items,)),
-             (actor, "stage", ([keys[i] for i in idx],))],
+            [(actor_name(Tier.HBM.value, self.node), "acquire", (items, owner)),
+             (actor, "stage", ([keys[i] for i in idx], self.owner))],
             timeout_s=self.config.load_timeout_s, return_exceptions=True,
         )
         ahead = None
@@ -126,7 +127,7 @@ class RemoteFills(AgentBase):
                                          granted, priority, more=bool(todo)))
         while todo:
             staged: list[Staged | None] = self.link.call(  # type: ignore[attr-defined]
-                peer_agent, "stage", [keys[i] for i in todo],
+                peer_agent, "stage", [keys[i] for i in todo], self.owner,
                 timeout_s=self.config.load_timeout_s,
             )
             if all(s is None for s in staged):
@@ -152,11 +153,14 @@ class RemoteFills(AgentBase):
             if any(s is not None and s.region not in {r.name for r in peer.regions}
                    for s in staged):
                 peer = self._peer(peer_agent, refresh=True)  # the peer re-registered its arenas
-            hbm_info, hbm = self._arenas[Tier.HBM]
             pairs = [(i, s) for i, s in zip(idx, staged) if s is not None]
-            moves = [Move(s.region, s.slot, hbm_info.arena, granted[i].slot) for i, s in pairs]
-            checks = _LandedChecks(hbm, {m: (s.size, s.checksum) for m, (_, s) in
-                                         zip(moves, pairs)})
+            moves = [Move(s.region, s.slot, self._epochs[granted[i].epoch][0].arena,
+                          granted[i].slot) for i, s in pairs if granted[i].epoch in self._epochs]
+            if len(moves) < len(pairs):
+                raise StaleEpochError("HBM restarted since it granted these slots")
+            checks = _LandedChecks(
+                {m: (self._arena(granted[i].epoch), s.size, s.checksum)
+                 for m, (i, s) in zip(moves, pairs)})
             with self.scheduler.staging(0):
                 fut = self.scheduler.submit(
                     priority,
@@ -169,14 +173,20 @@ class RemoteFills(AgentBase):
                     self._peers.pop(peer_agent, None)  # the peer may have restarted
                     raise
             out: dict[int, Loaded] = {}
+            corrupt: list[Staged] = []
             for m, (i, s) in zip(moves, pairs):
                 if m not in checks.intact:
                     log.warning("checksum mismatch for %s from %s", keys[i].hex()[:12], node[:8])
+                    corrupt.append(s)
                     continue
                 out[i] = Loaded(keys[i], granted[i].slot, s.size, s.source_tier, node,
                                 self.transport.name, s.checksum)
                 self.moved[f"{s.source_tier.value}@peer->hbm"] += s.size
                 self.moved_via[self.transport.name] += s.size
+            if corrupt:  # after unstaging: a pinned copy cannot be dropped at once
+                self._unstage(peer_agent, [s for s in staged if s is not None], wait=True)
+                staged = []
+                self.link.tell(peer_agent, "quarantine_staged", corrupt)  # type: ignore[attr-defined]
             return out
         finally:
             self._unstage(peer_agent, [s for s in staged if s is not None], wait=more)
@@ -197,18 +207,17 @@ class _LandedChecks:
     """Checksums of blocks landing piece by piece (``Transport.read``'s ``on_landed``):
     each piece is fed while it is still in the cache, as later pieces still move."""
 
-    def __init__(self, arena: SharedArena, expected: dict[Move, tuple[int, int]]) -> None:
-        self._arena = arena
-        self._expected = expected  # move -> (payload size, checksum)
+    def __init__(self, expected: dict[Move, tuple[SharedArena, int, int]]) -> None:
+        self._expected = expected  # move -> (arena it lands in, payload size, checksum)
         self._streams = {m: ChecksumStream() for m in expected}
         self.intact: set[Move] = set()  # moves whose whole payload landed and checked out
 
     def landed(self, move: Move, start: int, stop: int) -> None:
-        size, want = self._expected[move]
+        arena, size, want = self._expected[move]
         end = min(stop, size)  # a slot travels whole; the payload may end before it
         if start >= end:
             return
         stream = self._streams[move]
-        stream.feed(self._arena.slot_view(move.dst_slot)[start:end])
+        stream.feed(arena.slot_view(move.dst_slot)[start:end])
         if end == size and stream.value() == want:
             self.intact.add(move)

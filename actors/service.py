@@ -54,6 +54,7 @@ class ArenaTierActor(ArenaTierService):
         super().__init__(
             tier, node, capacity, config.block_bytes, RayLink(config.call_timeout_s),
             config.directory_shards, config.eviction, emulated=tier is Tier.HBM,
+            lease_s=config.lease_s,
         )
         _heartbeat(self, config.heartbeat_s)
 
@@ -63,7 +64,7 @@ class NvmeTierActor(NvmeTierService):
         super().__init__(
             node, os.path.join(config.nvme_dir, node[:16]), config.nvme_bytes,
             config.block_bytes, RayLink(config.call_timeout_s), config.directory_shards,
-            config.eviction, segment_bytes=config.nvme_segment_bytes,
+            config.eviction, segment_bytes=config.nvme_segment_bytes, lease_s=config.lease_s,
         )
         _heartbeat(self, config.heartbeat_s)
 
@@ -83,7 +84,7 @@ class PoolNodeActor(PoolNodeService):
             node, pool_id, os.path.join(config.nvme_dir, f"pool-{pool_id}"), config.pool_bytes,
             config.block_bytes, config.pool_staging_bytes, RayLink(config.call_timeout_s),
             config.directory_shards, config.transport, config.eviction,
-            segment_bytes=config.nvme_segment_bytes,
+            segment_bytes=config.nvme_segment_bytes, lease_s=config.lease_s,
         )
         _heartbeat(self, config.heartbeat_s)
 

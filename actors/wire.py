@@ -21,6 +21,7 @@ class Staged:
     size: int
     checksum: int
     source_tier: Tier  # where it was before staging (NVMe blocks are promoted first)
+    lease: int = 0  # of the pin on the peer: ``unstage`` ends it
 
 
 @dataclass(frozen=True)
@@ -45,10 +46,11 @@ class Loaded:
     source_tier: Tier
     source_node: str
     via: str  # "local", "nvme", or the transport's name
-    checksum: int = 0
+    checksum: int = 0  # of the payload: the reader checks it before using the bytes
+    lease: int = 0  # of the HBM pin: end it with ``release``
 
 
 @dataclass(frozen=True)
 class LoadResult:
-    arena: str  # the HBM arena the slots are in
-    blocks: list[Loaded]  # the loaded prefix, pinned until ``release``
+    arena: str  # the HBM arena the slots are in ("" if it is gone: nothing was loaded)
+    blocks: list[Loaded]  # the loaded prefix, pinned until ``release`` or the lease expires

@@ -47,7 +47,7 @@ def load(plane: Plane, node: str, keys: list[bytes]) -> tuple[np.ndarray, list]:
         [hbm.slot_view(b.slot)[: b.size] for b in result.blocks]
         or [np.empty(0, np.uint8)]
     ).copy()
-    agent.release([b.key for b in result.blocks])
+    agent.release([b.lease for b in result.blocks])
     return data, result.blocks
 
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from cmx.actors.directory import Entry, Source
 from cmx.actors.events import EventPublisher
-from cmx.actors.leases import Clock, LeaseKind, Leases
+from cmx.actors.leases import ADMIN, Clock, LeaseKind, Leases
 from cmx.errors import BlockStateError, StoreFullError
 from cmx.keys import BlockHash
 from cmx.storage.arena import SHM_DIR, reap_orphans
@@ -208,7 +208,7 @@ class ArenaTierService:
 
     # -- reads ---------------------------------------------------------------------------------
 
-    def pin(self, keys: Sequence[BlockHash], owner: str) -> list[Pinned | None]:
+    def pin(self, keys: Sequence[BlockHash], owner: str = ADMIN) -> list[Pinned | None]:
         self.leases.expire()
         out: list[Pinned | None] = []
         for key in keys:
@@ -235,8 +235,13 @@ class ArenaTierService:
         grants = iter(self.reserve([item for item, p in zip(items, pins) if p is None], owner))
         return [p if p is not None else next(grants) for p in pins]
 
-    def unpin(self, leases: Sequence[int]) -> None:
-        self.leases.end(leases)
+    def unpin(self, leases: Sequence[int | BlockHash]) -> None:
+        """End pins by lease; a key ends the oldest pin of ``ADMIN`` on it (the admin API
+        pins and unpins by key)."""
+        self.leases.end([x for x in leases if isinstance(x, int)])
+        for key in leases:
+            if isinstance(key, bytes):
+                self.leases.end_one(ADMIN, BlockHash(key))
 
     def release_owner(self, owner: str) -> int:
         """Give back every pin and reservation ``owner`` holds; how many."""
@@ -252,6 +257,7 @@ class ArenaTierService:
             return  # the block went with a close
         if key in self._doomed and self._drop(key):
             self._doomed.discard(key)
+            self.publisher.flush()
 
     def quarantine(self, keys: Sequence[BlockHash]) -> int:
         """Drop copies a reader found corrupt; a pinned one goes at its last unpin."""

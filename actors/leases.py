@@ -19,9 +19,10 @@ from dataclasses import dataclass
 
 from cmx.keys import BlockHash
 
-__all__ = ["Held", "LeaseKind", "LeaseStats", "Leases"]
+__all__ = ["ADMIN", "Held", "LeaseKind", "LeaseStats", "Leases"]
 
 Clock = Callable[[], float]
+ADMIN = "admin"  # the owner of pins an operator takes by hand: they expire like any other
 
 
 class LeaseKind(str, enum.Enum):
@@ -86,6 +87,13 @@ class Leases:
         for lease, h in held:
             h.undo(lease)
         return len(held)
+
+    def end_one(self, owner: str, key: BlockHash) -> bool:
+        """End the oldest lease ``owner`` holds on ``key`` (for holders that keep no ids)."""
+        with self._lock:
+            lease = next((i for i, h in self._held.items() if h.owner == owner and h.key == key),
+                         None)
+        return lease is not None and self.end([lease]) == 1
 
     def forget_key(self, key: BlockHash) -> int:
         """Drop every lease on ``key`` without giving anything back: the block itself is gone

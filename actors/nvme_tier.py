@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 from cmx.actors.directory import Entry, Source
 from cmx.actors.events import EventPublisher
-from cmx.actors.leases import Clock, LeaseKind, Leases
+from cmx.actors.leases import ADMIN, Clock, LeaseKind, Leases
 from cmx.actors.nvme_io import Extent
 from cmx.errors import BlockStateError
 from cmx.keys import BlockHash
@@ -115,7 +115,7 @@ class NvmeTierService:
         if pending is not None:
             self.store.abort_extent(pending)
 
-    def pin(self, keys: Sequence[BlockHash], owner: str) -> list[Extent | None]:
+    def pin(self, keys: Sequence[BlockHash], owner: str = ADMIN) -> list[Extent | None]:
         self.leases.expire()
         out: list[Extent | None] = []
         for key in keys:
@@ -133,8 +133,13 @@ class NvmeTierService:
                               entry.length, entry.checksum, lease))
         return out
 
-    def unpin(self, leases: Sequence[int]) -> None:
-        self.leases.end(leases)
+    def unpin(self, leases: Sequence[int | BlockHash]) -> None:
+        """End pins by lease; a key ends the oldest pin of ``ADMIN`` on it (the admin API
+        pins and unpins by key)."""
+        self.leases.end([x for x in leases if isinstance(x, int)])
+        for key in leases:
+            if isinstance(key, bytes):
+                self.leases.end_one(ADMIN, BlockHash(key))
 
     def release_owner(self, owner: str) -> int:
         return self.leases.release_owner(owner)

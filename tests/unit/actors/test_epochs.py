@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 from plane import Plane, make_plane
-from scenarios import BLOCK, blocks, check, load, restart_tier, small_config
+from scenarios import blocks, check, load, restart_tier, small_config
 
 from cmx.tiers import Tier
 

@@ -164,7 +164,7 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites):
         start_time = time.perf_counter()
         owner = owner or self.owner
         sources = [self._sources(c) for c in copies]  # per key, fastest first
-        held, ahead = self._acquire(keys, sources, owner)
+        held, ahead = self._acquire(keys, sources, copies, owner)
         hits = {i: p for i, p in enumerate(held) if isinstance(p, Pinned)}
         granted = {i: g for i, g in enumerate(held) if isinstance(g, Grant)}
         try:
@@ -180,8 +180,7 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites):
                             abort=[g.lease for g in granted.values()])
             raise
         finally:
-            if ahead is not None:
-                self._release_ahead(ahead)
+            self._release_ahead(ahead)
         prefix: list[Loaded] = []
         for i in range(len(keys)):
             if i not in loaded:
@@ -190,8 +189,7 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites):
         tail = [b.lease for i, b in loaded.items() if i >= len(prefix)]
         if owner in self._given_up:  # the caller stopped waiting: nobody will release these
             tail, prefix = tail + [b.lease for b in prefix], []
-        if tail:
-            self._call(Tier.HBM, "unpin", tail)
+        self._let_go(Tier.HBM, tail)
         self._pool_later(prefix, copies)
         op = "load" if priority is Priority.LOAD else "prefetch"
         self.latency[op].observe(time.perf_counter() - start_time)
@@ -230,12 +228,12 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites):
     def prefetch(self, keys: Sequence[BlockHash], copies: Sequence[Sequence[Copy]]) -> int:
         """Move a prefix into HBM at prefetch priority and leave it cached there."""
         loaded = self.load(keys, copies, Priority.PREFETCH).blocks
-        self._call(Tier.HBM, "unpin", [b.lease for b in loaded])
+        self._let_go(Tier.HBM, [b.lease for b in loaded])
         return len(loaded)
 
     def _fill_hbm(
         self, keys: Sequence[BlockHash], sources: Sequence[list[tuple[Tier, str]]],
-        granted: dict[int, Grant], priority: Priority, ahead: StagedAhead | None, owner: str,
+        granted: dict[int, Grant], priority: Priority, ahead: StagedAhead, owner: str,
     ) -> dict[int, Loaded]:
         """Fill the granted HBM slots, each from its fastest copy; the filled ones pinned."""
         self._demote_victims(Tier.HBM, list(granted.values()))
@@ -265,14 +263,14 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites):
 
     def _fill_from(
         self, tier: Tier, node: str, keys: Sequence[BlockHash], idx: list[int],
-        granted: dict[int, Grant], priority: Priority, ahead: StagedAhead | None,
+        granted: dict[int, Grant], priority: Priority, ahead: StagedAhead,
     ) -> dict[int, Loaded]:
         if tier is Tier.POOL:
             return self._fill_remote(actor_name("pool", node), node, keys, idx, granted, priority)
         if node != self.node:
             return self._fill_remote(actor_name("agent", node), node, keys, idx, granted,
                                      priority, ahead)
-        pins = self._call(tier, "pin", [keys[i] for i in idx], self.owner)
+        pins = self._pin_local(tier, keys, idx, ahead)
         try:
             jobs = []
             for i, pin in zip(idx, pins):
@@ -293,7 +291,17 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites):
                     self.moved_via[via] += pin.size
             return out
         finally:
-            self._give_back(tier, unpin=[p.lease for p in pins if p is not None])
+            self._let_go(tier, [p.lease for p in pins if p is not None])
+
+    def _pin_local(self, tier: Tier, keys: Sequence[BlockHash], idx: list[int],
+                   ahead: StagedAhead) -> list[Pinned | Extent | None]:
+        """Pins of ``keys[idx]`` in this node's ``tier``: those taken ahead, and the rest."""
+        pre: dict[int, Pinned | Extent | None] = {}
+        if tier is Tier.DRAM:
+            pre.update(ahead.take_local(idx))
+        rest = [i for i in idx if i not in pre]
+        pre.update(zip(rest, self._call(tier, "pin", [keys[i] for i in rest], self.owner)))
+        return [pre[i] for i in idx]
 
     def _read_local(self, tier: Tier, pin: Pinned | Extent, slot: np.ndarray) -> bool:
         """Copy one pinned local block into the front of ``slot``; NVMe reads are verified."""

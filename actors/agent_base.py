@@ -82,6 +82,12 @@ class AgentBase:
         except CmxError as exc:
             log.warning("%s did not take back leases: %s", tier.value, exc)
 
+    def _let_go(self, tier: Tier, leases: Sequence[int]) -> None:
+        """End pins nobody waits on: one way, off the load's path. Should the message be
+        lost, the pins expire."""
+        if leases:
+            self.link.tell(actor_name(tier.value, self.node), "unpin", list(leases))
+
     def _check_epoch(self, tier: Tier, result: object) -> None:
         """A tier that restarted has a new arena: map it before its slots are used. Grants
         and pins of the earlier one are still used in *its* arena (``_arena``), never here."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cmx.actors.agent_base import AgentBase, StaleEpochError
 from cmx.actors.arena_tier import Grant, Pinned
@@ -33,20 +33,31 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class StagedAhead:
-    """Blocks a peer agent staged while this node's HBM was asked for slots."""
+    """What was asked at the same time as this node's HBM was asked for slots: blocks a peer
+    agent staged, and blocks pinned in this node's DRAM. A fill takes what it uses."""
 
-    actor: str  # the peer agent's actor name
-    staged: dict[int, Staged | None]  # key index -> what it staged, until a fill takes it
+    actor: str  # the peer agent's actor name ("" if none was asked)
+    staged: dict[int, Staged | None]  # key index -> what the peer staged
+    local: dict[int, Pinned | None] = field(default_factory=dict)  # key index -> DRAM pin
 
     def take(self, actor: str, idx: Sequence[int]) -> dict[int, Staged | None]:
         if actor != self.actor:
             return {}
         return {i: self.staged.pop(i) for i in idx if i in self.staged}
 
+    def take_local(self, idx: Sequence[int]) -> dict[int, Pinned | None]:
+        return {i: self.local.pop(i) for i in idx if i in self.local}
+
     def leftovers(self) -> list[Staged]:
         """Staged blocks no fill took (their HBM slot was not granted, or a fill failed)."""
         rest = [s for s in self.staged.values() if s is not None]
         self.staged.clear()
+        return rest
+
+    def local_leftovers(self) -> list[int]:
+        """Leases of DRAM pins no fill took (the block was an HBM hit, or a fill failed)."""
+        rest = [p.lease for p in self.local.values() if p is not None]
+        self.local.clear()
         return rest
 
 
@@ -80,35 +91,51 @@ class RemoteFills(AgentBase):
         node, _ = Counter(first.values()).most_common(1)[0]
         return actor_name("agent", node), [i for i, n in first.items() if n == node]
 
+    def _pin_plan(self, copies: Sequence[Sequence[Copy]]) -> list[int]:
+        """Keys the directory knows in this node's DRAM but not in its HBM: a load will copy
+        them from DRAM, so they are pinned there while HBM is asked for slots."""
+        here = [{c.tier for c in cs if c.node == self.node} for cs in copies]
+        return [i for i, tiers in enumerate(here) if Tier.DRAM in tiers and Tier.HBM not in tiers]
+
     def _acquire(
-        self, keys: Sequence[BlockHash], sources: Sequence[list[tuple[Tier, str]]], owner: str,
-    ) -> tuple[list[Pinned | Grant | None], StagedAhead | None]:
-        """HBM's ``acquire`` of ``keys`` for ``owner``, with the likely peer staging at the
-        same time."""
+        self, keys: Sequence[BlockHash], sources: Sequence[list[tuple[Tier, str]]],
+        copies: Sequence[Sequence[Copy]], owner: str,
+    ) -> tuple[list[Pinned | Grant | None], StagedAhead]:
+        """HBM's ``acquire`` of ``keys`` for ``owner``; at the same time, the likely peer
+        stages its blocks and this node's DRAM pins its own: one round trip for all."""
         items = [(k, keys[i - 1] if i else None) for i, k in enumerate(keys)]
         plan = self._stage_plan(sources)
-        if plan is None:
-            return self._call(Tier.HBM, "acquire", items, owner), None
-        actor, idx = plan
-        held, staged = self.link.call_many(  # type: ignore[attr-defined]
-            [(actor_name(Tier.HBM.value, self.node), "acquire", (items, owner)),
-             (actor, "stage", ([keys[i] for i in idx], self.owner))],
-            timeout_s=self.config.load_timeout_s, return_exceptions=True,
-        )
-        ahead = None
-        if isinstance(staged, BaseException):
-            log.warning("staging ahead at %s failed: %s", actor, staged)
-        else:
-            ahead = StagedAhead(actor, dict(zip(idx, staged)))
+        local = self._pin_plan(copies)
+        calls: list[tuple[str, str, tuple[object, ...]]] = [
+            (actor_name(Tier.HBM.value, self.node), "acquire", (items, owner))]
+        if plan is not None:
+            calls.append((plan[0], "stage", ([keys[i] for i in plan[1]], self.owner)))
+        if local:
+            calls.append((actor_name(Tier.DRAM.value, self.node), "pin",
+                          ([keys[i] for i in local], self.owner)))
+        answers = self.link.call_many(  # type: ignore[attr-defined]
+            calls, timeout_s=self.config.load_timeout_s, return_exceptions=True)
+        held = answers[0]
+        ahead = StagedAhead(plan[0] if plan is not None else "", {})
+        if plan is not None:
+            if isinstance(answers[1], BaseException):
+                log.warning("staging ahead at %s failed: %s", plan[0], answers[1])
+            else:
+                ahead.staged = dict(zip(plan[1], answers[1]))
+        if local and not isinstance(answers[-1], BaseException):
+            self._check_epoch(Tier.DRAM, answers[-1])
+            ahead.local = dict(zip(local, answers[-1]))
         if isinstance(held, BaseException):
-            if ahead is not None:
-                self._release_ahead(ahead)
+            self._release_ahead(ahead)
             raise held
         self._check_epoch(Tier.HBM, held)
         return held, ahead
 
     def _release_ahead(self, ahead: StagedAhead) -> None:
-        self._unstage(ahead.actor, ahead.leftovers(), wait=False)
+        if ahead.actor:
+            self._unstage(ahead.actor, ahead.leftovers(), wait=False)
+        if rest := ahead.local_leftovers():
+            self._let_go(Tier.DRAM, rest)
 
     def _fill_remote(
         self, peer_agent: str, node: str, keys: Sequence[BlockHash], idx: list[int],

@@ -67,6 +67,9 @@ def test_store_then_load_locally_from_dram(plane: Plane) -> None:
     assert {b.source_tier for b in loaded} == {Tier.DRAM}
     data, loaded = load(plane, "node-a", keys)  # now a hit in HBM
     assert {b.source_tier for b in loaded} == {Tier.HBM}
+    for tier in (Tier.HBM, Tier.DRAM):  # pins taken ahead and not used went back too
+        stats = plane.tiers[("node-a", tier)].stats()
+        assert (stats["pinned"], stats["reserved"]) == (0, 0), tier
     check(plane)
 
 

@@ -8,8 +8,8 @@ through its scheduler: loads before prefetches before demotions.
 Public calls, each bounded:
 
 - ``store(keys, parents, payload)``: blocks into this node's DRAM (evicted DRAM blocks demote
-  to NVMe first); with write-through placement, to NVMe as well. Returns when committed and
-  visible to lookups.
+  to NVMe first, if NVMe admission lets them in); with write-through placement, admitted
+  blocks go to NVMe as well. Returns when committed and visible to lookups.
 - ``load(keys, copies)``: the longest prefix of ``keys`` into this node's HBM arena, each from
   its fastest copy, checksums verified for NVMe and network reads; the returned slots are
   pinned for the caller, who reads them and calls ``release``.
@@ -45,6 +45,7 @@ from cmx.errors import CmxError
 from cmx.keys import BlockHash
 from cmx.metrics import Histogram
 from cmx.policies.admission import make_admission
+from cmx.policies.placement import make_placement
 from cmx.storage.arena import SharedArena
 from cmx.tiers import Tier
 
@@ -71,9 +72,13 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites):
         self._peers: dict[str, PeerInfo] = {}
         self.moved: Counter[str] = Counter()  # "src->dst" -> bytes
         self.moved_via: Counter[str] = Counter()  # transport or "local"/"nvme" -> bytes
+        self.dropped: Counter[str] = Counter()  # why evicted blocks were not demoted -> blocks
         self.latency = {op: Histogram() for op in ("store", "load", "stage", "prefetch")}
         self.nvme = NvmeIo()
         self.pool_admission = make_admission("frequency", min_count=config.pool_admission_min_count)
+        self.placement = make_placement(config.placement)
+        self.nvme_admission = make_admission("frequency",
+                                             min_count=config.nvme_admission_min_count)
         self._pool: list[str] = []
         self._pool_checked = float("-inf")
         for tier in (Tier.HBM, Tier.DRAM):
@@ -124,8 +129,11 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites):
         stored = [(g.key, n, c) for g, n, c in done]
         self.moved["client->dram"] += sum(n for _, n, _ in stored)
         self.moved_via["local"] += sum(n for _, n, _ in stored)
-        if self.config.placement == "write_through":
-            self._write_nvme(Tier.DRAM, stored, parents_of(keys, parents))
+        for key in keys:
+            self.nvme_admission.record(key)
+        through = [s for s in stored
+                   if Tier.NVME in self.placement.on_store(self.nvme_admission.admit(s[0]))]
+        self._write_nvme(Tier.DRAM, through, parents_of(keys, parents))
         self._pool_write([k for k, _, _ in stored if self._admit(k)], parents_of(keys, parents),
                          replicas)
         return int(committed)
@@ -321,6 +329,7 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites):
             "transport": self.transport.name,
             "moved_bytes": dict(self.moved),
             "moved_via": dict(self.moved_via),
+            "dropped_blocks": dict(self.dropped),
             "transport_stats": {
                 "reads": self.transport.stats.reads,
                 "bytes": self.transport.stats.bytes_read,

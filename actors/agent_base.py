@@ -21,6 +21,7 @@ from cmx.config import ServiceConfig
 from cmx.errors import CmxError
 from cmx.metrics import Histogram
 from cmx.policies.admission import AdmissionPolicy
+from cmx.policies.placement import PlacementPolicy
 from cmx.storage.arena import SharedArena
 from cmx.tiers import Tier
 
@@ -48,8 +49,11 @@ class AgentBase:
     transport: Transport
     nvme: NvmeIo
     pool_admission: AdmissionPolicy
+    nvme_admission: AdmissionPolicy  # which blocks DRAM may write to NVMe
+    placement: PlacementPolicy  # write-through or write-back, over DRAM then NVMe
     moved: Counter[str]  # "src->dst" -> bytes
     moved_via: Counter[str]  # transport, "local" or "nvme" -> bytes
+    dropped: Counter[str]  # why evicted blocks were not demoted -> blocks
     latency: dict[str, Histogram]
     _arenas: dict[Tier, tuple[ArenaInfo, SharedArena]]  # the current incarnation's
     _epochs: dict[str, tuple[ArenaInfo, SharedArena]]  # by epoch: current and a few earlier

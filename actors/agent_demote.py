@@ -34,13 +34,23 @@ class Demotion(AgentBase):
             if tier is Tier.HBM:
                 self._demote_to_dram(victims)
             elif tier is Tier.DRAM:
+                victims = [g for g in victims if self._placed_below(g.victim.key)]  # type: ignore[union-attr]
                 items = [(g.victim.key, g.victim.size, g.victim.checksum) for g in victims]  # type: ignore[union-attr]
                 parents = {g.victim.key: g.victim.parent for g in victims}  # type: ignore[union-attr]
                 self._write_nvme(Tier.DRAM, items, parents,
                                  sources=[self._arena(g.epoch).slot_view(g.slot) for g in victims])
         except CmxError as exc:
-            self.moved["demotion_failures"] += len(victims)
+            self.dropped["demotion_failed"] += len(victims)
             log.warning("demotion of %d blocks from %s failed: %s", len(victims), tier.value, exc)
+
+    def _placed_below(self, key: BlockHash) -> bool:
+        """Whether a block DRAM evicts goes to NVMe: the placement's rule, with NVMe admission
+        (a block seen fewer than ``nvme_admission_min_count`` times is dropped)."""
+        admitted = self.nvme_admission.admit(key)
+        if self.placement.on_evict(Tier.DRAM, admitted, has_lower_copy=False) is Tier.NVME:
+            return True
+        self.dropped["not_admitted_to_nvme"] += 1
+        return False
 
     def _demote_to_dram(self, victims: list[Grant]) -> None:
         keys = [g.victim.key for g in victims]  # type: ignore[union-attr]

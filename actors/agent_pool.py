@@ -81,6 +81,8 @@ class PoolWrites(AgentBase):
     def _pool_later(self, loaded: Sequence[Loaded], copies: Sequence[Sequence[Copy]]) -> None:
         """Blocks reused often enough and not yet pooled go to the pool in the background
         (where there is a pool: the load that called this does not wait to find out)."""
+        for b in loaded:
+            self.nvme_admission.record(b.key)
         todo = [b.key for b, c in zip(loaded, copies)
                 if self._admit(b.key) and not any(x.tier is Tier.POOL for x in c)]
         if todo:

@@ -38,7 +38,6 @@ from cmx.actors.links import actor_name
 from cmx.actors.nvme_io import Extent, NvmeIo
 from cmx.actors.scheduler import Priority, Scheduler
 from cmx.actors.transport import PeerInfo, TransferError, make_transport
-from cmx.actors.wire import Loaded, LoadResult
 from cmx.checksum import checksum
 from cmx.config import ServiceConfig
 from cmx.errors import CmxError
@@ -46,6 +45,7 @@ from cmx.keys import BlockHash
 from cmx.metrics import Histogram
 from cmx.policies.admission import make_admission
 from cmx.policies.placement import make_placement
+from cmx.protocol import Loaded, LoadResult
 from cmx.storage.arena import SharedArena
 from cmx.tiers import Tier
 

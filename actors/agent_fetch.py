@@ -19,10 +19,10 @@ from cmx.actors.directory import Copy
 from cmx.actors.links import actor_name
 from cmx.actors.scheduler import Priority
 from cmx.actors.transport import Move, TransferError
-from cmx.actors.wire import Loaded, Staged
 from cmx.checksum import ChecksumStream
 from cmx.errors import UnavailableError
 from cmx.keys import BlockHash
+from cmx.protocol import Loaded, Staged
 from cmx.storage.arena import SharedArena
 from cmx.tiers import Tier
 

@@ -12,9 +12,9 @@ from cmx.actors.arena_tier import Grant
 from cmx.actors.nvme_io import Extent
 from cmx.actors.scheduler import Priority
 from cmx.actors.transport import PeerInfo
-from cmx.actors.wire import Staged
 from cmx.errors import UnavailableError
 from cmx.keys import BlockHash
+from cmx.protocol import Staged
 from cmx.tiers import Tier
 
 __all__ = ["PeerServing"]

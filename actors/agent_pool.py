@@ -11,10 +11,10 @@ from cmx.actors.arena_tier import Pinned
 from cmx.actors.directory import Copy
 from cmx.actors.links import actor_name
 from cmx.actors.scheduler import Priority
-from cmx.actors.wire import Loaded, Offer
 from cmx.errors import UnavailableError
 from cmx.keys import BlockHash
 from cmx.policies.rendezvous import owners
+from cmx.protocol import Loaded, Offer
 from cmx.tiers import Tier
 
 __all__ = ["PoolWrites"]

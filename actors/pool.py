@@ -29,11 +29,11 @@ from cmx.actors.leases import Clock, LeaseKind, Leases
 from cmx.actors.nvme_io import Extent, NvmeIo
 from cmx.actors.nvme_tier import extent_holdings
 from cmx.actors.transport import Move, PeerInfo, Region, TransferError, make_transport
-from cmx.actors.wire import Offer, Staged
 from cmx.checksum import checksum
 from cmx.errors import BlockStateError, CmxError, StoreFullError, UnavailableError
 from cmx.keys import BlockHash
 from cmx.policies.rendezvous import owners
+from cmx.protocol import Offer, Staged
 from cmx.storage.dram import DramStore
 from cmx.storage.nvme.chunks import block_sums
 from cmx.storage.nvme.extents import ExtentStore

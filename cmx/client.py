@@ -19,15 +19,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cmx.actors.directory import Copy, shard_of
-from cmx.actors.links import RAY_NAMESPACE, RayLink, actor_name
-from cmx.actors.scheduler import Priority
-from cmx.actors.wire import Loaded
 from cmx.checksum import checksum
 from cmx.config import ServiceConfig
 from cmx.errors import CmxError, LayoutMismatchError, UnavailableError
 from cmx.keys import BlockHash, Namespace, chain_keys
 from cmx.layout import KVLayout
+from cmx.links import RayLink
+from cmx.protocol import RAY_NAMESPACE, Copy, Loaded, Priority, actor_name, best_copy, shard_of
 from cmx.storage.arena import SharedArena
 from cmx.tiers import Tier
 
@@ -308,7 +306,7 @@ class NamespaceClient:
         for key, found in zip(keys, copies):
             if not found:
                 break
-            best = min(found, key=lambda c: (c.node != self.cm.node_id, c.tier.rank))
+            best = best_copy(found, self.cm.node_id)
             blocks.append(BlockLocation(key, best.tier, best.node, tuple(found)))
         return Match(len(blocks) * self.layout.block_tokens, tuple(blocks))
 

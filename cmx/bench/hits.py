@@ -74,7 +74,7 @@ def _dram_hits(cm: Any, ns: Any, toks: np.ndarray, keys: list[Any], reps: int) -
 def _checksum_seconds(cm: Any, keys: list[Any], copies: list[Any]) -> float:
     """What the client's check of a load's blocks takes: XXH3 over each HBM slot it copies."""
     from cmx.actors.links import actor_name
-    from cmx.actors.scheduler import Priority
+    from cmx.protocol import Priority
     from cmx.storage.arena import SharedArena
 
     agent = actor_name("agent", cm.node_id)

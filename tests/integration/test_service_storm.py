@@ -20,8 +20,8 @@ from support import LAYOUT
 
 from cmx import ContextMemory
 from cmx.actors.links import RAY_NAMESPACE, actor_name
-from cmx.actors.scheduler import Priority
 from cmx.config import ServiceConfig
+from cmx.protocol import Priority
 from cmx.tiers import Tier
 
 T = LAYOUT.block_tokens
@@ -121,6 +121,8 @@ def test_kill_storm_loads_are_right_or_missing_and_nothing_stays_held(
     node = cm.node_id
     kills = 0
     with Traffic(cm, bound_s) as traffic:
+        # The first kill waits for a hit: the path works before the storm breaks it.
+        assert until(lambda: traffic.hits > 0, bound_s), "no load hit before the storm"
         deadline = time.monotonic() + STORM_S
         while time.monotonic() < deadline:
             victim = VICTIMS[kills % len(VICTIMS)]
@@ -133,7 +135,7 @@ def test_kill_storm_loads_are_right_or_missing_and_nothing_stays_held(
             time.sleep(2.0)
     assert kills >= len(VICTIMS)
     assert traffic.wrong == []
-    assert traffic.hits > 0 and traffic.slowest < bound_s
+    assert traffic.slowest < bound_s
     # What the killed holders left goes back within the lease time (and the restarts).
     assert until(lambda: nothing_held(cm, node), config.lease_s + 30), held(cm, node)
     toks, kv = traffic.prefixes[0]

@@ -9,10 +9,10 @@ from plane import Plane
 
 from cmx.actors.arena_tier import ArenaTierService
 from cmx.actors.links import actor_name
-from cmx.actors.wire import Loaded
 from cmx.config import ServiceConfig
 from cmx.keys import BlockHash, Namespace, chain_keys
 from cmx.layout import KVLayout
+from cmx.protocol import Loaded
 from cmx.tiers import Tier
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16", block_tokens=16)

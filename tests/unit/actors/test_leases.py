@@ -186,7 +186,7 @@ def test_a_pool_node_whose_read_fails_leaks_nothing(
         plane.agents["node-a"].store(keys, [None, *keys[:-1]], payload)
         source = plane.agents["node-a"]
         pins = plane.tiers[("node-a", Tier.DRAM)].pin(keys, source.owner)
-        from cmx.actors.wire import Offer
+        from cmx.protocol import Offer
 
         region = source._arenas[Tier.DRAM][0].arena
         plane.link._targets[actor_name("agent", "node-a")] = source  # type: ignore[attr-defined]

@@ -10,11 +10,13 @@ Public calls, each bounded:
 - ``store(keys, parents, payload)``: blocks into this node's DRAM (evicted DRAM blocks demote
   to NVMe first, if NVMe admission lets them in); with write-through placement, admitted
   blocks go to NVMe as well. Returns when committed and visible to lookups.
-- ``load(keys, copies)``: the longest prefix of ``keys`` into this node's HBM arena, each from
-  its fastest copy, checksums verified for NVMe and network reads; the returned slots are
-  pinned for the caller, who reads them and calls ``release``.
-- ``stage(keys)`` / ``unstage(staged)``: for a peer agent: pin blocks in a memory arena here
-  (promoting from NVMe if needed) so the peer can read them with one transfer.
+- ``load(keys, copies, priority, owner)``: the longest prefix of ``keys`` into this node's HBM
+  arena, each from its fastest copy, checksums verified for NVMe and network reads; the
+  returned slots are pinned (leases of ``owner``) for the caller, who checks each block's
+  checksum, reads them and calls ``release(leases, corrupt)``; a caller that stops waiting
+  calls ``give_up(owner)``. Every copy goes into the arena of its grant's epoch.
+- ``stage(keys, owner)`` / ``unstage(staged)``: for a peer agent: pin blocks in a memory arena
+  here (promoting from NVMe if needed) so the peer can read them with one transfer.
 """
 
 from __future__ import annotations

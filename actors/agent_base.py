@@ -2,7 +2,9 @@
 
 The agent is split by concern (``agent.py`` stores and loads, ``agent_peers.py`` serves other
 nodes, ``agent_demote.py`` moves evicted blocks down, ``agent_pool.py`` writes to the pool);
-each part is a mixin over this base, which holds the state and the calls into the tiers.
+each part is a mixin over this base, which holds the state and the calls into the tiers:
+the arenas of every tier incarnation still in use (``_arena(epoch)``), and the ways leases end
+(``_give_back`` on error paths, waited for; ``_let_go``, one way, off a load's path).
 """
 
 from __future__ import annotations

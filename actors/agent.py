@@ -8,13 +8,15 @@ through its scheduler: loads before prefetches before demotions.
 Public calls, each bounded:
 
 - ``store(keys, parents, payload)``: blocks into this node's DRAM (evicted DRAM blocks demote
-  to NVMe first); with write-through placement, to NVMe as well. Returns when committed and
-  visible to lookups.
-- ``load(keys, copies)``: the longest prefix of ``keys`` into this node's HBM arena, each from
-  its fastest copy, checksums verified for NVMe and network reads; the returned slots are
-  pinned for the caller, who reads them and calls ``release``.
-- ``stage(keys)`` / ``unstage(staged)``: for a peer agent: pin blocks in a memory arena here
-  (promoting from NVMe if needed) so the peer can read them with one transfer.
+  to NVMe first, if NVMe admission lets them in); with write-through placement, admitted
+  blocks go to NVMe as well. Returns when committed and visible to lookups.
+- ``load(keys, copies, priority, owner)``: the longest prefix of ``keys`` into this node's HBM
+  arena, each from its fastest copy, checksums verified for NVMe and network reads; the
+  returned slots are pinned (leases of ``owner``) for the caller, who checks each block's
+  checksum, reads them and calls ``release(leases, corrupt)``; a caller that stops waiting
+  calls ``give_up(owner)``. Every copy goes into the arena of its grant's epoch.
+- ``stage(keys, owner)`` / ``unstage(staged)``: for a peer agent: pin blocks in a memory arena
+  here (promoting from NVMe if needed) so the peer can read them with one transfer.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -37,13 +40,14 @@ from cmx.actors.links import actor_name
 from cmx.actors.nvme_io import Extent, NvmeIo
 from cmx.actors.scheduler import Priority, Scheduler
 from cmx.actors.transport import PeerInfo, TransferError, make_transport
-from cmx.actors.wire import Loaded, LoadResult
 from cmx.checksum import checksum
 from cmx.config import ServiceConfig
 from cmx.errors import CmxError
 from cmx.keys import BlockHash
 from cmx.metrics import Histogram
 from cmx.policies.admission import make_admission
+from cmx.policies.placement import make_placement
+from cmx.protocol import Loaded, LoadResult
 from cmx.storage.arena import SharedArena
 from cmx.tiers import Tier
 
@@ -63,13 +67,20 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites):
             config.agent_workers, config.agent_queue_bound, config.staging_bytes
         )
         self.transport = make_transport(self.name, config.transport, self._fetch_from_peer)
+        self.owner = f"agent:{self.name}"
         self._arenas: dict[Tier, tuple[ArenaInfo, SharedArena]] = {}
+        self._epochs: dict[str, tuple[ArenaInfo, SharedArena]] = {}
+        self._given_up: dict[str, float] = {}  # load owners that stopped waiting -> until
         self._peers: dict[str, PeerInfo] = {}
         self.moved: Counter[str] = Counter()  # "src->dst" -> bytes
         self.moved_via: Counter[str] = Counter()  # transport or "local"/"nvme" -> bytes
+        self.dropped: Counter[str] = Counter()  # why evicted blocks were not demoted -> blocks
         self.latency = {op: Histogram() for op in ("store", "load", "stage", "prefetch")}
         self.nvme = NvmeIo()
         self.pool_admission = make_admission("frequency", min_count=config.pool_admission_min_count)
+        self.placement = make_placement(config.placement)
+        self.nvme_admission = make_admission("frequency",
+                                             min_count=config.nvme_admission_min_count)
         self._pool: list[str] = []
         self._pool_checked = float("-inf")
         for tier in (Tier.HBM, Tier.DRAM):
@@ -108,76 +119,131 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites):
         self, keys: Sequence[BlockHash], parents: Sequence[BlockHash | None],
         payload: np.ndarray, size: int, namespace: str, replicas: int,
     ) -> int:
-        grants = self._call(Tier.DRAM, "reserve", list(zip(keys, parents)))
-        self._demote_victims(Tier.DRAM, grants)
-        _, arena = self._arenas[Tier.DRAM]
+        grants = self._call(Tier.DRAM, "reserve", list(zip(keys, parents)), self.owner)
+        try:
+            self._demote_victims(Tier.DRAM, grants)
+            done = self._copy_in(grants, payload, size)
+        except BaseException:
+            self._give_back(Tier.DRAM, abort=[g.lease for g in grants if g is not None])
+            raise
+        committed = self._call(Tier.DRAM, "commit", [(g.lease, n, c) for g, n, c in done],
+                               namespace)
+        stored = [(g.key, n, c) for g, n, c in done]
+        self.moved["client->dram"] += sum(n for _, n, _ in stored)
+        self.moved_via["local"] += sum(n for _, n, _ in stored)
+        for key in keys:
+            self.nvme_admission.record(key)
+        through = [s for s in stored
+                   if Tier.NVME in self.placement.on_store(self.nvme_admission.admit(s[0]))]
+        self._write_nvme(Tier.DRAM, through, parents_of(keys, parents))
+        self._pool_write([k for k, _, _ in stored if self._admit(k)], parents_of(keys, parents),
+                         replicas)
+        return int(committed)
+
+    def _copy_in(
+        self, grants: Sequence[Grant | None], payload: np.ndarray, size: int
+    ) -> list[tuple[Grant, int, int]]:
+        """Copy each granted block of ``payload`` into its slot, in the arena of its grant's
+        epoch; (grant, size, checksum) of each."""
         futures = []
         for i, grant in enumerate(grants):
             if grant is None:
                 continue
             src = payload[i * size : (i + 1) * size]
+            dst = self._arena(grant.epoch).slot_view(grant.slot)
 
-            def copy(grant: Grant = grant, src: np.ndarray = src) -> tuple[BlockHash, int, int]:
-                np.copyto(arena.slot_view(grant.slot)[: src.nbytes], src)
-                return grant.key, src.nbytes, checksum(src)
+            def copy(grant: Grant = grant, src: np.ndarray = src,
+                     dst: np.ndarray = dst) -> tuple[Grant, int, int]:
+                np.copyto(dst[: src.nbytes], src)
+                return grant, src.nbytes, checksum(src)
 
             futures.append(self.scheduler.submit(Priority.DEMOTE, copy))
-        done = [f.result() for f in futures]
-        self._call(Tier.DRAM, "commit", done, namespace)
-        self.moved["client->dram"] += sum(n for _, n, _ in done)
-        self.moved_via["local"] += sum(n for _, n, _ in done)
-        if self.config.placement == "write_through":
-            self._write_nvme(Tier.DRAM, done, parents_of(keys, parents))
-        self._pool_write([k for k, _, _ in done if self._admit(k)], parents_of(keys, parents),
-                         replicas)
-        return len(done)
+        return [f.result() for f in futures]
 
     # -- load ----------------------------------------------------------------------------------
 
     def load(
         self, keys: Sequence[BlockHash], copies: Sequence[Sequence[Copy]],
-        priority: Priority = Priority.LOAD,
+        priority: Priority = Priority.LOAD, owner: str = "",
     ) -> LoadResult:
-        """The longest prefix of ``keys`` pinned in HBM; the caller must ``release`` it."""
+        """The longest prefix of ``keys`` pinned in HBM for ``owner`` (default: this agent);
+        the caller reads the slots and ends the pins with ``release``, or they expire.
+
+        Whatever fails part-way gives back what it was granted: a load never leaves a pin or
+        a reservation behind but the returned prefix's."""
         start_time = time.perf_counter()
+        owner = owner or self.owner
         sources = [self._sources(c) for c in copies]  # per key, fastest first
-        held, ahead = self._acquire(keys, sources)
+        held, ahead = self._acquire(keys, sources, copies, owner)
+        hits = {i: p for i, p in enumerate(held) if isinstance(p, Pinned)}
+        granted = {i: g for i, g in enumerate(held) if isinstance(g, Grant)}
         try:
             loaded: dict[int, Loaded] = {
-                i: Loaded(k, p.slot, p.size, Tier.HBM, self.node, "local", p.checksum or 0)
-                for i, (k, p) in enumerate(zip(keys, held)) if isinstance(p, Pinned)
+                i: Loaded(keys[i], p.slot, p.size, Tier.HBM, self.node, "local", p.checksum,
+                          p.lease)
+                for i, p in hits.items()
             }
-            granted = {i: g for i, g in enumerate(held) if isinstance(g, Grant)}
             if granted:
-                loaded.update(self._fill_hbm(keys, sources, granted, priority, ahead))
+                loaded.update(self._fill_hbm(keys, sources, granted, priority, ahead, owner))
+        except BaseException:
+            self._give_back(Tier.HBM, unpin=[p.lease for p in hits.values()],
+                            abort=[g.lease for g in granted.values()])
+            raise
         finally:
-            if ahead is not None:
-                self._release_ahead(ahead)
+            self._release_ahead(ahead)
         prefix: list[Loaded] = []
         for i in range(len(keys)):
             if i not in loaded:
                 break
             prefix.append(loaded[i])
-        tail = [loaded[i].key for i in loaded if i >= len(prefix)]
-        if tail:
-            self._call(Tier.HBM, "unpin", tail)
+        tail = [b.lease for i, b in loaded.items() if i >= len(prefix)]
+        if owner in self._given_up:  # the caller stopped waiting: nobody will release these
+            tail, prefix = tail + [b.lease for b in prefix], []
+        self._let_go(Tier.HBM, tail)
         self._pool_later(prefix, copies)
         op = "load" if priority is Priority.LOAD else "prefetch"
         self.latency[op].observe(time.perf_counter() - start_time)
-        return LoadResult(self._arenas[Tier.HBM][0].arena, prefix)
+        epoch = next((h.epoch for h in held if h is not None), self._arenas[Tier.HBM][0].epoch)
+        return LoadResult(self._epochs[epoch][0].arena if epoch in self._epochs else "", prefix)
 
-    def release(self, keys: Sequence[BlockHash]) -> None:
-        self._call(Tier.HBM, "unpin", list(keys))
+    def release(self, leases: Sequence[int], corrupt: Sequence[Loaded] = ()) -> None:
+        """End the pins of a load's blocks; quarantine the copies the caller found corrupt
+        (the HBM copy it read, and the copy that one was filled from)."""
+        self._call(Tier.HBM, "unpin", list(leases))
+        if corrupt:
+            self.quarantine(corrupt)
+
+    def give_up(self, owner: str) -> int:
+        """The caller of a load stopped waiting for it: give back what it holds now, and what
+        the load pins later as it finishes. How many leases were given back now."""
+        now = time.monotonic()
+        self._given_up = {o: t for o, t in self._given_up.items() if t > now}
+        self._given_up[owner] = now + self.config.load_timeout_s + self.config.call_timeout_s
+        return int(self._call(Tier.HBM, "release_owner", owner))
+
+    def quarantine(self, blocks: Sequence[Loaded]) -> None:
+        """Drop copies found corrupt where they were used: in HBM, and at their source."""
+        self._call(Tier.HBM, "quarantine", [b.key for b in blocks])
+        by_source: dict[tuple[Tier, str], list[BlockHash]] = {}
+        for b in blocks:
+            if b.source_tier is not Tier.HBM or b.source_node != self.node:
+                by_source.setdefault((b.source_tier, b.source_node), []).append(b.key)
+        for (tier, node), keys in by_source.items():
+            if node == self.node:
+                self._call(tier, "quarantine", keys)
+            else:
+                kind = "pool" if tier is Tier.POOL else "agent"
+                self.link.tell(actor_name(kind, node), "quarantine_copies", keys, tier)  # type: ignore[attr-defined]
 
     def prefetch(self, keys: Sequence[BlockHash], copies: Sequence[Sequence[Copy]]) -> int:
         """Move a prefix into HBM at prefetch priority and leave it cached there."""
         loaded = self.load(keys, copies, Priority.PREFETCH).blocks
-        self.release([b.key for b in loaded])
+        self._let_go(Tier.HBM, [b.lease for b in loaded])
         return len(loaded)
 
     def _fill_hbm(
         self, keys: Sequence[BlockHash], sources: Sequence[list[tuple[Tier, str]]],
-        granted: dict[int, Grant], priority: Priority, ahead: StagedAhead | None,
+        granted: dict[int, Grant], priority: Priority, ahead: StagedAhead, owner: str,
     ) -> dict[int, Loaded]:
         """Fill the granted HBM slots, each from its fastest copy; the filled ones pinned."""
         self._demote_victims(Tier.HBM, list(granted.values()))
@@ -195,32 +261,32 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites):
                         self._fill_from(tier, node, keys, idx, granted, priority, ahead))
                 except (CmxError, TransferError, OSError) as exc:
                     log.warning("load from %s@%s failed: %s", tier.value, node[:8], exc)
-        if failed := [keys[i] for i in granted if i not in filled]:
+        if failed := [granted[i].lease for i in granted if i not in filled]:
             self._call(Tier.HBM, "abort", failed)
-        commits = [(keys[i], b.size, b.checksum) for i, b in filled.items()]
+        commits = [(granted[i].lease, b.size, b.checksum) for i, b in filled.items()]
         # A load's caller reads its blocks at once; other nodes learn of the copy a moment
         # later. A prefetch returns once lookups see it.
         pins = self._call(Tier.HBM, "commit_pinned", commits, "",
-                          priority is not Priority.LOAD)
-        return {i: b for (i, b), p in zip(filled.items(), pins) if p is not None}
+                          priority is not Priority.LOAD, owner)
+        return {i: replace(b, lease=p.lease) for (i, b), p in zip(filled.items(), pins)
+                if p is not None}
 
     def _fill_from(
         self, tier: Tier, node: str, keys: Sequence[BlockHash], idx: list[int],
-        granted: dict[int, Grant], priority: Priority, ahead: StagedAhead | None,
+        granted: dict[int, Grant], priority: Priority, ahead: StagedAhead,
     ) -> dict[int, Loaded]:
-        _, hbm = self._arenas[Tier.HBM]
         if tier is Tier.POOL:
             return self._fill_remote(actor_name("pool", node), node, keys, idx, granted, priority)
         if node != self.node:
             return self._fill_remote(actor_name("agent", node), node, keys, idx, granted,
                                      priority, ahead)
-        pins = self._call(tier, "pin", [keys[i] for i in idx])
+        pins = self._pin_local(tier, keys, idx, ahead)
         try:
             jobs = []
             for i, pin in zip(idx, pins):
                 if pin is None:
                     continue
-                dst = hbm.slot_view(granted[i].slot)
+                dst = self._arena(granted[i].epoch).slot_view(granted[i].slot)
                 jobs.append((i, pin, self.scheduler.submit(
                     priority, lambda pin=pin, dst=dst: self._read_local(tier, pin, dst))))
             out: dict[int, Loaded] = {}
@@ -230,20 +296,30 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites):
                 else:
                     via = "nvme" if tier is Tier.NVME else "local"
                     out[i] = Loaded(keys[i], granted[i].slot, pin.size, tier, node, via,
-                                    pin.checksum or 0)
+                                    pin.checksum)
                     self.moved[f"{tier.value}->hbm"] += pin.size
                     self.moved_via[via] += pin.size
             return out
         finally:
-            self._call(tier, "unpin", [p.key for p in pins if p is not None])
+            self._let_go(tier, [p.lease for p in pins if p is not None])
+
+    def _pin_local(self, tier: Tier, keys: Sequence[BlockHash], idx: list[int],
+                   ahead: StagedAhead) -> list[Pinned | Extent | None]:
+        """Pins of ``keys[idx]`` in this node's ``tier``: those taken ahead, and the rest."""
+        pre: dict[int, Pinned | Extent | None] = {}
+        if tier is Tier.DRAM:
+            pre.update(ahead.take_local(idx))
+        rest = [i for i in idx if i not in pre]
+        pre.update(zip(rest, self._call(tier, "pin", [keys[i] for i in rest], self.owner)))
+        return [pre[i] for i in idx]
 
     def _read_local(self, tier: Tier, pin: Pinned | Extent, slot: np.ndarray) -> bool:
         """Copy one pinned local block into the front of ``slot``; NVMe reads are verified."""
         if isinstance(pin, Extent):
             self.nvme.read(pin, slot)
             return checksum(slot[: pin.size]) == pin.checksum
-        _, arena = self._arenas[tier]
-        np.copyto(slot[: pin.size], arena.slot_view(pin.slot)[: pin.size])
+        src = self._arena(pin.epoch).slot_view(pin.slot)
+        np.copyto(slot[: pin.size], src[: pin.size])
         return True
 
     # -- plumbing ------------------------------------------------------------------------------
@@ -255,6 +331,7 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites):
             "transport": self.transport.name,
             "moved_bytes": dict(self.moved),
             "moved_via": dict(self.moved_via),
+            "dropped_blocks": dict(self.dropped),
             "transport_stats": {
                 "reads": self.transport.stats.reads,
                 "bytes": self.transport.stats.bytes_read,

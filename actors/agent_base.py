@@ -2,11 +2,14 @@
 
 The agent is split by concern (``agent.py`` stores and loads, ``agent_peers.py`` serves other
 nodes, ``agent_demote.py`` moves evicted blocks down, ``agent_pool.py`` writes to the pool);
-each part is a mixin over this base, which holds the state and the calls into the tiers.
+each part is a mixin over this base, which holds the state and the calls into the tiers:
+the arenas of every tier incarnation still in use (``_arena(epoch)``), and the ways leases end
+(``_give_back`` on error paths, waited for; ``_let_go``, one way, off a load's path).
 """
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -17,17 +20,26 @@ from cmx.actors.nvme_io import NvmeIo
 from cmx.actors.scheduler import Scheduler
 from cmx.actors.transport import PeerInfo, Region, Transport
 from cmx.config import ServiceConfig
+from cmx.errors import CmxError
 from cmx.metrics import Histogram
 from cmx.policies.admission import AdmissionPolicy
+from cmx.policies.placement import PlacementPolicy
 from cmx.storage.arena import SharedArena
 from cmx.tiers import Tier
 
-__all__ = ["AgentBase"]
+__all__ = ["AgentBase", "StaleEpochError"]
 
 # Batch calls of a tier that do nothing for no keys: those answering a list, and the others.
 _EMPTY_LIST_CALLS = frozenset({"pin", "reserve", "acquire", "commit_pinned"})
 _EMPTY_NONE_CALLS = frozenset({"unpin", "abort"})
 _NO_ANSWER = object()
+log = logging.getLogger(__name__)
+
+KEEP_EPOCHS = 4  # arenas of earlier incarnations of a tier kept mapped for grants still in use
+
+
+class StaleEpochError(CmxError):
+    """A grant or pin of a tier incarnation whose arena is no longer mapped here."""
 
 
 class AgentBase:
@@ -39,10 +51,15 @@ class AgentBase:
     transport: Transport
     nvme: NvmeIo
     pool_admission: AdmissionPolicy
+    nvme_admission: AdmissionPolicy  # which blocks DRAM may write to NVMe
+    placement: PlacementPolicy  # write-through or write-back, over DRAM then NVMe
     moved: Counter[str]  # "src->dst" -> bytes
     moved_via: Counter[str]  # transport, "local" or "nvme" -> bytes
+    dropped: Counter[str]  # why evicted blocks were not demoted -> blocks
     latency: dict[str, Histogram]
-    _arenas: dict[Tier, tuple[ArenaInfo, SharedArena]]
+    _arenas: dict[Tier, tuple[ArenaInfo, SharedArena]]  # the current incarnation's
+    _epochs: dict[str, tuple[ArenaInfo, SharedArena]]  # by epoch: current and a few earlier
+    owner: str  # whom the tiers' leases of this agent name
     _peers: dict[str, PeerInfo]  # actor name -> what it published
 
     def _call(self, tier: Tier, method: str, *args: object) -> Any:
@@ -61,18 +78,53 @@ class AgentBase:
                 results[i] = answer
         return results
 
+    def _give_back(self, tier: Tier, unpin: Sequence[int] = (),
+                   abort: Sequence[int] = ()) -> None:
+        """End leases on an error path. A tier that does not answer keeps them only until
+        they expire (or it restarted, and they went with it)."""
+        calls = [(tier, m, (list(ls),)) for m, ls in (("unpin", unpin), ("abort", abort)) if ls]
+        try:
+            self._call_many(calls)
+        except CmxError as exc:
+            log.warning("%s did not take back leases: %s", tier.value, exc)
+
+    def _let_go(self, tier: Tier, leases: Sequence[int]) -> None:
+        """End pins nobody waits on: one way, off the load's path. Should the message be
+        lost, the pins expire."""
+        if leases:
+            self.link.tell(actor_name(tier.value, self.node), "unpin", list(leases))
+
     def _check_epoch(self, tier: Tier, result: object) -> None:
-        """A tier that restarted has a new arena: re-attach before using its slots."""
+        """A tier that restarted has a new arena: map it before its slots are used. Grants
+        and pins of the earlier one are still used in *its* arena (``_arena``), never here."""
         if tier not in self._arenas or not isinstance(result, list):
             return
         epochs = {getattr(r, "epoch", None) for r in result} - {None}
-        if epochs and epochs != {self._arenas[tier][0].epoch}:
+        if epochs - self._epochs.keys():
             self._attach(tier)
+
+    def _arena(self, epoch: str) -> SharedArena:
+        """The arena of a tier's incarnation: where a grant or pin of that epoch is valid.
+
+        An earlier incarnation's arena stays mapped, so a copy into an old grant lands in
+        memory no live tier uses (its commit is then refused) instead of in the slot of
+        whatever block the new incarnation put there."""
+        mapped = self._epochs.get(epoch)
+        if mapped is None:
+            raise StaleEpochError(f"no arena of epoch {epoch} is mapped here")
+        return mapped[1]
 
     def _attach(self, tier: Tier) -> None:
         info: ArenaInfo = self.link.call(actor_name(tier.value, self.node), "info")
+        if info.epoch in self._epochs:
+            return
         arena = SharedArena.attach(info.arena, populate=True)  # every block passes through here
         self._arenas[tier] = (info, arena)
+        self._epochs[info.epoch] = (info, arena)
+        of_tier = [e for e, (i, _) in self._epochs.items() if i.tier is tier]
+        for old in of_tier[:-KEEP_EPOCHS]:
+            # Not closed: a copy still running may hold a view; the mapping goes with the last.
+            del self._epochs[old]
         self.transport.register(
             Region(info.arena, arena.buffer.ctypes.data, info.slot_bytes, info.num_slots),
             arena.buffer,

@@ -8,8 +8,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from cmx.actors.agent_base import AgentBase
-from cmx.actors.arena_tier import Grant
+from cmx.actors.arena_tier import Grant, Pinned
+from cmx.actors.nvme_io import Extent
 from cmx.actors.scheduler import Priority
+from cmx.errors import CmxError
 from cmx.keys import BlockHash
 from cmx.storage.nvme.chunks import block_sums
 from cmx.tiers import Tier
@@ -21,16 +23,34 @@ log = logging.getLogger(__name__)
 
 class Demotion(AgentBase):
     def _demote_victims(self, tier: Tier, grants: Sequence[Grant | None]) -> None:
-        """Move blocks evicted from ``tier`` one tier down before their slots are rewritten."""
+        """Move blocks evicted from ``tier`` one tier down before their slots are rewritten.
+
+        A demotion that fails drops its blocks (a cache may always drop one): the caller's
+        write into the slots goes on, and nothing granted on the way is left held."""
         victims = [g for g in grants if g is not None and g.victim is not None]
         if not victims:
             return
-        if tier is Tier.HBM:
-            self._demote_to_dram(victims)
-        elif tier is Tier.DRAM:
-            items = [(g.victim.key, g.victim.size, g.victim.checksum) for g in victims]  # type: ignore[union-attr]
-            parents = {g.victim.key: g.victim.parent for g in victims}  # type: ignore[union-attr]
-            self._write_nvme(Tier.DRAM, items, parents, slots=[g.slot for g in victims])
+        try:
+            if tier is Tier.HBM:
+                self._demote_to_dram(victims)
+            elif tier is Tier.DRAM:
+                victims = [g for g in victims if self._placed_below(g.victim.key)]  # type: ignore[union-attr]
+                items = [(g.victim.key, g.victim.size, g.victim.checksum) for g in victims]  # type: ignore[union-attr]
+                parents = {g.victim.key: g.victim.parent for g in victims}  # type: ignore[union-attr]
+                self._write_nvme(Tier.DRAM, items, parents,
+                                 sources=[self._arena(g.epoch).slot_view(g.slot) for g in victims])
+        except CmxError as exc:
+            self.dropped["demotion_failed"] += len(victims)
+            log.warning("demotion of %d blocks from %s failed: %s", len(victims), tier.value, exc)
+
+    def _placed_below(self, key: BlockHash) -> bool:
+        """Whether a block DRAM evicts goes to NVMe: the placement's rule, with NVMe admission
+        (a block seen fewer than ``nvme_admission_min_count`` times is dropped)."""
+        admitted = self.nvme_admission.admit(key)
+        if self.placement.on_evict(Tier.DRAM, admitted, has_lower_copy=False) is Tier.NVME:
+            return True
+        self.dropped["not_admitted_to_nvme"] += 1
+        return False
 
     def _demote_to_dram(self, victims: list[Grant]) -> None:
         keys = [g.victim.key for g in victims]  # type: ignore[union-attr]
@@ -39,58 +59,68 @@ class Demotion(AgentBase):
         if not todo:
             return
         grants = self._call(
-            Tier.DRAM, "reserve", [(g.victim.key, g.victim.parent) for g in todo]  # type: ignore[union-attr]
+            Tier.DRAM, "reserve", [(g.victim.key, g.victim.parent) for g in todo], self.owner  # type: ignore[union-attr]
         )
-        self._demote_victims(Tier.DRAM, grants)
-        _, hbm = self._arenas[Tier.HBM]
-        _, dram = self._arenas[Tier.DRAM]
-        commits = []
-        for src, dst in zip(todo, grants):
-            if dst is None:
-                continue
-            v = src.victim
-            np.copyto(dram.slot_view(dst.slot)[: v.size], hbm.slot_view(src.slot)[: v.size])  # type: ignore[union-attr]
-            commits.append((v.key, v.size, v.checksum))  # type: ignore[union-attr]
-            self.moved["hbm->dram"] += v.size  # type: ignore[union-attr]
-            self.moved_via["local"] += v.size  # type: ignore[union-attr]
+        try:
+            self._demote_victims(Tier.DRAM, grants)
+            commits = []
+            for src, dst in zip(todo, grants):
+                if dst is None:
+                    continue
+                v = src.victim
+                assert v is not None
+                np.copyto(self._arena(dst.epoch).slot_view(dst.slot)[: v.size],
+                          self._arena(src.epoch).slot_view(src.slot)[: v.size])
+                commits.append((dst.lease, v.size, v.checksum))
+                self.moved["hbm->dram"] += v.size
+                self.moved_via["local"] += v.size
+        except BaseException:
+            self._give_back(Tier.DRAM, abort=[g.lease for g in grants if g is not None])
+            raise
         self._call(Tier.DRAM, "commit", commits)
 
     def _write_nvme(
         self, tier: Tier, items: Sequence[tuple[BlockHash, int, int | None]],
-        parents: dict[BlockHash, BlockHash | None], slots: Sequence[int] | None = None,
+        parents: dict[BlockHash, BlockHash | None], sources: Sequence[np.ndarray] | None = None,
     ) -> None:
-        """Write blocks of ``tier``'s arena to NVMe (slots given, or pinned by key)."""
+        """Write blocks to NVMe: from ``sources`` (slots of ``tier``'s arena whose blocks are
+        no longer in it), or pinned in ``tier`` by key."""
         if not items:
             return
-        extents = self._call(
-            Tier.NVME, "reserve", [(k, parents.get(k), n) for k, n, _ in items]
-        )
-        _, arena = self._arenas[tier]
-        if slots is None:
-            pins = self._call(tier, "pin", [k for k, _, _ in items])
-            slot_of = [p.slot if p is not None else None for p in pins]
+        pins: list[Pinned | None] = []
+        if sources is None:
+            pins = self._call(tier, "pin", [k for k, _, _ in items], self.owner)
+            srcs = [self._arena(p.epoch).slot_view(p.slot) if p is not None else None
+                    for p in pins]
         else:
-            pins, slot_of = None, list(slots)
+            srcs = list(sources)
+        extents: list[Extent | None] = []
         try:
+            extents = self._call(
+                Tier.NVME, "reserve", [(k, parents.get(k), n) for k, n, _ in items], self.owner
+            )
             futures = []
-            for (key, size, csum), ext, slot in zip(items, extents, slot_of):
-                if ext is None or slot is None:
+            for (_, size, csum), ext, src in zip(items, extents, srcs):
+                if ext is None or src is None:
                     continue
-                src = arena.slot_view(slot)
-                futures.append((key, size, csum, src, self.scheduler.submit(
+                futures.append((ext, size, csum, src, self.scheduler.submit(
                     Priority.DEMOTE, lambda ext=ext, src=src: self.nvme.write(ext, src))))
             commits = []
-            for key, size, csum, src, fut in futures:
+            for ext, size, csum, src, fut in futures:
                 fut.result()
                 whole, chunk_sums = block_sums(src[:size])
                 if csum is not None and csum != whole:
-                    log.warning("block %s changed in %s; not demoted", key.hex()[:12], tier.value)
+                    log.warning("block %s changed in %s; not demoted", ext.key.hex()[:12],
+                                tier.value)
                     continue
-                commits.append((key, size, whole, chunk_sums))
+                commits.append((ext.lease, size, whole, chunk_sums))
+            done = {c[0] for c in commits}
+            self._give_back(Tier.NVME, abort=[e.lease for e in extents
+                                              if e is not None and e.lease not in done])
+            extents = []
             self._call(Tier.NVME, "commit", commits)
             self.moved[f"{tier.value}->nvme"] += sum(c[1] for c in commits)
             self.moved_via["nvme"] += sum(c[1] for c in commits)
         finally:
-            if pins is not None:
-                self._call(tier, "unpin", [p.key for p in pins if p is not None])
-
+            self._give_back(Tier.NVME, abort=[e.lease for e in extents if e is not None])
+            self._give_back(tier, unpin=[p.lease for p in pins if p is not None])

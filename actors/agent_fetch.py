@@ -11,18 +11,18 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from cmx.actors.agent_base import AgentBase
+from cmx.actors.agent_base import AgentBase, StaleEpochError
 from cmx.actors.arena_tier import Grant, Pinned
 from cmx.actors.directory import Copy
 from cmx.actors.links import actor_name
 from cmx.actors.scheduler import Priority
 from cmx.actors.transport import Move, TransferError
-from cmx.actors.wire import Loaded, Staged
 from cmx.checksum import ChecksumStream
 from cmx.errors import UnavailableError
 from cmx.keys import BlockHash
+from cmx.protocol import Loaded, Staged
 from cmx.storage.arena import SharedArena
 from cmx.tiers import Tier
 
@@ -33,20 +33,31 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class StagedAhead:
-    """Blocks a peer agent staged while this node's HBM was asked for slots."""
+    """What was asked at the same time as this node's HBM was asked for slots: blocks a peer
+    agent staged, and blocks pinned in this node's DRAM. A fill takes what it uses."""
 
-    actor: str  # the peer agent's actor name
-    staged: dict[int, Staged | None]  # key index -> what it staged, until a fill takes it
+    actor: str  # the peer agent's actor name ("" if none was asked)
+    staged: dict[int, Staged | None]  # key index -> what the peer staged
+    local: dict[int, Pinned | None] = field(default_factory=dict)  # key index -> DRAM pin
 
     def take(self, actor: str, idx: Sequence[int]) -> dict[int, Staged | None]:
         if actor != self.actor:
             return {}
         return {i: self.staged.pop(i) for i in idx if i in self.staged}
 
+    def take_local(self, idx: Sequence[int]) -> dict[int, Pinned | None]:
+        return {i: self.local.pop(i) for i in idx if i in self.local}
+
     def leftovers(self) -> list[Staged]:
         """Staged blocks no fill took (their HBM slot was not granted, or a fill failed)."""
         rest = [s for s in self.staged.values() if s is not None]
         self.staged.clear()
+        return rest
+
+    def local_leftovers(self) -> list[int]:
+        """Leases of DRAM pins no fill took (the block was an HBM hit, or a fill failed)."""
+        rest = [p.lease for p in self.local.values() if p is not None]
+        self.local.clear()
         return rest
 
 
@@ -80,34 +91,51 @@ class RemoteFills(AgentBase):
         node, _ = Counter(first.values()).most_common(1)[0]
         return actor_name("agent", node), [i for i, n in first.items() if n == node]
 
+    def _pin_plan(self, copies: Sequence[Sequence[Copy]]) -> list[int]:
+        """Keys the directory knows in this node's DRAM but not in its HBM: a load will copy
+        them from DRAM, so they are pinned there while HBM is asked for slots."""
+        here = [{c.tier for c in cs if c.node == self.node} for cs in copies]
+        return [i for i, tiers in enumerate(here) if Tier.DRAM in tiers and Tier.HBM not in tiers]
+
     def _acquire(
         self, keys: Sequence[BlockHash], sources: Sequence[list[tuple[Tier, str]]],
-    ) -> tuple[list[Pinned | Grant | None], StagedAhead | None]:
-        """HBM's ``acquire`` of ``keys``, with the likely peer staging at the same time."""
+        copies: Sequence[Sequence[Copy]], owner: str,
+    ) -> tuple[list[Pinned | Grant | None], StagedAhead]:
+        """HBM's ``acquire`` of ``keys`` for ``owner``; at the same time, the likely peer
+        stages its blocks and this node's DRAM pins its own: one round trip for all."""
         items = [(k, keys[i - 1] if i else None) for i, k in enumerate(keys)]
         plan = self._stage_plan(sources)
-        if plan is None:
-            return self._call(Tier.HBM, "acquire", items), None
-        actor, idx = plan
-        held, staged = self.link.call_many(  # type: ignore[attr-defined]
-            [(actor_name(Tier.HBM.value, self.node), "acquire", (items,)),
-             (actor, "stage", ([keys[i] for i in idx],))],
-            timeout_s=self.config.load_timeout_s, return_exceptions=True,
-        )
-        ahead = None
-        if isinstance(staged, BaseException):
-            log.warning("staging ahead at %s failed: %s", actor, staged)
-        else:
-            ahead = StagedAhead(actor, dict(zip(idx, staged)))
+        local = self._pin_plan(copies)
+        calls: list[tuple[str, str, tuple[object, ...]]] = [
+            (actor_name(Tier.HBM.value, self.node), "acquire", (items, owner))]
+        if plan is not None:
+            calls.append((plan[0], "stage", ([keys[i] for i in plan[1]], self.owner)))
+        if local:
+            calls.append((actor_name(Tier.DRAM.value, self.node), "pin",
+                          ([keys[i] for i in local], self.owner)))
+        answers = self.link.call_many(  # type: ignore[attr-defined]
+            calls, timeout_s=self.config.load_timeout_s, return_exceptions=True)
+        held = answers[0]
+        ahead = StagedAhead(plan[0] if plan is not None else "", {})
+        if plan is not None:
+            if isinstance(answers[1], BaseException):
+                log.warning("staging ahead at %s failed: %s", plan[0], answers[1])
+            else:
+                ahead.staged = dict(zip(plan[1], answers[1]))
+        if local and not isinstance(answers[-1], BaseException):
+            self._check_epoch(Tier.DRAM, answers[-1])
+            ahead.local = dict(zip(local, answers[-1]))
         if isinstance(held, BaseException):
-            if ahead is not None:
-                self._release_ahead(ahead)
+            self._release_ahead(ahead)
             raise held
         self._check_epoch(Tier.HBM, held)
         return held, ahead
 
     def _release_ahead(self, ahead: StagedAhead) -> None:
-        self._unstage(ahead.actor, ahead.leftovers(), wait=False)
+        if ahead.actor:
+            self._unstage(ahead.actor, ahead.leftovers(), wait=False)
+        if rest := ahead.local_leftovers():
+            self._let_go(Tier.DRAM, rest)
 
     def _fill_remote(
         self, peer_agent: str, node: str, keys: Sequence[BlockHash], idx: list[int],
@@ -126,7 +154,7 @@ class RemoteFills(AgentBase):
                                          granted, priority, more=bool(todo)))
         while todo:
             staged: list[Staged | None] = self.link.call(  # type: ignore[attr-defined]
-                peer_agent, "stage", [keys[i] for i in todo],
+                peer_agent, "stage", [keys[i] for i in todo], self.owner,
                 timeout_s=self.config.load_timeout_s,
             )
             if all(s is None for s in staged):
@@ -152,11 +180,14 @@ class RemoteFills(AgentBase):
             if any(s is not None and s.region not in {r.name for r in peer.regions}
                    for s in staged):
                 peer = self._peer(peer_agent, refresh=True)  # the peer re-registered its arenas
-            hbm_info, hbm = self._arenas[Tier.HBM]
             pairs = [(i, s) for i, s in zip(idx, staged) if s is not None]
-            moves = [Move(s.region, s.slot, hbm_info.arena, granted[i].slot) for i, s in pairs]
-            checks = _LandedChecks(hbm, {m: (s.size, s.checksum) for m, (_, s) in
-                                         zip(moves, pairs)})
+            moves = [Move(s.region, s.slot, self._epochs[granted[i].epoch][0].arena,
+                          granted[i].slot) for i, s in pairs if granted[i].epoch in self._epochs]
+            if len(moves) < len(pairs):
+                raise StaleEpochError("HBM restarted since it granted these slots")
+            checks = _LandedChecks(
+                {m: (self._arena(granted[i].epoch), s.size, s.checksum)
+                 for m, (i, s) in zip(moves, pairs)})
             with self.scheduler.staging(0):
                 fut = self.scheduler.submit(
                     priority,
@@ -169,14 +200,20 @@ class RemoteFills(AgentBase):
                     self._peers.pop(peer_agent, None)  # the peer may have restarted
                     raise
             out: dict[int, Loaded] = {}
+            corrupt: list[Staged] = []
             for m, (i, s) in zip(moves, pairs):
                 if m not in checks.intact:
                     log.warning("checksum mismatch for %s from %s", keys[i].hex()[:12], node[:8])
+                    corrupt.append(s)
                     continue
                 out[i] = Loaded(keys[i], granted[i].slot, s.size, s.source_tier, node,
                                 self.transport.name, s.checksum)
                 self.moved[f"{s.source_tier.value}@peer->hbm"] += s.size
                 self.moved_via[self.transport.name] += s.size
+            if corrupt:  # after unstaging: a pinned copy cannot be dropped at once
+                self._unstage(peer_agent, [s for s in staged if s is not None], wait=True)
+                staged = []
+                self.link.tell(peer_agent, "quarantine_staged", corrupt)  # type: ignore[attr-defined]
             return out
         finally:
             self._unstage(peer_agent, [s for s in staged if s is not None], wait=more)
@@ -197,18 +234,17 @@ class _LandedChecks:
     """Checksums of blocks landing piece by piece (``Transport.read``'s ``on_landed``):
     each piece is fed while it is still in the cache, as later pieces still move."""
 
-    def __init__(self, arena: SharedArena, expected: dict[Move, tuple[int, int]]) -> None:
-        self._arena = arena
-        self._expected = expected  # move -> (payload size, checksum)
+    def __init__(self, expected: dict[Move, tuple[SharedArena, int, int]]) -> None:
+        self._expected = expected  # move -> (arena it lands in, payload size, checksum)
         self._streams = {m: ChecksumStream() for m in expected}
         self.intact: set[Move] = set()  # moves whose whole payload landed and checked out
 
     def landed(self, move: Move, start: int, stop: int) -> None:
-        size, want = self._expected[move]
+        arena, size, want = self._expected[move]
         end = min(stop, size)  # a slot travels whole; the payload may end before it
         if start >= end:
             return
         stream = self._streams[move]
-        stream.feed(self._arena.slot_view(move.dst_slot)[start:end])
+        stream.feed(arena.slot_view(move.dst_slot)[start:end])
         if end == size and stream.value() == want:
             self.intact.add(move)

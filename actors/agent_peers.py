@@ -8,81 +8,105 @@ from collections.abc import Sequence
 import numpy as np
 
 from cmx.actors.agent_base import AgentBase
-from cmx.actors.arena_tier import Grant, Pinned
+from cmx.actors.arena_tier import Grant
+from cmx.actors.nvme_io import Extent
 from cmx.actors.scheduler import Priority
 from cmx.actors.transport import PeerInfo
-from cmx.actors.wire import Staged
 from cmx.errors import UnavailableError
 from cmx.keys import BlockHash
+from cmx.protocol import Staged
 from cmx.tiers import Tier
 
 __all__ = ["PeerServing"]
 
 
 class PeerServing(AgentBase):
-    def stage(self, keys: Sequence[BlockHash]) -> list[Staged | None]:
-        """Pin each block in a memory arena here, promoting NVMe blocks into DRAM."""
+    def stage(self, keys: Sequence[BlockHash], owner: str) -> list[Staged | None]:
+        """Pin each block in a memory arena here for ``owner`` (a peer agent), promoting NVMe
+        blocks into DRAM. The pins are leases: a peer that dies before ``unstage`` holds them
+        only until they expire."""
         start_time = time.perf_counter()
         out: list[Staged | None] = [None] * len(keys)
         # Both memory tiers are asked at once; a block in both is read from HBM.
         tiers = (Tier.HBM, Tier.DRAM)
-        answers = self._call_many([(tier, "pin", (list(keys),)) for tier in tiers])
-        twice: list[BlockHash] = []
+        answers = self._call_many([(tier, "pin", (list(keys), owner)) for tier in tiers])
         for tier, pins in zip(tiers, answers):
-            info, _ = self._arenas[tier]
+            unused = []  # pins of blocks staged from HBM already, or of an arena gone since
             for i, p in enumerate(pins):
                 if p is None:
                     continue
-                if out[i] is not None:
-                    twice.append(keys[i])
+                if out[i] is not None or p.epoch not in self._epochs:
+                    unused.append(p.lease)
                     continue
-                out[i] = Staged(keys[i], tier, info.arena, p.slot, p.size, p.checksum or 0, tier)
-        if twice:
-            self._call(Tier.DRAM, "unpin", twice)
+                region = self._epochs[p.epoch][0].arena
+                out[i] = Staged(keys[i], tier, region, p.slot, p.size, p.checksum, tier, p.lease)
+            if unused:
+                self._give_back(tier, unpin=unused)
         todo = [i for i, s in enumerate(out) if s is None]
         if todo:
-            for i, s in self._promote([keys[i] for i in todo]).items():
+            for i, s in self._promote([keys[i] for i in todo], owner).items():
                 out[todo[i]] = s
         self.latency["stage"].observe(time.perf_counter() - start_time)
         return out
 
     def unstage(self, staged: Sequence[Staged]) -> None:
+        by_tier: dict[Tier, list[int]] = {}
+        for s in staged:
+            by_tier.setdefault(s.tier, []).append(s.lease)
+        for tier, leases in by_tier.items():
+            self._give_back(tier, unpin=leases)
+
+    def quarantine_staged(self, staged: Sequence[Staged]) -> None:
+        """A peer found these staged copies corrupt: drop them here."""
         by_tier: dict[Tier, list[BlockHash]] = {}
         for s in staged:
             by_tier.setdefault(s.tier, []).append(s.key)
         for tier, keys in by_tier.items():
-            self._call(tier, "unpin", keys)
+            self._call(tier, "quarantine", keys)
 
-    def _promote(self, keys: list[BlockHash]) -> dict[int, Staged]:
-        """NVMe -> DRAM for blocks a peer wants; each returned block is pinned in DRAM."""
-        pins = self._call(Tier.NVME, "pin", keys)
+    def quarantine_copies(self, keys: Sequence[BlockHash], tier: Tier) -> None:
+        """A reader found the copies of ``tier`` here corrupt where it used them."""
+        self._call(tier, "quarantine", list(keys))
+
+    def _promote(self, keys: list[BlockHash], owner: str) -> dict[int, Staged]:
+        """NVMe -> DRAM for blocks a peer wants; each returned block is pinned in DRAM for
+        ``owner``."""
+        pins = self._call(Tier.NVME, "pin", keys, self.owner)
         present = [(i, p) for i, p in enumerate(pins) if p is not None]
+        grants = []
         try:
-            grants = self._call(Tier.DRAM, "reserve", [(keys[i], None) for i, _ in present])
+            grants = self._call(Tier.DRAM, "reserve", [(keys[i], None) for i, _ in present],
+                                self.owner)
             self._demote_victims(Tier.DRAM, grants)
-            info, dram = self._arenas[Tier.DRAM]
-            ok: list[tuple[int, Pinned, Grant]] = []
+            ok: list[tuple[int, Extent, Grant]] = []
             for (i, p), g in zip(present, grants):
                 if g is None:
                     continue
-                dst = dram.slot_view(g.slot)
+                dst = self._arena(g.epoch).slot_view(g.slot)
                 if self.scheduler.submit(
                     Priority.LOAD, lambda p=p, dst=dst: self._read_local(Tier.NVME, p, dst)
                 ).result():
                     ok.append((i, p, g))
                 else:
-                    self._call(Tier.DRAM, "abort", [g.key])
-            self._call(Tier.DRAM, "commit", [(g.key, p.size, p.checksum) for _, p, g in ok])
+                    self._call(Tier.NVME, "quarantine", [p.key])
+            done = {g.lease for _, _, g in ok}
+            self._give_back(Tier.DRAM, abort=[g.lease for g in grants
+                                              if g is not None and g.lease not in done])
+            grants = []
+            repinned = self._call(Tier.DRAM, "commit_pinned",
+                                  [(g.lease, p.size, p.checksum) for _, p, g in ok], "", True,
+                                  owner)
             self.moved["nvme->dram"] += sum(p.size for _, p, _ in ok)
             self.moved_via["nvme"] += sum(p.size for _, p, _ in ok)
-            repinned = self._call(Tier.DRAM, "pin", [g.key for _, _, g in ok])
             return {
-                i: Staged(g.key, Tier.DRAM, info.arena, rp.slot, rp.size, rp.checksum or 0,
-                          Tier.NVME)
-                for (i, _, g), rp in zip(ok, repinned) if rp is not None
+                i: Staged(g.key, Tier.DRAM, self._epochs[rp.epoch][0].arena, rp.slot, rp.size,
+                          rp.checksum, Tier.NVME, rp.lease)
+                for (i, _, g), rp in zip(ok, repinned)
+                if rp is not None and rp.epoch in self._epochs
             }
         finally:
-            self._call(Tier.NVME, "unpin", [p.key for _, p in present])
+            self._give_back(Tier.DRAM, abort=[g.lease for g in grants if g is not None])
+            self._give_back(Tier.NVME, unpin=[p.lease for _, p in present])
 
     def read_slots(self, slots: Sequence[tuple[str, int]]) -> list[np.ndarray]:
         """The fallback transport's server side: copies of whole slots of local arenas."""

@@ -11,10 +11,10 @@ from cmx.actors.arena_tier import Pinned
 from cmx.actors.directory import Copy
 from cmx.actors.links import actor_name
 from cmx.actors.scheduler import Priority
-from cmx.actors.wire import Loaded, Offer
 from cmx.errors import UnavailableError
 from cmx.keys import BlockHash
 from cmx.policies.rendezvous import owners
+from cmx.protocol import Loaded, Offer
 from cmx.tiers import Tier
 
 __all__ = ["PoolWrites"]
@@ -50,14 +50,14 @@ class PoolWrites(AgentBase):
         members = self._pool_members()
         if not members or not keys:
             return 0
-        info, _ = self._arenas[Tier.DRAM]
-        pins: list[Pinned | None] = self._call(Tier.DRAM, "pin", list(keys))
+        pins: list[Pinned | None] = self._call(Tier.DRAM, "pin", list(keys), self.owner)
         try:
             by_owner: dict[str, list[Offer]] = {}
             for key, p in zip(keys, pins):
-                if p is None:
+                if p is None or p.epoch not in self._epochs:
                     continue
-                offer = Offer(key, parents.get(key), info.arena, p.slot, p.size, p.checksum or 0)
+                region = self._epochs[p.epoch][0].arena
+                offer = Offer(key, parents.get(key), region, p.slot, p.size, p.checksum)
                 for owner in owners(key, members, replicas):
                     by_owner.setdefault(owner, []).append(offer)
             made = 0
@@ -76,11 +76,13 @@ class PoolWrites(AgentBase):
                 self.moved_via[self.transport.name] += sum(o.size for o in offers[:n])
             return made
         finally:
-            self._call(Tier.DRAM, "unpin", [p.key for p in pins if p is not None])
+            self._give_back(Tier.DRAM, unpin=[p.lease for p in pins if p is not None])
 
     def _pool_later(self, loaded: Sequence[Loaded], copies: Sequence[Sequence[Copy]]) -> None:
         """Blocks reused often enough and not yet pooled go to the pool in the background
         (where there is a pool: the load that called this does not wait to find out)."""
+        for b in loaded:
+            self.nvme_admission.record(b.key)
         todo = [b.key for b, c in zip(loaded, copies)
                 if self._admit(b.key) and not any(x.tier is Tier.POOL for x in c)]
         if todo:

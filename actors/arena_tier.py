@@ -3,29 +3,38 @@
 The tier owns capacity, the index and eviction of a shared-memory arena; it never touches a
 payload byte. The node's offload agent maps the same arena and moves the bytes.
 
-Protocol, in call order (the agent is the only caller that writes):
+Protocol, in call order (the agent is the only caller that writes). Every pin and every
+reservation is a lease (``actors.leases``): it names an owner, is ended by its id and is taken
+back when it expires, so a holder that fails or dies never keeps a slot.
 
-1. ``reserve([(key, parent)])`` -> a Grant per key (None if the key is already here, or no
-   slot can be freed). A grant may carry a ``victim``: an evicted block whose bytes are still
-   in the granted slot. The agent demotes the victim to the tier below *before* writing.
-2. The agent writes the slot, then ``commit([(key, size, checksum)])`` (visible to lookups
-   once this returns: the directory has applied the event) or ``abort([key])``.
-3. Readers ``pin(keys)`` -> where each block is (None on a miss), read the slots, ``unpin``.
+1. ``reserve([(key, parent)], owner)`` -> a Grant per key (None if the key is already here,
+   or no slot can be freed). A grant may carry a ``victim``: an evicted block whose bytes are
+   still in the granted slot. The agent demotes the victim to the tier below *before* writing.
+2. The agent writes the slot *in the arena of the grant's epoch* (a restarted tier has a new
+   arena; the old grant's slot there may hold another block), then ``commit([(lease, size,
+   checksum)])`` (visible to lookups once this returns: the directory has applied the event)
+   or ``abort([lease])``. A lease of an earlier incarnation commits nothing.
+3. Readers ``pin(keys, owner)`` -> where each block is (None on a miss), read the slots in
+   the arena of the pin's epoch, ``unpin([lease])``.
 
 A load asks ``acquire`` (pin what is here, reserve the rest) and ends with ``commit_pinned``
-(commit, then pin): two round trips where the steps alone take four.
+(commit, then pin): two round trips where the steps alone take four. ``quarantine`` drops a
+copy a reader found corrupt; a pinned one goes when its last pin does, and is pinned by no one
+meanwhile.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cmx.actors.directory import Entry, Source
 from cmx.actors.events import EventPublisher
+from cmx.actors.leases import ADMIN, Clock, LeaseKind, Leases
 from cmx.errors import BlockStateError, StoreFullError
 from cmx.keys import BlockHash
 from cmx.storage.arena import SHM_DIR, reap_orphans
@@ -35,6 +44,8 @@ from cmx.storage.dram import DramStore
 from cmx.tiers import Tier
 
 __all__ = ["ArenaInfo", "ArenaTierService", "Grant", "Pinned", "Victim"]
+
+DEFAULT_LEASE_S = 90.0
 
 
 @dataclass(frozen=True)
@@ -50,6 +61,7 @@ class Grant:
     key: BlockHash
     slot: int
     epoch: str  # of the tier that granted it: a restarted tier has a new arena
+    lease: int  # commit or abort by it
     victim: Victim | None = None  # demote it out of ``slot`` before writing
 
 
@@ -58,8 +70,9 @@ class Pinned:
     key: BlockHash
     slot: int
     size: int
-    checksum: int | None
-    epoch: str
+    checksum: int
+    epoch: str  # read ``slot`` in the arena of this epoch
+    lease: int  # unpin by it
 
 
 @dataclass(frozen=True)
@@ -84,6 +97,8 @@ class ArenaTierService:
         num_shards: int,
         eviction: str = "lru",
         emulated: bool = False,
+        lease_s: float = DEFAULT_LEASE_S,
+        clock: Clock = time.monotonic,
     ) -> None:
         self.tier = tier
         self.node = node
@@ -99,7 +114,10 @@ class ArenaTierService:
             name=f"cmx-{tier.value}-{node[:12]}-{self.epoch}",
             on_evict=self._on_evict,
         )
-        self._reservations: dict[BlockHash, Reservation] = {}
+        self.leases = Leases(lease_s, clock)
+        self._reservations: dict[int, Reservation] = {}  # lease -> open reservation
+        self._doomed: set[BlockHash] = set()  # quarantined while pinned: dropped at last unpin
+        self._quarantined = 0
         self._tags: dict[BlockHash, str] = {}  # namespace id of blocks stored through here
         self._lock = threading.Lock()
         self.publisher = EventPublisher(
@@ -125,7 +143,10 @@ class ArenaTierService:
 
     # -- writes --------------------------------------------------------------------------------
 
-    def reserve(self, items: Sequence[tuple[BlockHash, BlockHash | None]]) -> list[Grant | None]:
+    def reserve(
+        self, items: Sequence[tuple[BlockHash, BlockHash | None]], owner: str
+    ) -> list[Grant | None]:
+        self.leases.expire()
         grants: list[Grant | None] = []
         for key, parent in items:
             try:
@@ -134,77 +155,129 @@ class ArenaTierService:
                 grants.append(None)
                 continue
             with self._lock:
-                self._reservations[key] = res
+                lease = self.leases.grant(owner, LeaseKind.RESERVE, key, self._abort_one)
+                self._reservations[lease] = res
                 victim = self._evicted.pop(res.slot, None)
-            grants.append(Grant(key, res.slot, self.epoch, victim))
+            grants.append(Grant(key, res.slot, self.epoch, lease, victim))
         return grants
 
-    def commit(self, items: Sequence[tuple[BlockHash, int, int]], namespace: str = "",
+    def commit(self, items: Sequence[tuple[int, int, int]], namespace: str = "",
                wait: bool = True) -> int:
-        """Commit written blocks and publish them; returns how many were committed. With
-        ``wait``, returns once the directory has them; otherwise they are sent behind."""
-        done = 0
-        for key, size, csum in items:
+        """Commit written blocks (by lease) and publish them; returns how many were committed.
+        With ``wait``, returns once the directory has them; otherwise they are sent behind."""
+        return sum(k is not None for k in self._commit(items, namespace, wait))
+
+    def _commit(self, items: Sequence[tuple[int, int, int]], namespace: str,
+                wait: bool) -> list[BlockHash | None]:
+        keys: list[BlockHash | None] = []
+        for lease, size, csum in items:
+            held = self.leases.take(lease)
             with self._lock:
-                res = self._reservations.pop(key, None)
-            if res is not None:
-                if namespace:
-                    self._tags[key] = namespace
-                self.store.commit(res, size, csum)
-                done += 1
+                res = self._reservations.pop(lease, None) if held is not None else None
+            if res is None:
+                keys.append(None)
+                continue
+            if namespace:
+                self._tags[res.key] = namespace
+            self.store.commit(res, size, csum)
+            keys.append(res.key)
         if wait:
             self.publisher.flush()
         else:
             self.publisher.flush_soon()
-        return done
+        return keys
 
     def commit_pinned(
-        self, items: Sequence[tuple[BlockHash, int, int]], namespace: str = "",
-        wait: bool = True,
+        self, items: Sequence[tuple[int, int, int]], namespace: str = "",
+        wait: bool = True, owner: str = "",
     ) -> list[Pinned | None]:
-        """``commit``, then ``pin`` what was committed: what a load asks last, in one round
-        trip. None for a block that was not reserved here."""
-        self.commit(items, namespace, wait)
-        return self.pin([key for key, _, _ in items])
+        """``commit``, then ``pin`` for ``owner`` what was committed: what a load asks last,
+        in one round trip. None for a lease that is not an open reservation here."""
+        keys = self._commit(items, namespace, wait)
+        pins = iter(self.pin([k for k in keys if k is not None], owner))
+        return [next(pins) if k is not None else None for k in keys]
 
-    def abort(self, keys: Sequence[BlockHash]) -> None:
-        for key in keys:
-            with self._lock:
-                res = self._reservations.pop(key, None)
-            if res is not None:
-                self.store.abort(res)
+    def abort(self, leases: Sequence[int]) -> None:
+        self.leases.end(leases)
+
+    def _abort_one(self, lease: int) -> None:
+        with self._lock:
+            res = self._reservations.pop(lease, None)
+        if res is not None:
+            self.store.abort(res)
 
     # -- reads ---------------------------------------------------------------------------------
 
-    def pin(self, keys: Sequence[BlockHash]) -> list[Pinned | None]:
+    def pin(self, keys: Sequence[BlockHash], owner: str = ADMIN) -> list[Pinned | None]:
+        self.leases.expire()
         out: list[Pinned | None] = []
         for key in keys:
-            if not self.store.pin(key):
+            if key in self._doomed or not self.store.pin(key):
                 out.append(None)
                 continue
             ref = self.store.locate(key)
-            if ref is None:  # removed between pin and locate: cannot happen under a pin
-                self.store.unpin(key)
+            csum = self.store.checksum_of(key)
+            if ref is None or csum is None:  # removed between pin and locate: not under a pin
+                self._unpin_key(key)
                 out.append(None)
                 continue
-            out.append(Pinned(key, ref.slot, ref.size, ref.checksum, self.epoch))
+            lease = self.leases.grant(owner, LeaseKind.PIN, key,
+                                      lambda _, key=key: self._unpin_key(key))
+            out.append(Pinned(key, ref.slot, ref.size, csum, self.epoch, lease))
         return out
 
     def acquire(
-        self, items: Sequence[tuple[BlockHash, BlockHash | None]]
+        self, items: Sequence[tuple[BlockHash, BlockHash | None]], owner: str
     ) -> list[Pinned | Grant | None]:
         """``pin`` each key that is here and ``reserve`` a slot for each that is not: what a
         load asks first, in one round trip."""
-        pins = self.pin([key for key, _ in items])
-        grants = iter(self.reserve([item for item, p in zip(items, pins) if p is None]))
+        pins = self.pin([key for key, _ in items], owner)
+        grants = iter(self.reserve([item for item, p in zip(items, pins) if p is None], owner))
         return [p if p is not None else next(grants) for p in pins]
 
-    def unpin(self, keys: Sequence[BlockHash]) -> None:
+    def unpin(self, leases: Sequence[int | BlockHash]) -> None:
+        """End pins by lease; a key ends the oldest pin of ``ADMIN`` on it (the admin API
+        pins and unpins by key)."""
+        self.leases.end([x for x in leases if isinstance(x, int)])
+        for key in leases:
+            if isinstance(key, bytes):
+                self.leases.end_one(ADMIN, BlockHash(key))
+
+    def release_owner(self, owner: str) -> int:
+        """Give back every pin and reservation ``owner`` holds; how many."""
+        return self.leases.release_owner(owner)
+
+    def expire(self) -> int:
+        return self.leases.expire()
+
+    def _unpin_key(self, key: BlockHash) -> None:
+        try:
+            self.store.unpin(key)
+        except BlockStateError:
+            return  # the block went with a close
+        if key in self._doomed and self._drop(key):
+            self._doomed.discard(key)
+            self.publisher.flush()
+
+    def quarantine(self, keys: Sequence[BlockHash]) -> int:
+        """Drop copies a reader found corrupt; a pinned one goes at its last unpin."""
+        n = 0
         for key in keys:
-            try:
-                self.store.unpin(key)
-            except BlockStateError:
-                pass  # the tier restarted since the pin, or a double release: nothing held
+            if key not in self.store:
+                continue
+            n += 1
+            if not self._drop(key):
+                self._doomed.add(key)
+        self._quarantined += n
+        self.publisher.flush()
+        return n
+
+    def _drop(self, key: BlockHash) -> bool:
+        try:
+            self.store.delete(key)
+            return True
+        except BlockStateError:
+            return False  # pinned
 
     def contains(self, keys: Sequence[BlockHash]) -> list[bool]:
         return [key in self.store for key in keys]
@@ -218,10 +291,12 @@ class ArenaTierService:
     # -- upkeep --------------------------------------------------------------------------------
 
     def heartbeat(self) -> bool:
+        self.leases.expire()
         return self.publisher.flush(heartbeat=True)
 
     def stats(self) -> dict[str, object]:
         s = self.store.stats()
+        leases = self.leases.stats()
         return {
             "tier": self.tier.value,
             "node": self.node,
@@ -231,6 +306,12 @@ class ArenaTierService:
             "used_bytes": s.used_bytes,
             "blocks": s.blocks,
             "pinned": s.pinned,
+            "reserved": s.extra["reserved"],
+            "pin_leases": leases.pinned,
+            "reserve_leases": leases.reserved,
+            "expired_leases": leases.expired,
+            "released_leases": leases.released,
+            "quarantined": self._quarantined,
             "hits": s.hits,
             "misses": s.misses,
             "evictions": s.evictions,
@@ -242,6 +323,13 @@ class ArenaTierService:
 
     def check_integrity(self) -> None:
         self.store.check_integrity()
+        s = self.store.stats()
+        leases = self.leases.stats()
+        if leases.reserved != s.extra["reserved"]:
+            raise AssertionError(f"{leases.reserved} reservation leases, "
+                                 f"{s.extra['reserved']} reserved blocks")
+        if bool(leases.pinned) != bool(s.pinned):
+            raise AssertionError(f"{leases.pinned} pin leases, {s.pinned} pinned blocks")
 
     def close(self) -> None:
         self.store.close()
@@ -256,6 +344,7 @@ class ArenaTierService:
     def _forget_tag(self, event: StoreEvent) -> None:
         if event.kind is EventKind.REMOVED:
             self._tags.pop(event.key, None)
+            self._doomed.discard(event.key)
 
     def _holdings(self) -> list[Entry]:
         entries = []

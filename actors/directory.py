@@ -25,6 +25,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from cmx.keys import BlockHash
+from cmx.protocol import Copy, shard_of
 from cmx.tiers import Tier
 
 __all__ = ["ApplyResult", "Copy", "DirectoryShard", "Entry", "Source", "shard_of"]
@@ -50,23 +51,11 @@ class Entry:
     namespace: str = ""  # namespace id, where the source knows it
 
 
-@dataclass(frozen=True)
-class Copy:
-    """A committed copy of a block somewhere in the cluster."""
-
-    tier: Tier
-    node: str
-    size: int
-    checksum: int
 
 
 class ApplyResult(str, enum.Enum):
     OK = "ok"
     NEED_RESYNC = "need_resync"
-
-
-def shard_of(key: bytes, num_shards: int) -> int:
-    return int.from_bytes(key[:4], "little") % num_shards
 
 
 class DirectoryShard:

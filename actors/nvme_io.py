@@ -33,6 +33,7 @@ class Extent:
     offset: int  # 4 KiB-aligned
     size: int  # payload bytes; the extent on disk is align_up(size)
     checksum: int = 0  # of the payload, once committed
+    lease: int = 0  # of the pin or reservation that hands it out: end it by this id
 
 
 class NvmeIo:

@@ -3,12 +3,14 @@
 The tier hands out extents and records commits; the offload agent writes and reads the
 bytes (``actors.nvme_io``). Protocol, in call order:
 
-1. ``reserve([(key, parent, size)])`` -> an Extent per key (None if already stored or no
-   room). Space is held until commit or abort.
-2. The agent writes the extent, then ``commit([(key, size, checksum, chunk_sums)])``; the
+1. ``reserve([(key, parent, size)], owner)`` -> an Extent per key (None if already stored
+   or no room). Space is held until commit, abort or the reservation's lease expires.
+2. The agent writes the extent, then ``commit([(lease, size, checksum, chunk_sums)])``; the
    segment data is made durable and the index record journaled before the block is visible.
-3. Readers ``pin(keys)`` -> Extents (None on a miss), read and verify, then ``unpin``.
-   A reader that finds a bad checksum calls ``quarantine(keys)``.
+3. Readers ``pin(keys, owner)`` -> Extents (None on a miss), read and verify, then
+   ``unpin([lease])``. A reader that finds a bad checksum calls ``quarantine(keys)``.
+
+Pins and reservations are leases (``actors.leases``), taken back when they expire.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Sequence
 
 from cmx.actors.directory import Entry, Source
 from cmx.actors.events import EventPublisher
+from cmx.actors.leases import ADMIN, Clock, LeaseKind, Leases
 from cmx.actors.nvme_io import Extent
 from cmx.errors import BlockStateError
 from cmx.keys import BlockHash
@@ -28,7 +31,7 @@ from cmx.tiers import Tier
 
 __all__ = ["NvmeTierService", "extent_holdings"]
 
-STALE_WRITE_S = 120.0  # a reserved extent not committed by then belongs to a dead writer
+DEFAULT_LEASE_S = 120.0
 
 
 class NvmeTierService:
@@ -42,6 +45,8 @@ class NvmeTierService:
         num_shards: int,
         eviction: str = "lru",
         segment_bytes: int = 256 << 20,
+        lease_s: float = DEFAULT_LEASE_S,
+        clock: Clock = time.monotonic,
     ) -> None:
         self.tier = Tier.NVME
         self.node = node
@@ -50,7 +55,8 @@ class NvmeTierService:
             root, capacity_bytes=capacity_bytes, block_bytes=block_bytes, eviction=eviction,
             segment_bytes=segment_bytes,
         )
-        self._pending: dict[BlockHash, PendingExtent] = {}
+        self.leases = Leases(lease_s, clock)
+        self._pending: dict[int, PendingExtent] = {}  # lease -> space held for a write
         self._lock = threading.Lock()
         self.publisher = EventPublisher(
             Source(node, Tier.NVME),
@@ -69,8 +75,9 @@ class NvmeTierService:
                 "root": self.store.root}
 
     def reserve(
-        self, items: Sequence[tuple[BlockHash, BlockHash | None, int]]
+        self, items: Sequence[tuple[BlockHash, BlockHash | None, int]], owner: str
     ) -> list[Extent | None]:
+        self.leases.expire()
         out: list[Extent | None] = []
         for key, parent, size in items:
             pending = self.store.reserve_extent(key, parent, size)
@@ -78,15 +85,18 @@ class NvmeTierService:
                 out.append(None)
                 continue
             with self._lock:
-                self._pending[key] = pending
-            out.append(Extent(key, pending.path, pending.offset, size))
+                lease = self.leases.grant(owner, LeaseKind.RESERVE, key, self._abort_one)
+                self._pending[lease] = pending
+            out.append(Extent(key, pending.path, pending.offset, size, 0, lease))
         return out
 
-    def commit(self, items: Sequence[tuple[BlockHash, int, int, bytes]]) -> int:
+    def commit(self, items: Sequence[tuple[int, int, int, bytes]]) -> int:
+        """Commit written extents by lease; how many. A lease that expired commits nothing."""
         done = 0
-        for key, size, csum, chunk_sums in items:
+        for lease, size, csum, chunk_sums in items:
+            held = self.leases.take(lease)
             with self._lock:
-                pending = self._pending.pop(key, None)
+                pending = self._pending.pop(lease, None) if held is not None else None
             if pending is not None and pending.size == size:
                 self.store.commit_extent(pending, csum, chunk_sums)
                 done += 1
@@ -96,14 +106,17 @@ class NvmeTierService:
         self.publisher.flush()
         return done
 
-    def abort(self, keys: Sequence[BlockHash]) -> None:
-        for key in keys:
-            with self._lock:
-                pending = self._pending.pop(key, None)
-            if pending is not None:
-                self.store.abort_extent(pending)
+    def abort(self, leases: Sequence[int]) -> None:
+        self.leases.end(leases)
 
-    def pin(self, keys: Sequence[BlockHash]) -> list[Extent | None]:
+    def _abort_one(self, lease: int) -> None:
+        with self._lock:
+            pending = self._pending.pop(lease, None)
+        if pending is not None:
+            self.store.abort_extent(pending)
+
+    def pin(self, keys: Sequence[BlockHash], owner: str = ADMIN) -> list[Extent | None]:
+        self.leases.expire()
         out: list[Extent | None] = []
         for key in keys:
             if not self.store.pin(key):
@@ -111,24 +124,43 @@ class NvmeTierService:
                 continue
             entry = self.store.entry_of(key)
             if entry is None:
-                self.store.unpin(key)
+                self._unpin_key(key)
                 out.append(None)
                 continue
+            lease = self.leases.grant(owner, LeaseKind.PIN, key,
+                                      lambda _, key=key: self._unpin_key(key))
             out.append(Extent(key, self.store.segment_path(entry.seg), entry.offset,
-                              entry.length, entry.checksum))
+                              entry.length, entry.checksum, lease))
         return out
 
-    def unpin(self, keys: Sequence[BlockHash]) -> None:
-        for key in keys:
-            try:
-                self.store.unpin(key)
-            except BlockStateError:
-                pass
+    def unpin(self, leases: Sequence[int | BlockHash]) -> None:
+        """End pins by lease; a key ends the oldest pin of ``ADMIN`` on it (the admin API
+        pins and unpins by key)."""
+        self.leases.end([x for x in leases if isinstance(x, int)])
+        for key in leases:
+            if isinstance(key, bytes):
+                self.leases.end_one(ADMIN, BlockHash(key))
 
-    def quarantine(self, keys: Sequence[BlockHash]) -> None:
+    def release_owner(self, owner: str) -> int:
+        return self.leases.release_owner(owner)
+
+    def expire(self) -> int:
+        return self.leases.expire()
+
+    def _unpin_key(self, key: BlockHash) -> None:
+        try:
+            self.store.unpin(key)
+        except BlockStateError:
+            pass  # quarantined under the pin, or closed
+
+    def quarantine(self, keys: Sequence[BlockHash]) -> int:
+        n = 0
         for key in keys:
-            self.store.quarantine(key)
+            if self.store.quarantine(key):
+                self.leases.forget_key(key)
+                n += 1
         self.publisher.flush()
+        return n
 
     def contains(self, keys: Sequence[BlockHash]) -> list[bool]:
         return [key in self.store for key in keys]
@@ -139,15 +171,13 @@ class NvmeTierService:
         return gone
 
     def heartbeat(self) -> bool:
-        """Resync the directory; give back space held by writes that never finished."""
-        now = time.monotonic()
-        with self._lock:
-            stale = [k for k, p in self._pending.items() if now - p.since > STALE_WRITE_S]
-        self.abort(stale)
+        """Resync the directory; take back leases that ran out (writes that never finished)."""
+        self.leases.expire()
         return self.publisher.flush(heartbeat=True)
 
     def stats(self) -> dict[str, object]:
         s = self.store.stats()
+        leases = self.leases.stats()
         return {
             "tier": self.tier.value,
             "node": self.node,
@@ -157,6 +187,11 @@ class NvmeTierService:
             "used_bytes": s.used_bytes,
             "blocks": s.blocks,
             "pinned": s.pinned,
+            "reserved": len(self._pending),
+            "pin_leases": leases.pinned,
+            "reserve_leases": leases.reserved,
+            "expired_leases": leases.expired,
+            "released_leases": leases.released,
             "hits": s.hits,
             "misses": s.misses,
             "evictions": s.evictions,

@@ -5,8 +5,9 @@ registered with its transport, and the same pull protocol as the offload agents:
 
 - ``ingest(source, items)``: pull blocks from the arena of ``source`` (an agent or another
   pool node that has them pinned) over the transport, verify, write to NVMe, commit, announce.
-- ``stage(keys)`` / ``unstage(staged)``: for a reader: pin each block in the staging arena
-  (reading it from NVMe and verifying it first), so the reader pulls it with one transfer.
+- ``stage(keys, owner)`` / ``unstage(staged)``: for a reader: pin each block in the staging
+  arena (reading it from NVMe and verifying it first), so the reader pulls it with one
+  transfer. The pins are leases: a reader that dies holds them only until they expire.
 - ``rebalance(members, replicas)``: after membership changed, push every block held here to
   its owners (rendezvous hashing over the live members) that lack it.
 
@@ -18,19 +19,21 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 
 from cmx.actors.directory import Entry, Source
 from cmx.actors.events import EventPublisher
+from cmx.actors.leases import Clock, LeaseKind, Leases
 from cmx.actors.nvme_io import Extent, NvmeIo
 from cmx.actors.nvme_tier import extent_holdings
 from cmx.actors.transport import Move, PeerInfo, Region, TransferError, make_transport
-from cmx.actors.wire import Offer, Staged
 from cmx.checksum import checksum
 from cmx.errors import BlockStateError, CmxError, StoreFullError, UnavailableError
 from cmx.keys import BlockHash
 from cmx.policies.rendezvous import owners
+from cmx.protocol import Offer, Staged
 from cmx.storage.dram import DramStore
 from cmx.storage.nvme.chunks import block_sums
 from cmx.storage.nvme.extents import ExtentStore
@@ -40,12 +43,15 @@ __all__ = ["PoolNodeService"]
 
 log = logging.getLogger(__name__)
 
+DEFAULT_LEASE_S = 90.0
+
 
 class PoolNodeService:
     def __init__(
         self, node: str, pool_id: str, root: str, capacity_bytes: int, block_bytes: int,
         staging_bytes: int, link: object, num_shards: int, transport: str = "auto",
         eviction: str = "lru", segment_bytes: int = 256 << 20,
+        lease_s: float = DEFAULT_LEASE_S, clock: Clock = time.monotonic,
     ) -> None:
         self.node = node
         self.pool_id = pool_id
@@ -55,6 +61,7 @@ class PoolNodeService:
         self.store = ExtentStore(root, capacity_bytes=capacity_bytes, block_bytes=block_bytes,
                                  eviction=eviction, segment_bytes=segment_bytes)
         self.staging = DramStore(staging_bytes, block_bytes, name=self.name)
+        self.leases = Leases(lease_s, clock)  # readers' pins of staged blocks
         self.io = NvmeIo()
         self.transport = make_transport(self.name, transport, self._fetch)
         arena = self.staging.arena
@@ -127,7 +134,8 @@ class PoolNodeService:
 
     # -- reads out of the pool -----------------------------------------------------------------
 
-    def stage(self, keys: Sequence[BlockHash]) -> list[Staged | None]:
+    def stage(self, keys: Sequence[BlockHash], owner: str) -> list[Staged | None]:
+        self.leases.expire()
         out: list[Staged | None] = []
         region = self.staging.arena.name
         for key in keys:
@@ -135,20 +143,39 @@ class PoolNodeService:
                 out.append(None)
                 continue
             ref = self.staging.locate(key)
+            if ref is None:
+                self._unpin_staged(key)
+                out.append(None)
+                continue
+            lease = self.leases.grant(owner, LeaseKind.PIN, key,
+                                      lambda _, key=key: self._unpin_staged(key))
             out.append(Staged(key, Tier.POOL, region, ref.slot, ref.size, ref.checksum or 0,
-                              Tier.POOL))
+                              Tier.POOL, lease))
             self.served += 1
         return out
 
     def unstage(self, staged: Sequence[Staged]) -> None:
-        for s in staged:
-            try:
-                self.staging.unpin(s.key)
-            except BlockStateError:
-                pass
+        self.leases.end([s.lease for s in staged])
+
+    def quarantine_staged(self, staged: Sequence[Staged]) -> None:
+        """A reader found these staged copies corrupt: drop them, and the disk's copy too."""
+        self.quarantine_copies([s.key for s in staged], Tier.POOL)
+
+    def quarantine_copies(self, keys: Sequence[BlockHash], tier: Tier = Tier.POOL) -> None:
+        for key in keys:
+            self._drop_staged(key)
+            self.store.quarantine(key)
+        self.publisher.flush()
+
+    def _unpin_staged(self, key: BlockHash) -> None:
+        try:
+            self.staging.unpin(key)
+        except BlockStateError:
+            pass
 
     def _load_into_staging(self, key: BlockHash) -> bool:
-        """Read a block from NVMe into a pinned staging slot; False on a miss."""
+        """Read a block from NVMe into a pinned staging slot; False on a miss, or if the read
+        fails (nothing is left reserved or pinned)."""
         if not self.store.pin(key):
             return False
         try:
@@ -160,7 +187,12 @@ class PoolNodeService:
             except (BlockStateError, StoreFullError):
                 return False
             ext = Extent(key, self.store.segment_path(entry.seg), entry.offset, entry.length)
-            self.io.read(ext, res.buffer)
+            try:
+                self.io.read(ext, res.buffer)
+            except OSError as exc:
+                log.warning("pool read of %s failed: %s", key.hex()[:12], exc)
+                self.staging.abort(res)
+                return False
             if checksum(res.buffer[: entry.length]) != entry.checksum:
                 self.staging.abort(res)
                 self.store.unpin(key)
@@ -215,7 +247,8 @@ class PoolNodeService:
                 have = self.link.call(target, "contains", keys)  # type: ignore[attr-defined]
                 missing = [k for k, h in zip(keys, have) if not h]
                 for start in range(0, len(missing), 16):
-                    staged = [s for s in self.stage(missing[start : start + 16]) if s is not None]
+                    staged = [s for s in self.stage(missing[start : start + 16], me)
+                              if s is not None]
                     try:
                         offers = [Offer(s.key, None, s.region, s.slot, s.size, s.checksum)
                                   for s in staged]
@@ -230,6 +263,7 @@ class PoolNodeService:
     # -- upkeep --------------------------------------------------------------------------------
 
     def heartbeat(self) -> bool:
+        self.leases.expire()
         return self.publisher.flush(heartbeat=True)
 
     def stats(self) -> dict[str, object]:
@@ -242,6 +276,9 @@ class PoolNodeService:
             "quarantined": s.quarantined, "bytes_in": s.bytes_written, "bytes_out": s.bytes_read,
             "ingested": self.ingested, "served": self.served, "pushed": self.pushed,
             "transport": self.transport.name,
+            "pinned": self.staging.stats().pinned, "pin_leases": self.leases.stats().pinned,
+            "reserved": self.staging.stats().extra["reserved"],
+            "expired_leases": self.leases.stats().expired,
         }
 
     def check_integrity(self) -> None:

@@ -9,7 +9,6 @@ waits, bounded, until that many bytes are free.
 
 from __future__ import annotations
 
-import enum
 import heapq
 import itertools
 import threading
@@ -20,18 +19,13 @@ from contextlib import contextmanager
 from typing import Any
 
 from cmx.errors import CmxError
+from cmx.protocol import Priority
 
 __all__ = ["BusyError", "Priority", "Scheduler"]
 
 
 class BusyError(CmxError):
     """The agent's queue for this class of work stayed full past the caller's bound."""
-
-
-class Priority(enum.IntEnum):
-    LOAD = 0  # a request is waiting on it
-    PREFETCH = 1  # a request will want it soon
-    DEMOTE = 2  # eviction to a lower tier, write-through and write-back
 
 
 class Scheduler:

@@ -63,6 +63,7 @@ class ArenaTierActor(ArenaTierService):
         super().__init__(
             tier, node, capacity, config.block_bytes, RayLink(config.call_timeout_s),
             config.directory_shards, config.eviction, emulated=tier is Tier.HBM,
+            lease_s=config.lease_s,
         )
         _heartbeat(self, config.heartbeat_s)
 
@@ -76,7 +77,7 @@ class NvmeTierActor(NvmeTierService):
         super().__init__(
             node, self.disk.root, config.nvme_bytes,
             config.block_bytes, RayLink(config.call_timeout_s), config.directory_shards,
-            config.eviction, segment_bytes=config.nvme_segment_bytes,
+            config.eviction, segment_bytes=config.nvme_segment_bytes, lease_s=config.lease_s,
         )
         _heartbeat(self, config.heartbeat_s)
         _every(ORPHAN_SCAN_S, self.disk.scan)
@@ -120,7 +121,7 @@ class PoolNodeActor(PoolNodeService):
             node, pool_id, os.path.join(config.nvme_dir, f"pool-{pool_id}"), config.pool_bytes,
             config.block_bytes, config.pool_staging_bytes, RayLink(config.call_timeout_s),
             config.directory_shards, config.transport, config.eviction,
-            segment_bytes=config.nvme_segment_bytes,
+            segment_bytes=config.nvme_segment_bytes, lease_s=config.lease_s,
         )
         _heartbeat(self, config.heartbeat_s)
 

@@ -14,21 +14,25 @@ shorter prefix), never a hang and never wrong bytes.
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from cmx.actors.directory import Copy, shard_of
-from cmx.actors.links import RayLink, actor_name
+from cmx.checksum import checksum
 from cmx.config import ServiceConfig
-from cmx.errors import LayoutMismatchError, UnavailableError
+from cmx.errors import CmxError, LayoutMismatchError, UnavailableError
 from cmx.keys import BlockHash, Namespace, chain_keys, namespace_id
 from cmx.layout import KVLayout
+from cmx.links import RayLink
 from cmx.operate.ray_cluster import DEFAULT_JOIN_TIMEOUT_S, join_or_start
+from cmx.protocol import RAY_NAMESPACE, Copy, Loaded, Priority, actor_name, best_copy, shard_of
 from cmx.storage.arena import SharedArena
 from cmx.tiers import Tier
 
-__all__ = ["BlockLocation", "ContextMemory", "Match", "NamespaceClient", "StoreHandle"]
+__all__ = [
+    "BlockLocation", "ContextMemory", "Match", "NamespaceClient", "StoreHandle", "copy_verified",
+]
 
 log = logging.getLogger(__name__)
 
@@ -326,7 +330,7 @@ class NamespaceClient:
         for key, found in zip(keys, copies):
             if not found:
                 break
-            best = min(found, key=lambda c: (c.node != self.cm.node_id, c.tier.rank))
+            best = best_copy(found, self.cm.node_id)
             blocks.append(BlockLocation(key, best.tier, best.node, tuple(found)))
         return Match(len(blocks) * self.layout.block_tokens, tuple(blocks))
 
@@ -364,28 +368,47 @@ class NamespaceClient:
         return max(1, self.cm.config.hbm_bytes // self.cm.config.block_bytes // 2)
 
     def _load_window(self, blocks: list[BlockLocation], out: Any, first: int) -> int:
-        """Load ``blocks`` into ``out`` from block index ``first``; returns how many arrived."""
+        """Load ``blocks`` into ``out`` from block index ``first``; returns how many arrived.
+
+        The HBM pins the agent hands back are leases owned by this call alone: if the call
+        gives up waiting, it tells the agent so, and what the load pins is given back."""
         import ray
 
         agent = actor_name("agent", self.cm.node_id)
+        owner = f"client:{uuid.uuid4().hex}"
         try:
             ref = self.cm.link.submit(agent, "load", [b.key for b in blocks],
-                                      [list(b.copies) for b in blocks])
+                                      [list(b.copies) for b in blocks], Priority.LOAD, owner)
             result = ray.get(ref, timeout=self.cm.config.load_timeout_s)
         except Exception as exc:  # noqa: BLE001 - a failed or late load is a miss
             log.warning("load failed: %s", exc)
+            self.cm.link.tell(agent, "give_up", owner)
             return 0
         if not result.blocks:
             return 0
-        T = self.layout.block_tokens
+        intact = 0
+        corrupt: list[Loaded] = []
         try:
             arena = self.cm._hbm_arena(result.arena)
-            for i, b in enumerate(result.blocks):
-                block = self.layout.from_payload(arena.slot_view(b.slot)[: b.size])
-                out[:, :, :, (first + i) * T : (first + i + 1) * T].copy_(block)
-            return len(result.blocks)
+            intact, corrupt = copy_verified(self.layout, arena, result.blocks, out, first)
+        except (CmxError, OSError, ValueError) as exc:  # the HBM tier restarted: arena gone
+            log.warning("load's arena %s is gone: %s", result.arena, exc)
         finally:
-            try:
-                self.cm.link.call(agent, "release", [b.key for b in result.blocks])
-            except UnavailableError:
-                pass
+            self.cm.link.tell(agent, "release", [b.lease for b in result.blocks], corrupt)
+        return intact
+
+
+def copy_verified(layout: KVLayout, arena: SharedArena, blocks: Sequence[Loaded], out: Any,
+                  first: int) -> tuple[int, list[Loaded]]:
+    """Copy the blocks of a load out of ``arena`` into ``out`` (from block ``first``), each
+    checked against its checksum before it is used; stops at the first that fails.
+    Returns (blocks copied, the corrupt one if any)."""
+    T = layout.block_tokens
+    for i, b in enumerate(blocks):
+        payload = arena.slot_view(b.slot)[: b.size]
+        if checksum(payload) != b.checksum:
+            log.warning("block %s failed its checksum where it was used", b.key.hex()[:12])
+            return i, [b]
+        block = layout.from_payload(payload)
+        out[:, :, :, (first + i) * T : (first + i + 1) * T].copy_(block)
+    return len(blocks), []

@@ -44,6 +44,7 @@ class ServiceConfig:
     call_timeout_s: float = 10.0  # bound on every control-plane call
     load_timeout_s: float = 60.0  # bound on one client load, end to end
     heartbeat_s: float = 1.0  # tiers resync the directory at least this often
+    lease_s: float = 90.0  # a pin or reservation not ended by its holder is taken back then
 
     def replace(self, **changes: object) -> ServiceConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
@@ -75,6 +76,8 @@ class ServiceConfig:
                      "pool_bytes", "pool_replication", "pool_staging_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.lease_s <= 0:
+            raise ValueError("lease_s must be positive")
         if self.placement not in ("write_back", "write_through"):
             raise ValueError(f"placement {self.placement!r} is not write_back or write_through")
         if self.transport not in ("auto", "nixl", "ray"):

@@ -79,7 +79,7 @@ def _agent_load_gbps(cm: Any, node: str, ns: Any, toks: np.ndarray) -> tuple[flo
     dt = time.perf_counter() - t0
     moving = _transport_seconds(agent) - before
     loaded = sum(b.size for b in result.blocks)
-    ray.get(agent.release.remote([b.key for b in result.blocks]))
+    ray.get(agent.release.remote([b.lease for b in result.blocks]))
     ray.get(hbm.evict.remote(keys))
     if len(result.blocks) != len(keys):
         raise AssertionError(f"loaded {len(result.blocks)} of {len(keys)} blocks")

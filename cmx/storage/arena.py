@@ -281,7 +281,7 @@ def reap_orphans(prefix: str = "cmx-", shm_dir: str = SHM_DIR) -> list[str]:
     An arena of unknown owner (pid 0), of a live pid, or that is not an arena is left alone.
     A reused pid keeps an orphan a while longer, never removes a live arena.
     """
-    reaped = []
+    reaped: list[str] = []
     try:
         names = sorted(n for n in os.listdir(shm_dir) if n.startswith(prefix))
     except OSError:

@@ -53,6 +53,7 @@ def config() -> Iterator[ServiceConfig]:
         call_timeout_s=10.0,
         load_timeout_s=20.0,
         heartbeat_s=0.5,
+        lease_s=15.0,  # what a killed holder leaves goes back within the storm test's bound
         pool_bytes=256 * BLOCK,
         pool_staging_bytes=16 * BLOCK,
         pool_admission_min_count=1,  # every stored block is pooled, where a pool exists

@@ -14,6 +14,19 @@ from cmx.config import ServiceConfig
 from cmx.tiers import Tier
 
 
+class FakeClock:
+    """Time that moves only when a test says so: leases expire on cue."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 @dataclass
 class Plane:
     config: ServiceConfig
@@ -21,6 +34,7 @@ class Plane:
     shards: list[DirectoryShard]
     agents: dict[str, OffloadAgent]
     tiers: dict[tuple[str, Tier], Any]
+    clock: FakeClock
 
     def lookup(self, keys: list[bytes]) -> list[list[Copy]]:
         n = len(self.shards)
@@ -55,6 +69,7 @@ class LaggingLink(LocalLink):
 
 def make_plane(config: ServiceConfig, nodes: tuple[str, ...] = ("node-a", "node-b"),
                link_type: type[LocalLink] = LocalLink) -> Plane:
+    clock = FakeClock()
     targets: dict[str, Any] = {}
     link = link_type(targets)
     shards = [DirectoryShard(i) for i in range(config.directory_shards)]
@@ -64,13 +79,15 @@ def make_plane(config: ServiceConfig, nodes: tuple[str, ...] = ("node-a", "node-
     for node in nodes:
         for tier, capacity in ((Tier.HBM, config.hbm_bytes), (Tier.DRAM, config.dram_bytes)):
             svc = ArenaTierService(tier, node, capacity, config.block_bytes, link,
-                                   config.directory_shards, emulated=tier is Tier.HBM)
+                                   config.directory_shards, emulated=tier is Tier.HBM,
+                                   lease_s=config.lease_s, clock=clock)
             tiers[(node, tier)] = targets[actor_name(tier.value, node)] = svc
         nvme = NvmeTierService(node, f"{config.nvme_dir}/{node}", config.nvme_bytes,
                                config.block_bytes, link, config.directory_shards,
-                               segment_bytes=config.nvme_segment_bytes)
+                               segment_bytes=config.nvme_segment_bytes,
+                               lease_s=config.lease_s, clock=clock)
         tiers[(node, Tier.NVME)] = targets[actor_name("nvme", node)] = nvme
     agents = {}
     for node in nodes:
         agents[node] = targets[actor_name("agent", node)] = OffloadAgent(node, config, link)
-    return Plane(config, link, shards, agents, tiers)
+    return Plane(config, link, shards, agents, tiers, clock)

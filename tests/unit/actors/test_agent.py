@@ -47,7 +47,7 @@ def load(plane: Plane, node: str, keys: list[bytes]) -> tuple[np.ndarray, list]:
         [hbm.slot_view(b.slot)[: b.size] for b in result.blocks]
         or [np.empty(0, np.uint8)]
     ).copy()
-    agent.release([b.key for b in result.blocks])
+    agent.release([b.lease for b in result.blocks])
     return data, result.blocks
 
 
@@ -67,6 +67,9 @@ def test_store_then_load_locally_from_dram(plane: Plane) -> None:
     assert {b.source_tier for b in loaded} == {Tier.DRAM}
     data, loaded = load(plane, "node-a", keys)  # now a hit in HBM
     assert {b.source_tier for b in loaded} == {Tier.HBM}
+    for tier in (Tier.HBM, Tier.DRAM):  # pins taken ahead and not used went back too
+        stats = plane.tiers[("node-a", tier)].stats()
+        assert (stats["pinned"], stats["reserved"]) == (0, 0), tier
     check(plane)
 
 
@@ -164,6 +167,46 @@ def test_a_load_larger_than_the_peers_memory_moves_window_by_window(tmp_path) ->
         data, loaded = load(plane, "node-a", keys)
         assert len(loaded) == 12 and np.array_equal(data, payload)
         assert plane.agents["node-b"].moved["nvme->dram"] == 12 * BLOCK
+        check(plane)
+    finally:
+        plane.close()
+
+
+def test_nvme_admission_keeps_blocks_seen_once_off_the_disk(tmp_path) -> None:
+    config = ServiceConfig(
+        block_bytes=BLOCK, hbm_bytes=4 * BLOCK, dram_bytes=8 * BLOCK, nvme_bytes=64 * BLOCK,
+        nvme_dir=str(tmp_path), nvme_segment_bytes=16 * BLOCK, nvme_admission_min_count=2,
+    )
+    plane = make_plane(config, nodes=("node-a",))
+    try:
+        agent = plane.agents["node-a"]
+        hot, hot_payload = blocks(4, seed=8)
+        store(plane, "node-a", hot, hot_payload)
+        load(plane, "node-a", hot)  # seen twice: admitted to NVMe
+        cold, cold_payload = blocks(4, seed=9)
+        store(plane, "node-a", cold, cold_payload)  # seen once
+        filler, filler_payload = blocks(8, seed=10)
+        store(plane, "node-a", filler, filler_payload)  # evicts hot and cold from DRAM
+        nvme = plane.tiers[("node-a", Tier.NVME)].store
+        assert all(k in nvme for k in hot)
+        assert not any(k in nvme for k in cold)
+        assert agent.dropped["not_admitted_to_nvme"] >= 4
+        check(plane)
+    finally:
+        plane.close()
+
+
+def test_write_through_puts_admitted_blocks_on_nvme_as_they_are_stored(tmp_path) -> None:
+    config = ServiceConfig(
+        block_bytes=BLOCK, hbm_bytes=4 * BLOCK, dram_bytes=8 * BLOCK, nvme_bytes=64 * BLOCK,
+        nvme_dir=str(tmp_path), nvme_segment_bytes=16 * BLOCK, placement="write_through",
+    )
+    plane = make_plane(config, nodes=("node-a",))
+    try:
+        keys, payload = blocks(3, seed=11)
+        store(plane, "node-a", keys, payload)
+        assert all({Tier.DRAM, Tier.NVME} <= {c.tier for c in copies}
+                   for copies in plane.lookup(keys))
         check(plane)
     finally:
         plane.close()

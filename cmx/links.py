@@ -1,0 +1,129 @@
+"""How actors reach each other: by name in the ``cmx`` Ray namespace, with bounded waits.
+
+Plain classes take a link object instead of Ray handles, so unit tests pass in local objects
+(``LocalLink``) and the service passes ``RayLink``. Both have ``call`` (one call, waited for),
+``call_many`` (several calls in flight at once, each waited for) and ``tell`` (a call nobody
+waits for: releasing pins a peer holds for us).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from cmx.errors import UnavailableError
+from cmx.protocol import RAY_NAMESPACE, actor_name
+
+__all__ = ["RAY_NAMESPACE", "LocalLink", "RayLink", "actor_name"]
+
+Call = tuple[str, str, tuple[Any, ...]]  # (actor name, method, arguments)
+
+log = logging.getLogger(__name__)
+
+
+class LocalLink:
+    """Calls plain objects in this process: for unit tests and single-process use."""
+
+    def __init__(self, targets: Mapping[str, Any]) -> None:
+        self._targets = targets  # looked up at each call: targets may be added later
+
+    def call(self, name: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        target = self._targets.get(name)
+        if target is None:
+            raise UnavailableError(f"{name} is not running")
+        return getattr(target, method)(*args)
+
+    def call_many(self, calls: Sequence[Call], timeout_s: float | None = None,
+                  return_exceptions: bool = False) -> list[Any]:
+        results: list[Any] = []
+        for name, method, args in calls:
+            try:
+                results.append(self.call(name, method, *args))
+            except Exception as exc:
+                if not return_exceptions:
+                    raise
+                results.append(exc)
+        return results
+
+    def tell(self, name: str, method: str, *args: Any) -> None:
+        try:
+            self.call(name, method, *args)
+        except Exception as exc:  # noqa: BLE001 - nobody waits for a tell's answer
+            log.warning("%s.%s failed: %s", name, method, exc)
+
+
+class RayLink:
+    """Calls named Ray actors; every wait is bounded and every failure is UnavailableError."""
+
+    def __init__(self, timeout_s: float = 10.0) -> None:
+        self.timeout_s = timeout_s
+        self._handles: dict[str, Any] = {}
+
+    def handle(self, name: str) -> Any:
+        import ray
+
+        handle = self._handles.get(name)
+        if handle is None:
+            try:
+                handle = ray.get_actor(name, namespace=RAY_NAMESPACE)
+            except ValueError as exc:
+                raise UnavailableError(f"{name} is not running") from exc
+            self._handles[name] = handle
+        return handle
+
+    def submit(self, name: str, method: str, *args: Any) -> Any:
+        """Start a call; returns its ObjectRef."""
+        return getattr(self.handle(name), method).remote(*args)
+
+    def call(self, name: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        return self.call_many([(name, method, args)], timeout_s)[0]
+
+    def call_many(self, calls: Sequence[Call], timeout_s: float | None = None,
+                  return_exceptions: bool = False) -> list[Any]:
+        """Start every call, then wait for each (all within ``timeout_s``); results in order.
+        The first failure is raised once every call has answered or timed out; with
+        ``return_exceptions``, each failure takes its call's place in the results instead."""
+        import ray
+        from ray.exceptions import (
+            ActorUnavailableError,
+            GetTimeoutError,
+            RayActorError,
+            RayTaskError,
+        )
+
+        refs: list[Any] = []
+        for name, method, args in calls:
+            try:
+                refs.append(self.submit(name, method, *args))
+            except UnavailableError as exc:
+                refs.append(exc)
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        results: list[Any] = []
+        for (name, method, _), ref in zip(calls, refs):
+            if isinstance(ref, BaseException):
+                results.append(ref)
+                continue
+            try:
+                results.append(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
+            except (GetTimeoutError, RayActorError, ActorUnavailableError) as exc:
+                self._handles.pop(name, None)
+                results.append(UnavailableError(f"{name}.{method} did not answer: {exc}"))
+            except RayTaskError as exc:
+                results.append(exc.as_instanceof_cause())
+        if not return_exceptions:
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+        return results
+
+    def tell(self, name: str, method: str, *args: Any) -> None:
+        """Start a call and return; a failure is Ray's to log."""
+        try:
+            self.submit(name, method, *args)
+        except UnavailableError as exc:
+            log.warning("%s.%s not sent: %s", name, method, exc)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"timeout_s": self.timeout_s, "_handles": {}}

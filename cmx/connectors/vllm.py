@@ -72,10 +72,8 @@ def engine_layout(kv_cache_config: KVCacheConfig) -> tuple[KVLayout, list[str]]:
 
 class CMXConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
-                 kv_cache_config: KVCacheConfig | None = None) -> None:
+                 kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        if kv_cache_config is None:
-            raise ValueError("CMXConnector needs vLLM's kv_cache_config (vLLM >= 0.29)")
         transfer = self._kv_transfer_config
         settings = ConnectorSettings.from_extra(transfer.kv_connector_extra_config)
         layout, layer_names = engine_layout(kv_cache_config)

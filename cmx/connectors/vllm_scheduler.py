@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as LookupPending
 from dataclasses import dataclass, field
@@ -132,7 +132,7 @@ class SchedulerSide:
     # -- steps ---------------------------------------------------------------------------------
 
     def build_step(self, new: Sequence[Any], cached: Any, num_scheduled: dict[str, int],
-                   finished: Sequence[str]) -> CMXStepMetadata:
+                   finished: Iterable[str]) -> CMXStepMetadata:
         meta = CMXStepMetadata()
         for req_id in finished:
             self.finished(req_id)

@@ -91,7 +91,7 @@ def test_round_trip_through_block_payloads(layout: PagedLayout) -> None:
     kv = torch.empty(kv_layout.shape(3 * SIZE), dtype=torch.bfloat16)
     for layer, cache in enumerate(first):
         gather_layer(cache, layout, [2, 4, 6], kv[layer])
-    payloads = kv_layout.split_blocks(kv)  # what the service stores, block by block
+    payloads: list[object] = list(kv_layout.split_blocks(kv))  # what the service stores
     back = kv_layout.join_blocks(payloads)
     for layer, cache in enumerate(second):
         scatter_layer(cache, layout, [0, 1, 5], back[layer].contiguous())

@@ -38,7 +38,7 @@ def cm(service: ServiceConfig) -> Iterator[Any]:
     import ray
     from ray.cluster_utils import Cluster
 
-    from cmx import ContextMemory
+    from cmx.client import ContextMemory
 
     if ray.is_initialized():
         raise RuntimeError("the engine tests start a Ray cluster of their own: run them before "

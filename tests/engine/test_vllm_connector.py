@@ -16,7 +16,8 @@ from typing import Any
 
 from vllm import SamplingParams
 
-from cmx.connectors.settings import namespace_salt
+from cmx.connectors.settings import Namespaces, namespace_salt
+from cmx.connectors.vllm import CMXConnector
 
 from .vllm_support import BLOCK_SIZE, MAX_TOKENS, prompts
 
@@ -37,10 +38,16 @@ def report(out: Any) -> dict[str, Any]:
 
 def namespace(cm: Any, llm: Any, salt: str = "") -> Any:
     """The service's namespace that the engine's connector uses for ``salt``."""
+    return worker_side().namespaces.get(namespace_salt("", salt))
+
+
+def worker_side() -> Any:
+    """The worker side of the connector of the engine in this process."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    worker = get_kv_transfer_group()._worker
-    return worker.namespaces.get(namespace_salt("", salt))
+    connector = get_kv_transfer_group()
+    assert isinstance(connector, CMXConnector)
+    return connector._side_worker()
 
 
 def wait_stored(ns: Any, prompt_ids: list[int], tokens: int, timeout_s: float = 60.0) -> None:
@@ -95,8 +102,6 @@ def test_a_fresh_engine_in_another_process_loads_the_prefix(
 def test_a_block_dropped_between_lookup_and_load_is_recomputed(
     engine: Any, baseline: Any, cm: Any,
 ) -> None:
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
     prompt = prompts()[2]
     salt = "dropped"
     first = generate(engine, prompt, salt=salt)
@@ -104,7 +109,7 @@ def test_a_block_dropped_between_lookup_and_load_is_recomputed(
     tokens = full_blocks(first)
     wait_stored(ns, first.prompt_token_ids, tokens)
     keep = 3  # blocks that stay; the rest vanish after the scheduler found them
-    worker = get_kv_transfer_group()._worker
+    worker = worker_side()
     real = worker.namespaces
     worker.namespaces = DropOnLoad(real, cm, ns.keys(first.prompt_token_ids)[keep:])
     try:
@@ -133,21 +138,19 @@ def test_two_cache_salts_never_share_a_block(engine: Any, baseline: Any, cm: Any
     assert list(again.outputs[0].token_ids) == baseline[prompt]
 
 
-class DropOnLoad:
+class DropOnLoad(Namespaces):
     """The worker's namespaces, which evict ``keys`` from the service the first time the
     worker asks for a namespace: after the scheduler's lookup, before the worker's load."""
 
-    def __init__(self, real: Any, cm: Any, keys: list[bytes]) -> None:
+    def __init__(self, real: Namespaces, cm: Any, keys: list[bytes]) -> None:
+        super().__init__(real.cm, real.model, real.layout, real.weights)
         self.real = real
-        self.cm = cm
-        self.keys = keys
-        self.layout = real.layout
-        self.node_id = real.node_id
+        self.drop = keys
 
     def get(self, salt: str) -> Any:
-        if self.keys:
-            evict(self.cm, self.keys)
-            self.keys = []
+        if self.drop:
+            evict(self.cm, self.drop)
+            self.drop = []
         return self.real.get(salt)
 
 

@@ -6,6 +6,7 @@ which runs as a script of its own.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import asdict
 from typing import Any
@@ -42,15 +43,17 @@ def transfer_config(service: ServiceConfig, **settings: Any) -> dict[str, Any]:
             "kv_connector_extra_config": {"service": asdict(service), **settings}}
 
 
-def prompts() -> list[str]:
+@functools.cache
+def prompts() -> tuple[str, ...]:
+    """Each question after the shared system prompt, in the model's chat template."""
     from transformers import AutoTokenizer
 
     from cmx.models import smollm2_path
 
     tok = AutoTokenizer.from_pretrained(smollm2_path())
-    return [tok.apply_chat_template([{"role": "system", "content": SYSTEM},
-                                     {"role": "user", "content": q}],
-                                    tokenize=False, add_generation_prompt=True)
-            for q in QUESTIONS]
+    chats = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+             for q in QUESTIONS]
+    return tuple(str(tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True))
+                 for c in chats)
 
 

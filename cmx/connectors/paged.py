@@ -77,7 +77,8 @@ def gather_layer(
     _check_out(out, view, n)
     picked = view.index_select(0, ids)  # [n, heads, 2, size, dim]: the one indexed read
     dst = out.view(2, view.shape[1], n, size, head_dim)
-    dst.copy_(picked.permute(2, 1, 0, 3, 4), non_blocking=out.device != cache.device)
+    # Synchronous even from a GPU: the blocks may be reused once the engine's step ends.
+    dst.copy_(picked.permute(2, 1, 0, 3, 4))
 
 
 def scatter_layer(

@@ -26,6 +26,9 @@ class ConnectorSettings:
     weights: str = ""  # weights fingerprint; "" means the one cmx.models recorded, if any
     salt: str = ""  # tenant salt of every request; a request's cache_salt is added to it
     ray_address: str = ""  # Ray cluster of the service; "" means the one this process is in
+    node_id: str = ""  # the Ray node whose agent and tiers this engine uses; "" means the node
+    #                    this process joined (a driver on a host with several raylets joins
+    #                    the head's, so a replica names its own node for its engine's process)
     service: ServiceConfig = field(default_factory=ServiceConfig.from_env)  # the service's
     start_service: bool = True  # start the service's actors if they are not running
     gate: bool = True  # break-even gating: load only what is faster to load than to compute
@@ -85,8 +88,11 @@ def connect(settings: ConnectorSettings) -> Any:
         # its own, and what one stores the other would never see.
         raise CmxError("CMXConnector needs a Ray cluster: run the engine inside one, or set "
                        "kv_connector_extra_config['ray_address'] (e.g. 'auto')")
-    return ContextMemory.connect(address=settings.ray_address or None, config=settings.service,
-                                 start_service=settings.start_service)
+    cm = ContextMemory.connect(address=settings.ray_address or None, config=settings.service,
+                               start_service=settings.start_service)
+    if settings.node_id:
+        cm.node_id = settings.node_id
+    return cm
 
 
 class Namespaces:

@@ -84,7 +84,7 @@ def _options(connector: str, lengths: tuple[int, ...]) -> Any:
     from cmx.deploy.config import EngineOptions, ServeOptions
 
     longest = max(lengths)
-    kv_gib = max(1.0, 3 * longest * 23_040 / 2**30)  # room for a few prompts of the longest
+    kv_gib = max(2.0, 4 * longest * 23_040 / 2**30)  # room for four prompts of the longest
     engine = EngineOptions(connector=connector, max_model_len=longest + 64,
                            kv_cache_gib=round(kv_gib), max_num_seqs=4)
     return ServeOptions(engine=engine, replicas=2, app_name=f"cmx-e2e-{connector}")
@@ -99,8 +99,8 @@ def _cmx(d: _Driver, reps: int, lengths: tuple[int, ...]) -> dict[str, dict[str,
         for rep in range(reps):
             rng = random.Random(n * 1000 + rep)
             prefix = _ids(rng, int(n * SHARE))
-            seeded = d.ttft(prefix + _ids(rng, n - len(prefix)), d.a)
-            d.wait_stored(prefix, seeded["memory"].get("stored_tokens", 0))
+            d.ttft(prefix + _ids(rng, n - len(prefix)), d.a)
+            d.wait_stored(prefix, len(prefix))
             prompt = prefix + _ids(rng, n - len(prefix))
             hit = d.ttft(prompt, d.b)
             got["hit"].append(hit["ttft_s"])
@@ -149,14 +149,18 @@ def _figures(cmx: dict[str, dict[str, list[float]]], example: dict[str, list[flo
                    "s", tuple(got["hit"]), "the same prefix in this replica's own vLLM cache",
                    tuple(got["limit"]), Goal("<=", 1.5),
                    "within 1.5x of prefilling the uncached tail over a prefix in place"),
-            Figure("e2e", f"TTFT, {k}-token prompt stored by the other replica, CMXConnector",
-                   "s", tuple(got["same"]), "vLLM ExampleConnector (disk), same prompts",
-                   tuple(example.get(n, ())), Goal("<=", 1 / 3),
-                   "ratio <= 0.33: at least 3x lower TTFT on hits"),
-            Figure("e2e", f"TTFT, {k}-token prompt nobody stored, CMXConnector", "s",
-                   tuple(got["miss"]), "vLLM without a connector", tuple(none.get(n, ())),
-                   Goal("<=", 1.05), "a miss costs nothing visible: <= 1.05x"),
         ]
+        if example.get(n):
+            figures.append(Figure(
+                "e2e", f"TTFT, {k}-token prompt stored by the other replica, CMXConnector", "s",
+                tuple(got["same"]), "vLLM ExampleConnector (disk), same prompts",
+                tuple(example[n]), Goal("<=", 1 / 3),
+                "ratio <= 0.33: at least 3x lower TTFT on hits"))
+        if none.get(n):
+            figures.append(Figure(
+                "e2e", f"TTFT, {k}-token prompt nobody stored, CMXConnector", "s",
+                tuple(got["miss"]), "vLLM without a connector", tuple(none[n]),
+                Goal("<=", 1.05), "a miss costs nothing visible: <= 1.05x"))
     return figures
 
 
@@ -165,10 +169,15 @@ def run_e2e(ctx: BenchContext, lengths: tuple[int, ...] = LENGTHS) -> SuiteResul
     reps = ctx.config.reps
     with _app(_options("cmx", lengths), ctx, "cmx") as app:
         cmx = _cmx(_Driver(app, ctx), reps, lengths)
-    with _app(_options("example", lengths), ctx, "example") as app:
-        example = _other(_Driver(app, ctx), reps, lengths, same=True)
-    with _app(_options("none", lengths), ctx, "none") as app:
-        none = _other(_Driver(app, ctx), reps, lengths, same=False)
+    others: dict[str, dict[str, list[float]]] = {}
+    for connector, same in (("example", True), ("none", False)):
+        try:
+            with _app(_options(connector, lengths), ctx, connector) as app:
+                others[connector] = _other(_Driver(app, ctx), reps, lengths, same=same)
+        except Exception as exc:  # noqa: BLE001 - the CMX figures stand without this baseline
+            others[connector] = {}
+            result.notes.append(f"connector {connector!r}: no figures ({exc})")
+    example, none = others["example"], others["none"]
     result.figures += _figures(cmx, example, none)
     options = _options("cmx", lengths)
     result.notes.append(

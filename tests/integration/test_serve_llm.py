@@ -24,7 +24,7 @@ import pytest
 
 MODEL = "SmolLM2-135M-Instruct"
 HERE = os.path.dirname(__file__)
-START_TIMEOUT_S = 420
+START_TIMEOUT_S = 900  # a bound: about 150 s on a quiet two-core machine
 
 
 class App:
@@ -36,7 +36,11 @@ class App:
         self.proc = subprocess.Popen(
             [sys.executable, os.path.join(HERE, "serve_llm_app.py")], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, text=True, env=env)
-        ready = self._read(START_TIMEOUT_S, until="ready")["ready"]
+        try:
+            ready = self._read(START_TIMEOUT_S, until="ready")["ready"]
+        except BaseException:
+            self.stop()
+            raise
         self.base: str = ready["base_url"]
         self.replicas: list[dict[str, str]] = ready["replicas"]
         self.info: dict[str, Any] = ready["info"]
@@ -79,13 +83,19 @@ class App:
             time.sleep(0.3)
 
     def stop(self) -> None:
+        """Close its stdin (it stops once up); interrupt it if it is still starting."""
+        import signal
+
         if self.proc.stdin is not None:
             self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        for sig in (None, signal.SIGINT, signal.SIGKILL):
+            if sig is not None:
+                self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=120)
+                return
+            except subprocess.TimeoutExpired:
+                continue
 
 
 @pytest.fixture(scope="module")

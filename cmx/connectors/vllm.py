@@ -95,8 +95,9 @@ class CMXConnector(KVConnectorBase_V1):
                 log.warning("kv_load_failure_policy is %r: a cached prefix that vanishes "
                             "before it is loaded fails its request; set 'recompute' to "
                             "recompute it instead", transfer.kv_load_failure_policy)
+            chunk = vllm_config.scheduler_config.max_num_batched_tokens
             self._scheduler = SchedulerSide(settings, namespaces, layout.block_tokens,
-                                            load=load, save=save)
+                                            load=load, save=save, chunk_tokens=chunk)
         else:
             self._worker = WorkerSide(settings, namespaces, layer_names,
                                       _paged_layout(settings.paged_layout))

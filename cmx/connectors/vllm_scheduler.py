@@ -52,14 +52,15 @@ class RequestState:
 
 class SchedulerSide:
     def __init__(self, settings: ConnectorSettings, namespaces: Namespaces, block_size: int,
-                 load: bool = True, save: bool = True) -> None:
+                 load: bool = True, save: bool = True, chunk_tokens: int = 0) -> None:
         self.settings = settings
         self.namespaces = namespaces
         self.block_size = block_size
         self.do_load = load
         self.do_save = save
         self.gate = BreakEven(margin=settings.margin, enabled=settings.gate)
-        self.gate.prefill.chunk = block_size
+        # The engine's forward passes: a prompt is computed in chunks of this many tokens.
+        self.gate.prefill.chunk = chunk_tokens or self.gate.prefill.chunk
         self.requests: dict[str, RequestState] = {}
         self._lookups: dict[str, Future[Any]] = {}
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="cmx-lookup")

@@ -36,7 +36,6 @@ def service() -> Iterator[ServiceConfig]:
 def cm(service: ServiceConfig) -> Iterator[Any]:
     """The service on a Ray cluster of this package's own."""
     import ray
-    from ray.cluster_utils import Cluster
 
     from cmx.client import ContextMemory
 
@@ -46,13 +45,27 @@ def cm(service: ServiceConfig) -> Iterator[Any]:
     set_engine_env()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # A cluster of our own by address: a bare ray.init() would join any cluster running here.
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    cluster = start_cluster()
     ray.init(address=cluster.address, namespace="cmx")
     memory = ContextMemory.connect(config=service)
     yield memory
     memory.shutdown(stop_service=True)
     ray.shutdown()
     cluster.shutdown()
+
+
+def start_cluster(attempts: int = 3) -> Any:
+    """A one-node cluster; Ray gives a raylet 30 s to register, which a loaded machine can miss,
+    so a timed-out start is tried again."""
+    from ray.cluster_utils import Cluster
+
+    for attempt in range(attempts):
+        try:
+            return Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+        except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception on this timeout
+            if "timed out during startup" not in str(exc) or attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 @pytest.fixture(scope="package")

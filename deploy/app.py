@@ -1,4 +1,5 @@
-"""The Serve application: ``OpenAIIngress`` -> ``LLMServer`` x N, routed by ``PrefixAwareRouter``.
+"""The Serve application: ``OpenAIIngress`` -> ``LLMServer`` x N (vLLM with the context memory
+as its KV connector), routed by ``PrefixAwareRouter``.
 
     from ray import serve
     from cmx.deploy.app import build
@@ -22,8 +23,8 @@ ROUTER_CLASS = "cmx.deploy.router:PrefixAwareRouter"
 
 def router_kwargs(options: ServeOptions) -> dict[str, Any]:
     shards = options.service.directory_shards if options.service else options.directory_shards
-    return {"block_tokens": options.engine.block_tokens,
-            "chunk_tokens": options.engine.chunk_tokens, "directory_shards": shards,
+    return {"block_tokens": options.engine.block_size,
+            "chunk_tokens": options.engine.block_size, "directory_shards": shards,
             "lookup_timeout_s": options.route_lookup_timeout_s}
 
 
@@ -47,7 +48,8 @@ def build(options: ServeOptions) -> Any:
         name="LLMServer", num_replicas=options.replicas,
         max_ongoing_requests=options.max_ongoing_requests,
         ray_actor_options={"num_cpus": options.replica_cpus},
-        request_router_config=router, health_check_timeout_s=120.0, **placement,
+        request_router_config=router, health_check_timeout_s=120.0,
+        graceful_shutdown_timeout_s=10.0, **placement,
     )(LLMServer)
     ingress = serve.deployment(
         name="OpenAIIngress", num_replicas=1, max_ongoing_requests=256,

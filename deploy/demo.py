@@ -1,12 +1,13 @@
-"""``cmx demo``: the main job. Two LLM replicas, one per node of an embedded two-node cluster,
-serve a workload of shared-prefix requests through the OpenAI API, with the context memory and
-again without it.
+"""``cmx demo``: the main job. Two vLLM replicas of SmolLM2-135M-Instruct, one per node of an
+embedded two-node cluster, each with the context memory as its KV connector, serve a workload
+of shared-prefix requests through the OpenAI API, with the context memory and again without it.
 
 For each wave of the workload (``workload``): its requests go out together with the cache on
-(routed by the prefix-aware router); then the same requests again with ``"cache": false``,
-each to the replica that served it, for the baseline. Per request: time to first token both
-ways, the tokens that came from the cache and the tier that served them, and whether the output
-is the same tokens. Then the tiers' and agents' figures.
+(routed by the prefix-aware router); then the same requests again with ``"cache": false``
+(computed from scratch: no load, no store, no engine-local reuse), each to the replica that
+served it, for the baseline. Per request: time to first token both ways, the prompt tokens that
+were not computed and how many of them came from the context memory, and whether the output is
+the same tokens. Then the tiers' and agents' figures.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ Progress = Callable[[str, int, int], None]  # (what, done, total)
 
 @dataclass(frozen=True)
 class LLMDemoOptions:
-    scale: float = 1.0  # multiplies the workload's text lengths (a token is a byte)
+    scale: float = 1.0  # multiplies the workload's text lengths (about 4 bytes a token)
     seed: int = 0  # seeds the workload's texts
     model: ModelOptions = field(default_factory=ModelOptions)
 
@@ -39,9 +40,9 @@ class RequestRow:
     label: str
     replica: str  # "R1" (head node) or "R2"
     prompt_tokens: int
-    cached_tokens: int
-    served_from: dict[str, int]  # where the loaded tokens were when the replica started
-    prefetched_from: dict[str, int]  # where the prefetch on arrival took them from
+    cached_tokens: int  # not computed: vLLM's own prefix cache and the context memory
+    loaded_tokens: int  # of those, loaded from the context memory
+    prefetch: str  # the prefetch on arrival: none, done, cut, failed
     ttft_cached_s: float
     ttft_recompute_s: float
     same_output: bool
@@ -105,8 +106,7 @@ def run_llm_demo(opts: LLMDemoOptions, progress: Progress,
                         replica=names.get(ext["replica"], ext["replica"]),
                         prompt_tokens=hit.usage.prompt_tokens,
                         cached_tokens=hit.usage.prompt_tokens_details.cached_tokens,
-                        served_from=ext["served_from"],
-                        prefetched_from=ext.get("prefetched_from", {}),
+                        loaded_tokens=ext["loaded_tokens"], prefetch=ext["prefetch"],
                         ttft_cached_s=ext["ttft_s"],
                         ttft_recompute_s=base["ttft_s"],
                         same_output=ext["completion_token_ids"] == base["completion_token_ids"],
@@ -150,6 +150,6 @@ def _chat(client: Any, model: str, call: dict[str, Any], cache: bool,
 
 
 def _assistant(text: str) -> Any:
-    from cmx.deploy.tokenizer import Message
+    from cmx.deploy.workload import Message
 
     return Message("assistant", text)

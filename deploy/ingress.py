@@ -1,160 +1,168 @@
-"""The OpenAI-compatible HTTP ingress: text in, token ids and block keys to a replica, JSON out.
+"""The OpenAI-compatible HTTP ingress: text in, token ids and block keys to a replica, JSON or
+server-sent events out.
 
     GET  /v1/models
     POST /v1/completions          (prompt: text or token ids)
-    POST /v1/chat/completions     (messages, through the tokenizer's chat template)
-    GET  /cmx/info                the namespace the replicas share (model, weights, layout)
+    POST /v1/chat/completions     (messages, through the model's own chat template)
+    GET  /cmx/info                the model, its layout and limits (never a tenant's salt)
     GET  /cmx/replicas            the replicas the router knows, with their nodes
 
-The ingress tokenizes and computes the prompt's block keys (the namespace comes from a replica,
-which fingerprinted the weights it loaded), so the router can ask the directory where the
-prefix is before any replica sees the request.
+The ingress checks every request against the served model (token ids inside the vocabulary,
+prompt plus completion inside the context length) and answers a malformed one with an
+OpenAI-style 4xx error object. It derives the tenant's namespace salt (``tenants``) and computes
+the prompt's block keys in that namespace, so the router asks the directory where the prefix is
+before any replica sees the request.
 """
 
 # No ``from __future__ import annotations`` here: FastAPI reads the route handlers' annotations
 # at runtime, through Serve's ingress wrapper, and cannot resolve postponed ones there.
 
-import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
 from cmx.deploy.config import ServeOptions
-from cmx.deploy.messages import GenerateRequest, ReplicaInfo
-from cmx.deploy.model import make_tokenizer
-from cmx.deploy.openai_types import (
-    ChatRequest,
-    CompletionRequest,
-    chat_body,
-    completion_body,
-    models_body,
-)
+from cmx.deploy.errors import ApiError, install_handlers, parse_body
+from cmx.deploy.messages import GenerateRequest, ReplicaInfo, Sampling, Summary
+from cmx.deploy.openai_bodies import Kind, Reply, models_body, sse
+from cmx.deploy.openai_types import ChatRequest, CompletionRequest
 from cmx.deploy.routing import known_replicas
-from cmx.deploy.sampling import SamplingParams
-from cmx.deploy.tokenizer import Message
+from cmx.deploy.tenants import bearer_key, tenant_salt
 
 __all__ = ["OpenAIIngress", "app"]
 
 app = FastAPI(title="CMX on Ray: an OpenAI-compatible LLM with cluster-wide prefix caching")
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
-
-
-def _error(status: int, message: str, kind: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}},
-                        status_code=status)
-
-
-@app.exception_handler(ApiError)
-async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-    return _error(exc.status, exc.message, exc.kind)
-
-
-async def _parse(request: Request, model: type[BaseModel]) -> Any:
-    """The body as ``model``, its errors in OpenAI's error format."""
-    try:
-        return model.model_validate(await request.json())
-    except ValidationError as exc:
-        raise ApiError(400, "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
-                                      for e in exc.errors())) from None
-    except ValueError as exc:
-        raise ApiError(400, f"the body is not JSON: {exc}") from None
+install_handlers(app)
 
 
 @serve.ingress(app)
 class OpenAIIngress:
     def __init__(self, llm: Any, args: dict[str, Any]) -> None:
+        from cmx.deploy.model import load_tokenizer
+
         self.options = ServeOptions.from_args(args)
         self.llm = llm
-        self.tokenizer = make_tokenizer(self.options.model)
+        self.tokenizer = load_tokenizer(self.options.model)
         self.model_id = self.options.model.model_id
         self._info: ReplicaInfo | None = None
-        self._digest = b""
 
-    async def _namespace(self) -> tuple[ReplicaInfo, bytes]:
+    async def _replica_info(self) -> ReplicaInfo:
         if self._info is None:
-            from cmx.keys import Namespace
-            from cmx.layout import KVLayout
-
-            info: ReplicaInfo = await self.llm.info.remote()
-            ns = dict(info.namespace)
-            layout = KVLayout(ns["num_layers"], ns["num_kv_heads"], ns["head_dim"],  # type: ignore[arg-type]
-                              ns["dtype"], ns["block_tokens"])  # type: ignore[arg-type]
-            self._digest = Namespace(str(ns["model"]), layout, str(ns["salt"]),
-                                     str(ns["weights"])).digest
-            self._info = info
-        return self._info, self._digest
+            self._info = await self.llm.info.remote()
+        return self._info
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_id:
-            raise ApiError(404, f"model {model!r} does not exist; this server has "
-                                f"{self.model_id!r}", "not_found_error")
+            raise ApiError(404, f"the model {model!r} does not exist; this server has "
+                                f"{self.model_id!r}", "not_found_error", "model")
 
-    async def _generate(self, body: Any, prompt_ids: list[int], max_tokens: int) -> Any:
-        if body.stream:
-            raise ApiError(400, "streaming is not supported; send stream=false")
-        if body.n != 1:
-            raise ApiError(400, "n must be 1")
-        if not prompt_ids:
-            raise ApiError(400, "the prompt is empty")
-        limit = self.options.engine.max_tokens_limit
-        if max_tokens > limit:
-            raise ApiError(400, f"max_tokens {max_tokens} is over this server's {limit}")
-        info, digest = await self._namespace()
+    async def _request(self, request: Request, body: Any, ids: list[int],
+                       max_tokens: int | None) -> GenerateRequest:
+        info = await self._replica_info()
+        if not ids:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        bad = next((i for i in ids if i >= info.vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"token id {bad} is outside the vocabulary "
+                                f"(0..{info.vocab_size - 1})", param="prompt")
+        room = info.max_model_len - len(ids)
+        if room < 1 or (max_tokens is not None and max_tokens > room):
+            raise ApiError(400, f"this model's maximum context length is {info.max_model_len} "
+                                f"tokens; the prompt has {len(ids)} and asks for "
+                                f"{max_tokens or 1} more", param="max_tokens")
+        salt = tenant_salt(self.options.engine.salt,
+                           bearer_key(request.headers.get("authorization")), body.cache_salt)
+        keys = self._keys(info, salt, ids) if body.cache else ()
+        sampling = Sampling(max_tokens=max_tokens or room, temperature=body.temperature,
+                            top_p=body.top_p, seed=body.seed, n=body.n, stop=body.stops(),
+                            ignore_eos=body.ignore_eos)
+        return GenerateRequest(request_id=uuid.uuid4().hex, prompt_ids=tuple(ids),
+                               sampling=sampling, salt=salt, use_cache=body.cache, keys=keys,
+                               replica=body.replica)
+
+    @staticmethod
+    def _keys(info: ReplicaInfo, salt: str, ids: list[int]) -> tuple[bytes, ...]:
+        from cmx.deploy.model import namespace_digest
         from cmx.keys import chain_keys
 
-        keys = tuple(chain_keys(digest, prompt_ids, info.block_tokens)) if body.cache else ()
-        req = GenerateRequest(
-            request_id=uuid.uuid4().hex, prompt_ids=tuple(prompt_ids), max_tokens=max_tokens,
-            sampling=SamplingParams(body.temperature, body.top_p, body.seed),
-            stop=body.stops(), use_cache=body.cache, ignore_eos=body.ignore_eos, keys=keys,
-            replica=body.replica,
-        )
-        return await self.llm.generate.remote(req)
+        digest = namespace_digest(info.namespace, salt)
+        return tuple(chain_keys(digest, ids, info.block_tokens))
+
+    async def _answer(self, kind: Kind, body: Any, req: GenerateRequest) -> Any:
+        reply = Reply(kind, self.model_id, req.sampling.n)
+        stream = self.llm.options(stream=True).generate.remote(req)
+        if body.stream:
+            return StreamingResponse(self._events(reply, stream, body.include_usage),
+                                     media_type="text/event-stream")
+        async for item in stream:
+            if isinstance(item, Summary):
+                reply.summary = item
+            else:
+                for delta in item:
+                    reply.add(delta)
+        return JSONResponse(reply.body())
+
+    async def _events(self, reply: Reply, stream: Any, usage: bool) -> AsyncIterator[str]:
+        async for item in stream:
+            if isinstance(item, Summary):
+                reply.summary = item
+            elif item:
+                for delta in item:
+                    reply.add(delta)
+                yield sse(reply.chunk(item))
+        if usage:
+            yield sse(reply.usage_chunk())
+        yield sse("[DONE]")
 
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
-        return models_body(self.model_id)
+        info = await self._replica_info()
+        return models_body(self.model_id, info.max_model_len)
 
     @app.post("/v1/completions")
-    async def completions(self, request: Request) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        body = await _parse(request, CompletionRequest)
+    async def completions(self, request: Request) -> Any:
+        body = await parse_body(request, CompletionRequest)
         self._check_model(body.model)
         try:
             prompt = body.single_prompt()
         except ValueError as exc:
-            raise ApiError(400, str(exc)) from None
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        result = await self._generate(body, ids, body.max_tokens or 16)
-        return completion_body(result, self.model_id, time.perf_counter() - t0)
+            raise ApiError(400, str(exc), param="prompt") from None
+        ids = self._encode(prompt) if isinstance(prompt, str) else list(prompt)
+        req = await self._request(request, body, ids, body.max_tokens)
+        return await self._answer("completion", body, req)
 
     @app.post("/v1/chat/completions")
-    async def chat(self, request: Request) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        body = await _parse(request, ChatRequest)
+    async def chat(self, request: Request) -> Any:
+        body = await parse_body(request, ChatRequest)
         self._check_model(body.model)
-        roles = {"developer": "system"}
-        messages = [Message(roles.get(m.role, m.role), m.text()) for m in body.messages]
-        result = await self._generate(body, self.tokenizer.chat(messages), body.limit())
-        return chat_body(result, self.model_id, time.perf_counter() - t0)
+        try:
+            ids = self.tokenizer.chat(body.as_dicts())
+        except ValueError as exc:
+            raise ApiError(400, f"the chat template refused the messages: {exc}",
+                           param="messages") from None
+        req = await self._request(request, body, ids, body.limit())
+        return await self._answer("chat", body, req)
+
+    def _encode(self, text: str) -> list[int]:
+        # A text far longer than any context is refused before it is tokenized.
+        limit = 64 * self.options.engine.max_model_len
+        if len(text) > limit:
+            raise ApiError(400, f"the prompt has {len(text)} characters; at most {limit}",
+                           param="prompt")
+        return self.tokenizer.encode(text)
 
     @app.get("/cmx/info")
     async def info(self) -> dict[str, Any]:
-        info, digest = await self._namespace()
+        info = await self._replica_info()
         return {"model": self.model_id, "namespace": info.namespace,
-                "namespace_id": digest[:8].hex(), "block_tokens": info.block_tokens,
-                "chunk_tokens": info.chunk_tokens, "cache": info.cache}
+                "block_tokens": info.block_tokens, "max_model_len": info.max_model_len,
+                "vocab_size": info.vocab_size, "cache": info.cache}
 
     @app.get("/cmx/replicas")
     async def replicas(self) -> dict[str, Any]:
-        await self._namespace()  # a first call through the handle starts its router
+        await self._replica_info()  # a first call through the handle starts its router
         return {"replicas": known_replicas("LLMServer")}

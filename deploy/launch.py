@@ -164,28 +164,17 @@ def _deploy(options: ServeOptions, address: str, pid: int | None, port: int,
 
 
 def _fit(options: ServeOptions, joining: bool) -> tuple[ServiceConfig, ServeOptions]:
-    """The service's config and options whose blocks fit its slots.
+    """The service's config, with slots of one model block where this command starts it.
 
-    A service started here gets slots of the model's block size. A running one keeps its slots:
-    the model's blocks shrink to the largest power-of-two token count that fits them.
+    A running service keeps its slots; the replicas check that one of the model's blocks fits
+    and fail at startup, with the number to set, if it does not.
     """
-    import dataclasses
+    from cmx.deploy.model import model_info
+    from cmx.deploy.service import service_config
 
-    from cmx.deploy.model import layout_of, model_config
-
-    layout = layout_of(model_config(options.model), options.engine)
-    config = options.service or ServiceConfig.from_env()
-    if not joining:
-        config = config.replace(block_bytes=layout.block_bytes)
-    elif layout.block_bytes > config.block_bytes:
-        tokens = 1 << (config.block_bytes // layout.token_bytes).bit_length() - 1
-        if tokens < 16:
-            raise CmxError(f"the running service's {config.block_bytes}-byte slots hold "
-                           f"{tokens} tokens of this model; restart it with larger ones "
-                           f"(CMX_BLOCK_BYTES >= {16 * layout.token_bytes})")
-        chunk = max(tokens, options.engine.chunk_tokens // tokens * tokens)
-        engine = dataclasses.replace(options.engine, block_tokens=tokens, chunk_tokens=chunk)
-        options = options.replace(engine=engine)
+    config = service_config(options, model_info(options.model, options.engine))
+    if joining and options.service is None:
+        config = ServiceConfig.from_env()
     return config, options.replace(service=config)
 
 

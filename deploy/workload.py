@@ -12,9 +12,13 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from cmx.deploy.tokenizer import Message
+__all__ = ["Ask", "Conversation", "Message", "Workload", "make_workload"]
 
-__all__ = ["Ask", "Conversation", "Workload", "make_workload"]
+
+@dataclass(frozen=True)
+class Message:
+    role: str  # "system", "user" or "assistant"
+    content: str
 
 _WORDS = (
     "cache tier block prefix replica node memory bandwidth latency request token model layer "
@@ -84,12 +88,12 @@ class Workload:
 
 
 def make_workload(seed: int = 0, scale: float = 1.0) -> Workload:
-    """The demo's waves. ``scale`` multiplies every text's length (prompt tokens are bytes)."""
+    """The demo's waves. ``scale`` multiplies every text's length (about 4 bytes a token)."""
     rng = random.Random(seed)
     system = ("You are the operations assistant of a context memory service for LLM serving. "
               "Answer from the documents you are given, in one or two short sentences, and "
-              "say which tier a figure comes from. " + _text(rng, int(900 * scale)))
-    docs = {name: _text(rng, int(1700 * scale)) for name in ("A", "B")}
+              "say which tier a figure comes from. " + _text(rng, int(3000 * scale)))
+    docs = {name: _text(rng, int(6000 * scale)) for name in ("A", "B")}
 
     def q(doc: str, i: int) -> Ask:
         return Ask(f"doc {doc} q{i}", document=doc,
@@ -97,7 +101,7 @@ def make_workload(seed: int = 0, scale: float = 1.0) -> Workload:
 
     def turn(conv: str, i: int) -> Ask:
         return Ask(f"chat {conv} t{i}", conversation=conv,
-                   question=_text(rng, int(220 * scale)) + " What should I check first?")
+                   question=_text(rng, int(800 * scale)) + " What should I check first?")
 
     waves = (
         (q("A", 1),),

@@ -1,14 +1,20 @@
-"""The Serve application on the session's two-node cluster, through the official OpenAI client.
+"""The Serve application with vLLM replicas of SmolLM2-135M-Instruct and the context memory as
+their KV connector, through the official OpenAI client, streaming and not.
 
-Two LLM replicas, one per node, over the session's service. A prefix one replica computed and
-stored is loaded by the other, across nodes, and the greedy output is the same tokens as with
-the cache off. The model is small (4 layers, 2 KV heads of 32: 32 KiB per 16-token block, the
-session service's slot size) so the module stays well under a minute once Serve is up.
+Two replicas, one per node of a two-node cluster of the application's own (``serve_llm_app``,
+in a process of its own: the real model's blocks need slots of their own). A prefix one replica
+computed and stored is loaded by the other, across nodes, and the greedy output is the same
+tokens as with the cache off; cached tokens are reported in ``usage``; tenants never see each
+other's blocks; every malformed request is an OpenAI-style 4xx.
 """
 
 from __future__ import annotations
 
-import socket
+import json
+import os
+import random
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -16,163 +22,304 @@ from typing import Any
 import httpx
 import pytest
 
-from cmx.deploy.config import EngineOptions, ModelOptions, ServeOptions
-from cmx.deploy.tokenizer import ByteTokenizer
-
-APP = "cmx-llm-test"
-PREFIX = "/cmx-llm"
-MODEL = ModelOptions(hidden_size=256, intermediate_size=512, num_layers=4, num_heads=8,
-                     num_kv_heads=2, vocab_size=512, max_positions=4096, seed=3)
-# Gating off: on two busy cores a 600-token prefill of this model can be as quick as a load
-# through the session service's tiny HBM tier; this module tests the load path, not the gate.
-ENGINE = EngineOptions(block_tokens=16, chunk_tokens=32, warmup_tokens=64, gate=False)
-SYSTEM = ("You are the assistant of a context memory service. Answer in one short sentence, "
-          "cite the tier that served the prefix, and never invent a number. ") * 5
+MODEL = "SmolLM2-135M-Instruct"
+HERE = os.path.dirname(__file__)
+START_TIMEOUT_S = 900  # a bound: about 150 s on a quiet two-core machine
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+class App:
+    """The application's process: its URL, replicas and namespace, and lookups through it."""
+
+    def __init__(self) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            p for p in (HERE, os.environ.get("PYTHONPATH")) if p)}
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "serve_llm_app.py")], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True, env=env)
+        try:
+            ready = self._read(START_TIMEOUT_S, until="ready")["ready"]
+        except BaseException:
+            self.stop()
+            raise
+        self.base: str = ready["base_url"]
+        self.replicas: list[dict[str, str]] = ready["replicas"]
+        self.info: dict[str, Any] = ready["info"]
+        self.serve_llm: str = ready["serve_llm_url"]
+
+    def _read(self, timeout_s: float, until: str | None = None) -> dict[str, Any]:
+        import select
+
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 1.0)
+            if not ready:
+                continue
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the application exited (rc {self.proc.poll()})")
+            try:
+                message = json.loads(line)
+            except ValueError:
+                continue  # a library's own line on stdout
+            if not isinstance(message, dict):
+                continue
+            if until is None or until in message:
+                if "error" in message:
+                    raise RuntimeError(message["error"])
+                return dict(message)
+        raise TimeoutError(f"the application did not answer within {timeout_s:.0f} s")
+
+    def lookup(self, ids: list[int], salt: str = "") -> int:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"lookup": {"salt": salt, "ids": ids}}) + "\n")
+        self.proc.stdin.flush()
+        return int(self._read(60)["tokens"])
+
+    def wait_stored(self, ids: list[int], tokens: int, salt: str = "") -> None:
+        deadline = time.monotonic() + 60
+        while self.lookup(ids, salt) < tokens:
+            assert time.monotonic() < deadline, "the store never became visible"
+            time.sleep(0.3)
+
+    def stop(self) -> None:
+        """Close its stdin (it stops once up); interrupt it if it is still starting."""
+        import signal
+
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        for sig in (None, signal.SIGINT, signal.SIGKILL):
+            if sig is not None:
+                self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=120)
+                return
+            except subprocess.TimeoutExpired:
+                continue
 
 
 @pytest.fixture(scope="module")
-def llm(cm: Any, config: Any, nodes: tuple[str, str]) -> Iterator[Any]:
-    """The application; yields (base_url, [replica entries], namespace info)."""
-    import ray
-    from ray import serve
-    from ray.serve.context import _get_global_client
-
-    from cmx.deploy.app import build
-
-    had_serve = any(a["name"] == "SERVE_CONTROLLER_ACTOR"
-                    for a in ray.util.list_named_actors(all_namespaces=True))
-    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
-    port = _get_global_client().http_config.port  # Serve may already run on another port
-    options = ServeOptions(model=MODEL, engine=ENGINE, replicas=2, max_replicas_per_node=1,
-                           service=config, app_name=APP, route_prefix=PREFIX)
-    serve.run(build(options), name=APP, route_prefix=PREFIX)
-    base = f"http://127.0.0.1:{port}{PREFIX}"
+def app() -> Iterator[App]:
+    running = App()
     try:
-        deadline = time.monotonic() + 120
-        replicas: list[dict[str, str]] = []
-        while time.monotonic() < deadline and len(replicas) < 2:
-            replicas = httpx.get(f"{base}/cmx/replicas", timeout=60).json()["replicas"]
-            time.sleep(0.5)
-        assert len(replicas) == 2, replicas
-        assert {r["node"] for r in replicas} == set(nodes), "one replica per node"
-        info = httpx.get(f"{base}/cmx/info", timeout=60).json()
-        yield base, replicas, info
+        yield running
     finally:
-        serve.delete(APP)
-        if not had_serve:
-            serve.shutdown()
+        running.stop()
 
 
-def client(base: str) -> Any:
+def client(app: App, key: str = "tenant-a") -> Any:
     from openai import OpenAI
 
-    return OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=120, max_retries=0)
+    return OpenAI(base_url=f"{app.base}/v1", api_key=key, timeout=300, max_retries=0)
 
 
-def complete(base: str, prompt: str, **extra: Any) -> Any:
+def prompt_ids(seed: int, n: int = 400) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000, 40000) for _ in range(n)]
+
+
+def complete(app: App, ids: list[int], replica: dict[str, str] | None = None,
+             key: str = "tenant-a", **extra: Any) -> Any:
+    """A greedy completion of 8 tokens; ``key`` "": no Authorization header at all."""
     body = {"ignore_eos": True, **extra}
-    return client(base).completions.create(model="cmx-llama-random", prompt=prompt,
-                                           max_tokens=8, temperature=0, extra_body=body)
+    if replica is not None:
+        body["replica"] = replica["replica"]
+    c = client(app, key or "unused")
+    headers = {"Authorization": ""} if not key else None
+    return c.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0,
+                                extra_body=body, extra_headers=headers)
 
 
-def namespace(cm: Any, info: dict[str, Any]) -> Any:
-    from cmx.layout import KVLayout
+def salt_of(key: str) -> str:
+    from cmx.deploy.tenants import tenant_salt
 
-    ns = info["namespace"]
-    layout = KVLayout(ns["num_layers"], ns["num_kv_heads"], ns["head_dim"], ns["dtype"],
-                      ns["block_tokens"])
-    return cm.namespace(ns["model"], layout, ns["salt"], ns["weights"])
+    return tenant_salt("", key, None)
 
 
-def wait_stored(cm: Any, info: dict[str, Any], prompt: str, tokens: int) -> None:
-    ns = namespace(cm, info)
-    ids = ByteTokenizer().encode(prompt)
-    deadline = time.monotonic() + 30
-    while ns.lookup(ids).num_tokens < tokens:
-        assert time.monotonic() < deadline, "the store never became visible"
-        time.sleep(0.2)
-
-
-def agent_bytes_in(node: str) -> int:
-    import ray
-
-    from cmx.actors.links import RAY_NAMESPACE, actor_name
-
-    stats = ray.get(ray.get_actor(actor_name("agent", node), namespace=RAY_NAMESPACE)
-                    .stats.remote())
-    return sum(n for route, n in stats["moved_bytes"].items() if "@peer" in route)
-
-
-def test_a_prefix_stored_by_one_replica_is_served_by_the_other_with_the_same_tokens(
-    llm: Any, cm: Any
+def test_a_prefix_stored_by_one_replica_is_loaded_by_the_other_with_the_same_tokens(
+    app: App,
 ) -> None:
-    base, replicas, info = llm
-    first, second = replicas
-    question = SYSTEM + "Q: which tier is fastest?"
-    stored = complete(base, question, replica=first["replica"])
+    first, second = app.replicas
+    prefix = prompt_ids(1)
+    stored = complete(app, prefix + prompt_ids(2, 20), first)
     ext = stored.model_extra["cmx"]
     assert ext["replica"] == first["replica"] and ext["node"] == first["node"]
-    assert ext["cached_tokens"] == 0 and ext["stored_tokens"] > 500
-    wait_stored(cm, info, question, ext["stored_tokens"])
+    assert stored.usage.prompt_tokens_details.cached_tokens == 0
+    assert ext["memory"]["stored_tokens"] >= 384
+    app.wait_stored(prefix, 384, salt_of("tenant-a"))
 
-    before = agent_bytes_in(second["node"])
-    prompt = SYSTEM + "Q: and which is the slowest one?"
-    hit = complete(base, prompt, replica=second["replica"])
+    prompt = prefix + prompt_ids(3, 20)
+    hit = complete(app, prompt, second)
     hit_ext = hit.model_extra["cmx"]
     assert hit_ext["replica"] == second["replica"] and hit_ext["node"] == second["node"]
     cached = hit.usage.prompt_tokens_details.cached_tokens
-    assert cached > 0 and cached == hit_ext["cached_tokens"]
-    assert cached <= ext["stored_tokens"] and cached % info["chunk_tokens"] == 0
-    assert sum(hit_ext["served_from"].values()) == cached
-    assert agent_bytes_in(second["node"]) > before, "the prefix crossed from the other node"
-    assert hit_ext["ttft_s"] > 0
-
-    miss = complete(base, prompt, replica=second["replica"], cache=False)
+    assert cached == hit_ext["loaded_tokens"] == 384  # whole 32-token blocks of the prefix
+    miss = complete(app, prompt, second, cache=False)
     assert miss.usage.prompt_tokens_details.cached_tokens == 0
+    assert miss.model_extra["cmx"]["loaded_tokens"] == 0
     assert miss.model_extra["cmx"]["completion_token_ids"] == hit_ext["completion_token_ids"]
     assert miss.choices[0].text == hit.choices[0].text
 
 
-def test_cache_false_neither_loads_nor_stores(llm: Any, cm: Any) -> None:
-    base, replicas, info = llm
-    prompt = "A prompt nobody stored. " * 30
-    r = complete(base, prompt, cache=False)
-    ext = r.model_extra["cmx"]
-    assert ext["cached_tokens"] == 0 and ext["matched_tokens"] == 0 and ext["stored_tokens"] == 0
-    time.sleep(1.0)
-    assert namespace(cm, info).lookup(ByteTokenizer().encode(prompt)).num_tokens == 0
+def test_streaming_gives_the_same_tokens_and_the_usage_last(app: App) -> None:
+    _, second = app.replicas
+    ids = prompt_ids(10, 300)
+    whole = complete(app, ids, second)
+    chunks = list(client(app).completions.create(
+        model=MODEL, prompt=ids, max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, "replica": second["replica"]}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert all(c.usage is None for c in chunks[:-1]) and chunks[-1].choices == []
+    usage = chunks[-1].usage
+    assert usage.completion_tokens == 8 and usage.prompt_tokens == 300
+    # The same prompt again on the same replica: its blocks are cached now.
+    assert usage.prompt_tokens_details.cached_tokens == 288
+
+    messages = [{"role": "system", "content": "Answer in one short sentence."},
+                {"role": "user", "content": "Which tier holds a block first?"}]
+    stream = client(app).chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                                 temperature=0, stream=True)
+    parts = list(stream)
+    assert parts[0].choices[0].delta.role == "assistant"
+    assert parts[-1].choices[0].finish_reason in ("stop", "length")
+    plain = client(app).chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                                temperature=0)
+    assert "".join(p.choices[0].delta.content or "" for p in parts) == \
+        plain.choices[0].message.content
 
 
-def test_the_router_sends_a_request_to_the_node_holding_its_prefix(llm: Any, cm: Any) -> None:
-    base, replicas, info = llm
-    doc = "Document 7: the NVMe tier keeps its index across restarts. " * 12
-    for holder in replicas:
-        question = doc + f"Q: who? {holder['replica']}"
-        seeded = complete(base, question, replica=holder["replica"])
-        wait_stored(cm, info, question, seeded.model_extra["cmx"]["stored_tokens"])
-        time.sleep(3.0)  # routing stats refresh every 2 s
-        routed = complete(base, doc + "Q: and what does it keep?")
-        assert routed.model_extra["cmx"]["replica"] == holder["replica"]
-        doc = "Document 8: the DRAM tier is a shared-memory arena. " * 12
+def test_chat_uses_the_models_template_and_n_and_stop_work(app: App) -> None:
+    from transformers import AutoTokenizer
+
+    from cmx.models import smollm2_path
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path())
+    messages = [{"role": "user", "content": "Name three colours."}]
+    expected = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if not isinstance(expected, list):
+        expected = expected["input_ids"]
+    r = client(app).chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+                                            temperature=0.9, seed=7, n=3)
+    assert r.usage.prompt_tokens == len(expected)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert all(c.message.role == "assistant" for c in r.choices)
+    again = client(app).chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+                                                temperature=0.9, seed=7, n=3)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
+
+    free = client(app).completions.create(model=MODEL, prompt="One, two, three, four, five,",
+                                          max_tokens=16, temperature=0)
+    word = free.choices[0].text.strip().split(",")[0].strip()
+    assert word  # the model continues the count
+    cut = client(app).completions.create(model=MODEL, prompt="One, two, three, four, five,",
+                                         max_tokens=16, temperature=0, stop=[word])
+    assert word not in cut.choices[0].text and cut.choices[0].finish_reason == "stop"
 
 
-def test_chat_sampling_with_a_seed_repeats_and_models_lists_the_model(llm: Any) -> None:
-    base, _, _ = llm
-    c = client(base)
-    assert [m.id for m in c.models.list().data] == ["cmx-llama-random"]
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello?"}]
-    a = c.chat.completions.create(model="cmx-llama-random", messages=messages, max_tokens=6,
-                                  temperature=0.9, top_p=0.9, seed=5)
-    b = c.chat.completions.create(model="cmx-llama-random", messages=messages, max_tokens=6,
-                                  temperature=0.9, top_p=0.9, seed=5)
-    assert a.choices[0].message.role == "assistant"
-    assert a.model_extra["cmx"]["completion_token_ids"] == \
-        b.model_extra["cmx"]["completion_token_ids"]
-    with pytest.raises(Exception, match="does not exist"):
-        c.completions.create(model="gpt-4", prompt="hi", max_tokens=1)
+def test_tenants_never_share_blocks_or_cached_token_figures(app: App) -> None:
+    first, second = app.replicas
+    prefix = prompt_ids(20)
+    complete(app, prefix + [7, 8], first, key="tenant-a")
+    app.wait_stored(prefix, 384, salt_of("tenant-a"))
+    other = complete(app, prefix + [9, 10], second, key="tenant-b")
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    assert app.lookup(prefix, salt_of("tenant-b")) == 384  # b stored its own copy
+    # vLLM's cache_salt is a tenant of its own, beside the key's.
+    salted = complete(app, prefix + [9, 11], second, key="tenant-a", cache_salt="project-x")
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+    same = complete(app, prefix + [9, 12], second, key="tenant-a")
+    assert same.usage.prompt_tokens_details.cached_tokens == 384
+
+    info = httpx.get(f"{app.base}/cmx/info", timeout=60).text
+    for key in ("tenant-a", "tenant-b"):
+        assert salt_of(key) not in info and key not in info
+    assert "salt" not in json.loads(info)["namespace"]
+
+
+BAD_COMPLETIONS = [
+    {"prompt": [-1, 5]},
+    {"prompt": [49152]},  # the vocabulary has 49,152 ids
+    {"prompt": [2**70]},
+    {"prompt": [5] * 2048},  # no room left for one token in a 2,048-token context
+    {"prompt": "hi", "max_tokens": 2048},
+    {"prompt": "x" * 200_000},
+    {"prompt": []},
+    {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]},
+    {"prompt": "hi", "stop": "s" * 10_000},
+    {"prompt": "hi", "n": "2"},
+    {"prompt": "hi", "temperature": "hot"},
+    {"prompt": "hi", "max_tokens": -3},
+    {"prompt": ["a", "b"]},
+    {"prompt": {"text": "hi"}},
+    {"messages": "not a completion"},
+]
+
+
+@pytest.mark.parametrize("body", BAD_COMPLETIONS, ids=range(len(BAD_COMPLETIONS)))
+def test_a_malformed_completion_is_an_openai_4xx(app: App, body: dict[str, Any]) -> None:
+    r = httpx.post(f"{app.base}/v1/completions", json=body, timeout=60)
+    assert 400 <= r.status_code < 500, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+
+
+def test_malformed_bodies_and_chats_are_4xx(app: App) -> None:
+    url = f"{app.base}/v1/chat/completions"
+    for raw in (b"{not json", b"[1, 2]", b"null", b'"text"'):
+        r = httpx.post(url, content=raw, headers={"content-type": "application/json"},
+                       timeout=60)
+        assert r.status_code == 400, r.text
+    for body in ({"messages": []}, {"messages": [{"role": "robot", "content": "x"}]},
+                 {"messages": [{"role": "user", "content": "x"}], "max_tokens": 5000},
+                 {"messages": [{"role": "user", "content": "x"}], "model": "gpt-4"}):
+        r = httpx.post(url, json=body, timeout=60)
+        assert 400 <= r.status_code < 500 and "error" in r.json(), r.text
+
+    def chunked() -> Iterator[bytes]:
+        yield b'{"prompt": "'
+        for _ in range(10_000):
+            yield b"x" * 1024  # 10 MiB, no Content-Length
+        yield b'"}'
+
+    r = httpx.post(f"{app.base}/v1/completions", content=chunked(), timeout=120)
+    assert r.status_code == 413, r.text
+
+
+def test_the_router_sends_each_request_to_the_node_holding_its_prefix(app: App) -> None:
+    # Three trials per replica, alternating: a router that ignored the prefix would pass all
+    # six one time in 64.
+    for trial in range(6):
+        holder = app.replicas[trial % 2]
+        prefix = prompt_ids(100 + trial)
+        seeded = complete(app, prefix + [1], holder)
+        assert seeded.model_extra["cmx"]["replica"] == holder["replica"]
+        app.wait_stored(prefix, 384, salt_of("tenant-a"))
+        routed = complete(app, prefix + [2, 3])
+        assert routed.model_extra["cmx"]["replica"] == holder["replica"], f"trial {trial}"
+
+
+def test_ray_serve_llm_with_the_connector_loads_what_the_application_stored(app: App) -> None:
+    """``ray.serve.llm`` with ``kv_transfer_config`` set to CMXConnector, beside the application,
+    on the same model: the same namespace, so each loads what the other stored."""
+    first, _ = app.replicas
+    prefix = prompt_ids(30)
+    complete(app, prefix + [5], first, key="")  # no key, no cache_salt: the unsalted tenant
+    app.wait_stored(prefix, 384)
+    prompt = prefix + prompt_ids(31, 20)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True}
+    r = httpx.post(f"{app.serve_llm}/v1/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    hit = r.json()
+    report = (hit.get("kv_transfer_params") or {}).get("cmx", {})
+    assert report.get("loaded_tokens") == 384, hit
+    baseline = complete(app, prompt, first, key="", cache=False)
+    assert hit["choices"][0]["text"] == baseline.choices[0].text
+
+    fresh = prompt_ids(32)
+    r = httpx.post(f"{app.serve_llm}/v1/completions", timeout=300,
+                   json={**body, "prompt": fresh + [6]})
+    assert r.status_code == 200, r.text
+    app.wait_stored(fresh, 384)  # stored by ray.serve.llm's engine, found in our namespace

@@ -34,7 +34,9 @@ def check_serve_config(config: dict[str, Any]) -> list[ServeOptions]:
 def test_the_serve_config_validates_and_its_args_are_serve_options() -> None:
     (options,) = check_serve_config(load("serve_config.yaml"))
     assert options.replicas == 2 and options.max_replicas_per_node == 1
-    assert options.engine.prefetch == "wait_complete"
+    assert options.engine.prefetch == "wait_complete" and options.engine.connector == "cmx"
+    assert options.model.path is None  # the packaged SmolLM2
+    assert options.service is None  # sized to the model's blocks by the replicas themselves
     assert ServeOptions.from_args(options.to_args()) == options
 
 

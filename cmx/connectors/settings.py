@@ -1,0 +1,124 @@
+"""What an engine connector is told, and how it reaches the service.
+
+vLLM passes ``kv_transfer_config["kv_connector_extra_config"]`` to the connector as a plain
+dict; ``ConnectorSettings.from_extra`` turns it into a typed, frozen value and refuses unknown
+keys, so a misspelt setting is an error at engine start, not a silent default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from cmx.config import ServiceConfig
+from cmx.errors import CmxError, LayoutMismatchError
+from cmx.layout import KVLayout
+
+__all__ = ["ConnectorSettings", "Namespaces", "connect", "namespace_salt"]
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    model: str = ""  # namespace model id; "" means the engine's served model name
+    weights: str = ""  # weights fingerprint; "" means the one cmx.models recorded, if any
+    salt: str = ""  # tenant salt of every request; a request's cache_salt is added to it
+    ray_address: str = ""  # Ray cluster of the service; "" means the one this process is in
+    node_id: str = ""  # the Ray node whose agent and tiers this engine uses; "" means the node
+    #                    this process joined (a driver on a host with several raylets joins
+    #                    the head's, so a replica names its own node for its engine's process)
+    service: ServiceConfig = field(default_factory=ServiceConfig.from_env)  # the service's
+    start_service: bool = True  # start the service's actors if they are not running
+    gate: bool = True  # break-even gating: load only what is faster to load than to compute
+    margin: float = 0.05  # a load must beat recomputing by this fraction
+    lookup_wait_s: float = 0.005  # the scheduler waits this long for a lookup, then polls
+    load_timeout_s: float = 0.0  # bound on one step's loads; 0 means service.load_timeout_s
+    max_pending_stores: int = 64  # stores in flight before new ones are dropped (and logged)
+    block_tokens: int = 0  # if set, must equal the engine's block size (a check, no more)
+    paged_layout: str = ""  # the engine's KV layout (cmx.connectors.paged); "" means detect
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
+        """Settings from ``kv_connector_extra_config``; ValueError on unknown keys."""
+        values = dict(extra or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown CMXConnector settings {unknown}; known: {sorted(known)}")
+        service = values.pop("service", None)
+        if isinstance(service, Mapping):
+            values["service"] = ServiceConfig.from_env(**service)
+        elif service is not None and not isinstance(service, ServiceConfig):
+            raise ValueError("'service' must be a dict of ServiceConfig fields")
+        return cls(**values)
+
+    def __post_init__(self) -> None:
+        if self.lookup_wait_s < 0 or self.load_timeout_s < 0 or self.max_pending_stores < 1:
+            raise ValueError("lookup_wait_s and load_timeout_s must be >= 0, "
+                             "max_pending_stores >= 1")
+
+    @property
+    def load_bound_s(self) -> float:
+        return self.load_timeout_s or self.service.load_timeout_s
+
+
+def namespace_salt(base: str, cache_salt: str | None) -> str:
+    """The namespace salt of a request: the connector's salt and the request's ``cache_salt``.
+
+    A request without a cache_salt uses the connector's salt, one without a connector salt
+    uses its cache_salt alone; both together are encoded so no two pairs give one salt.
+    """
+    if not cache_salt:
+        return base
+    if not base:
+        return cache_salt
+    return json.dumps([base, cache_salt])
+
+
+def connect(settings: ConnectorSettings) -> Any:
+    """A ``ContextMemory`` on the service's cluster, joining the Ray cluster if need be."""
+    import ray
+
+    from cmx.client import ContextMemory
+
+    if not ray.is_initialized() and not settings.ray_address:
+        # Without an address each engine process (scheduler, workers) would start a cluster of
+        # its own, and what one stores the other would never see.
+        raise CmxError("CMXConnector needs a Ray cluster: run the engine inside one, or set "
+                       "kv_connector_extra_config['ray_address'] (e.g. 'auto')")
+    cm = ContextMemory.connect(address=settings.ray_address or None, config=settings.service,
+                               start_service=settings.start_service)
+    if settings.node_id:
+        cm.node_id = settings.node_id
+    return cm
+
+
+class Namespaces:
+    """The namespace of each salt, for one model and layout, opened once."""
+
+    def __init__(self, cm: Any, model: str, layout: KVLayout, weights: str) -> None:
+        if layout.block_bytes > cm.config.block_bytes:
+            fits = cm.config.block_bytes // layout.token_bytes
+            raise LayoutMismatchError(
+                f"a block of {model} ({layout.block_tokens} tokens x {layout.token_bytes} "
+                f"bytes) is {layout.block_bytes} bytes; the service's slots hold "
+                f"{cm.config.block_bytes}: set ServiceConfig.block_bytes (CMX_BLOCK_BYTES) to "
+                f"{layout.block_bytes} or the engine's block_size to at most {fits}")
+        self.cm = cm
+        self.model = model
+        self.layout = layout
+        self.weights = weights
+        self._open: dict[str, Any] = {}
+
+    def get(self, salt: str) -> Any:
+        ns = self._open.get(salt)
+        if ns is None:
+            ns = self._open[salt] = self.cm.namespace(self.model, self.layout, salt,
+                                                      self.weights)
+        return ns
+
+    @property
+    def node_id(self) -> str:
+        return str(self.cm.node_id)

@@ -1,0 +1,207 @@
+"""``CMXConnector``: the context memory as vLLM's KV connector (vLLM 0.29, ``KVConnectorBase_V1``).
+
+The one setting a vLLM user changes, where LMCache's would be::
+
+    kv_transfer_config={
+        "kv_connector": "CMXConnector",
+        "kv_connector_module_path": "cmx.connectors.vllm",
+        "kv_role": "kv_both",                   # kv_producer: store only; kv_consumer: load only
+        "kv_load_failure_policy": "recompute",  # a prefix that vanished is recomputed
+        "kv_connector_extra_config": {"ray_address": "auto"},  # cmx.connectors.settings
+    }
+
+vLLM makes one connector on its scheduler and one in each worker; with multiprocessing on they
+live in different processes. The scheduler side (``vllm_scheduler``) finds the cached prefix
+and plans loads and stores; the worker side (``vllm_worker``) moves the blocks; the step's
+metadata and the workers' reports (``vllm_meta``) are all that passes between them. This class
+only wires vLLM's hooks to the two.
+
+A request's namespace is (model, KV layout, salt): the salt is the connector's ``salt`` with
+the request's ``cache_salt``, so tenants with different cache salts never share a block.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from cmx.connectors.paged import PagedLayout
+from cmx.connectors.settings import ConnectorSettings, Namespaces, connect
+from cmx.connectors.vllm_meta import CMXStepMetadata, CMXWorkerReport
+from cmx.connectors.vllm_scheduler import SchedulerSide
+from cmx.connectors.vllm_worker import WorkerSide
+from cmx.errors import LayoutMismatchError
+from cmx.layout import KVLayout
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["CMXConnector", "engine_layout"]
+
+log = logging.getLogger(__name__)
+
+
+def engine_layout(kv_cache_config: KVCacheConfig) -> tuple[KVLayout, list[str]]:
+    """The KV layout of an engine's cache, and its attention layers in layer order."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    spec = groups[0].kv_cache_spec if len(groups) == 1 else None
+    if not isinstance(spec, FullAttentionSpec) or isinstance(spec, MLAAttentionSpec):
+        raise LayoutMismatchError(
+            "CMXConnector supports models with one group of full-attention layers; this one "
+            f"has {[type(g.kv_cache_spec).__name__ for g in groups]}")
+    layout = KVLayout(num_layers=len(groups[0].layer_names), num_kv_heads=spec.num_kv_heads,
+                      head_dim=spec.head_size, dtype=str(spec.dtype).removeprefix("torch."),
+                      block_tokens=spec.block_size)
+    return layout, list(groups[0].layer_names)
+
+
+class CMXConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = self._kv_transfer_config
+        settings = ConnectorSettings.from_extra(transfer.kv_connector_extra_config)
+        layout, layer_names = engine_layout(kv_cache_config)
+        if settings.block_tokens and settings.block_tokens != layout.block_tokens:
+            raise LayoutMismatchError(f"block_tokens {settings.block_tokens} != the engine's "
+                                      f"block_size {layout.block_tokens}")
+        if vllm_config.parallel_config.tensor_parallel_size != 1:
+            raise ValueError("CMXConnector does not support tensor parallelism yet")
+        model_config = vllm_config.model_config
+        model = settings.model or _served_name(model_config)
+        weights = settings.weights or _fingerprint(model_config.model)
+        self._cm = connect(settings)
+        namespaces = Namespaces(self._cm, model, layout, weights)
+        load, save = transfer.is_kv_consumer, transfer.is_kv_producer
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            if transfer.kv_load_failure_policy != "recompute":
+                log.warning("kv_load_failure_policy is %r: a cached prefix that vanishes "
+                            "before it is loaded fails its request; set 'recompute' to "
+                            "recompute it instead", transfer.kv_load_failure_policy)
+            chunk = vllm_config.scheduler_config.max_num_batched_tokens
+            self._scheduler = SchedulerSide(settings, namespaces, layout.block_tokens,
+                                            load=load, save=save, chunk_tokens=chunk)
+        else:
+            self._worker = WorkerSide(settings, namespaces, layer_names,
+                                      _paged_layout(settings.paged_layout))
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a store lost to a preemption is a later miss
+
+    # -- worker side ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._side_worker().register(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if isinstance(connector_metadata, CMXStepMetadata):
+            self._side_worker().begin_step(connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._side_worker().start_load()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._side_worker().wait_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        self._side_worker().save_layer(layer_name, kv_layer)
+
+    def wait_for_save(self) -> None:
+        self._side_worker().end_step()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._side_worker().take_failed()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._side_worker().take_report()
+
+    # -- scheduler side ------------------------------------------------------------------------
+
+    def on_new_request(self, request: Request) -> None:
+        self._side_scheduler().track(request.request_id, request.prompt_token_ids,
+                                     request.cache_salt)
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        side = self._side_scheduler()
+        side.track(request.request_id, request.prompt_token_ids, request.cache_salt)
+        return side.matched_tokens(request.request_id, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        self._side_scheduler().after_alloc(request.request_id, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._side_scheduler().build_step(
+            scheduler_output.scheduled_new_reqs, scheduler_output.scheduled_cached_reqs,
+            scheduler_output.num_scheduled_tokens, scheduler_output.finished_req_ids)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        report = connector_output.kv_connector_worker_meta
+        if isinstance(report, CMXWorkerReport):
+            self._side_scheduler().take_report(report)
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        report = self._side_scheduler().finished(request.request_id)
+        return False, ({"cmx": report} if report else None)
+
+    def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+        if self._worker is not None:
+            self._worker.shutdown()
+        self._cm.shutdown(stop_service=False)
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _side_worker(self) -> WorkerSide:
+        if self._worker is None:
+            raise RuntimeError("a worker hook was called on the scheduler's connector")
+        return self._worker
+
+    def _side_scheduler(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise RuntimeError("a scheduler hook was called on a worker's connector")
+        return self._scheduler
+
+
+def _served_name(model_config: Any) -> str:
+    name = model_config.served_model_name
+    if isinstance(name, (list, tuple)):
+        name = name[0] if name else ""
+    return str(name or model_config.model)
+
+
+def _fingerprint(path: str) -> str:
+    from cmx.models import weights_fingerprint
+
+    return weights_fingerprint(path)
+
+
+def _paged_layout(name: str) -> PagedLayout:
+    if name:
+        return PagedLayout(name)
+    from vllm.platforms import current_platform
+
+    return PagedLayout.VLLM_CPU if current_platform.is_cpu() else PagedLayout.VLLM_FLASH

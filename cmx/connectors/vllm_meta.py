@@ -1,0 +1,74 @@
+"""What the scheduler side of ``CMXConnector`` tells its workers each step, and what they tell
+it back. Plain picklable data: with vLLM's multiprocessing on, the two sides live in different
+processes and these objects are all that crosses between them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+__all__ = ["CMXStepMetadata", "CMXWorkerReport", "LoadSpec", "LoadResult", "SaveSpec"]
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Load tokens ``[start, end)`` of a request's prompt into the engine's blocks ``block_ids``
+    (one per block of that range, in order); ``token_ids`` is the prompt up to ``end``."""
+
+    req_id: str
+    salt: str  # the request's namespace salt
+    token_ids: tuple[int, ...]
+    start: int  # block-aligned: the tokens before it are already in the engine's cache
+    end: int  # block-aligned
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    """Store tokens ``[start, end)`` of a request, held in the engine's blocks ``block_ids``;
+    ``token_ids`` is the prompt up to ``end`` (the keys chain from its first token)."""
+
+    req_id: str
+    salt: str
+    token_ids: tuple[int, ...]
+    start: int
+    end: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass
+class CMXStepMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    # Positions [start, end) computed this step, per request: the worker times the step and
+    # reports it, so the break-even model learns this engine's prefill speed.
+    computed: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    req_id: str
+    asked_tokens: int
+    loaded_tokens: int  # a prefix of what was asked; the rest was reported as failed blocks
+    nbytes: int
+    seconds: float
+    sources: tuple[tuple[str, int], ...]  # (source class, bytes) of what was loaded
+
+
+@dataclass
+class CMXWorkerReport(KVConnectorWorkerMetadata):
+    loads: list[LoadResult] = field(default_factory=list)
+    stored: dict[str, int] = field(default_factory=dict)  # req_id -> tokens handed to the store
+    dropped: dict[str, int] = field(default_factory=dict)  # req_id -> tokens not stored
+    step_s: float = 0.0  # the step's time, with ``computed`` from its metadata
+    computed: list[tuple[int, int]] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        # Tensor-parallel workers each load and store their own heads of the same blocks: the
+        # request-level figures are the same on all of them, so the first worker's stand.
+        return self

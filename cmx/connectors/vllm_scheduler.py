@@ -1,0 +1,206 @@
+"""The scheduler side of ``CMXConnector``: which prefix to load, which blocks to store.
+
+Per request, in vLLM's call order:
+
+1. ``matched_tokens`` (vLLM's ``get_num_new_matched_tokens``): the first call starts a lookup
+   of the prompt's longest cached prefix on a thread and waits ``lookup_wait_s`` for it; if it
+   has not answered, vLLM is told "not known yet" (None) and asks again next step, so a slow
+   directory delays one request, never the scheduler. The answer is gated by the break-even
+   model: only a prefix faster to load than to compute is offered, and never the prompt's
+   last token (vLLM must compute at least one).
+2. ``after_alloc``: vLLM took the offer; the load is remembered for the next step's metadata.
+3. ``build_step``: each scheduled request's loads (into its newly allocated blocks) and stores
+   (its prompt's blocks completed this step, each stored once) become ``CMXStepMetadata``.
+4. ``finished``: the request's state goes; its report is returned to vLLM as
+   ``kv_transfer_params["cmx"]``.
+
+A preempted request is resumed with new blocks and asked about again from step 1; what it
+already stored stays stored. Lookup failures are misses.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as LookupPending
+from dataclasses import dataclass, field
+from typing import Any
+
+from cmx.connectors.settings import ConnectorSettings, Namespaces, namespace_salt
+from cmx.connectors.vllm_meta import CMXStepMetadata, CMXWorkerReport, LoadSpec, SaveSpec
+from cmx.policies.breakeven import BreakEven, source_class
+
+__all__ = ["RequestState", "SchedulerSide"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestState:
+    """What the scheduler side knows of one unfinished request."""
+
+    salt: str
+    prompt: tuple[int, ...]
+    block_ids: list[int] = field(default_factory=list)
+    stored_upto: int = -1  # tokens handed to the store; -1: not scheduled yet
+    offer: tuple[int, int] | None = None  # (local tokens asked about, tokens offered beyond)
+    load: tuple[int, int] | None = None  # [start, end) to load in the next step
+    report: dict[str, Any] = field(default_factory=dict)
+
+
+class SchedulerSide:
+    def __init__(self, settings: ConnectorSettings, namespaces: Namespaces, block_size: int,
+                 load: bool = True, save: bool = True, chunk_tokens: int = 0) -> None:
+        self.settings = settings
+        self.namespaces = namespaces
+        self.block_size = block_size
+        self.do_load = load
+        self.do_save = save
+        self.gate = BreakEven(margin=settings.margin, enabled=settings.gate)
+        # The engine's forward passes: a prompt is computed in chunks of this many tokens.
+        self.gate.prefill.chunk = chunk_tokens or self.gate.prefill.chunk
+        self.requests: dict[str, RequestState] = {}
+        self._lookups: dict[str, Future[Any]] = {}
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="cmx-lookup")
+        self._lock = threading.Lock()
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def track(self, req_id: str, prompt: Sequence[int] | None, cache_salt: str | None) -> None:
+        if req_id not in self.requests:
+            salt = namespace_salt(self.settings.salt, cache_salt)
+            self.requests[req_id] = RequestState(salt, tuple(prompt or ()))
+
+    def matched_tokens(self, req_id: str, local_tokens: int) -> int | None:
+        """Tokens beyond ``local_tokens`` to load; None while the lookup runs."""
+        state = self.requests[req_id]
+        if state.offer is not None and state.offer[0] == local_tokens:
+            return state.offer[1]  # asked again (the request waited for blocks): same answer
+        limit = (len(state.prompt) - 1) // self.block_size * self.block_size
+        if not self.do_load or limit <= local_tokens:
+            return 0  # one prompt token is always computed, so nothing is left to offer
+        future = self._lookups.get(req_id)
+        if future is None:
+            ns = self.namespaces.get(state.salt)
+            future = self._lookups[req_id] = self._pool.submit(ns.lookup, state.prompt[:limit])
+        try:
+            match = future.result(timeout=self.settings.lookup_wait_s)
+        except LookupPending:
+            return None
+        except Exception as exc:  # noqa: BLE001 - an unreachable service is a miss
+            log.warning("lookup failed, computing the prompt: %s", exc)
+            match = None
+        del self._lookups[req_id]
+        tokens = self._offer(state, match, local_tokens)
+        state.offer = (local_tokens, tokens)
+        return tokens
+
+    def _offer(self, state: RequestState, match: Any, local_tokens: int) -> int:
+        if match is None or match.num_tokens <= local_tokens:
+            state.report.update(lookup_tokens=0 if match is None else match.num_tokens,
+                                plan="nothing cached beyond the engine's own cache")
+            return 0
+        here = self.namespaces.node_id
+        nbytes = self.namespaces.layout.block_bytes
+        first = local_tokens // self.block_size
+        blocks = [(source_class(b.tier.value, b.node, here), nbytes)
+                  for b in match.blocks[first:]]
+        # The engine's own blocks cost nothing to "load": plan over the rest of the prompt.
+        plan = self.gate.plan(blocks, self.block_size, len(state.prompt) - local_tokens)
+        state.report.update(lookup_tokens=match.num_tokens, plan=plan.reason)
+        return plan.load_tokens
+
+    def after_alloc(self, req_id: str, external_tokens: int) -> None:
+        """vLLM took ``external_tokens`` of the offer: load them in the request's next step."""
+        state = self.requests.get(req_id)
+        if state is None or external_tokens <= 0 or state.offer is None:
+            return
+        local = state.offer[0]
+        state.load = (local, local + external_tokens)
+        state.offer = None  # a preempted request is asked about afresh
+
+    def finished(self, req_id: str) -> dict[str, Any] | None:
+        state = self.requests.pop(req_id, None)
+        future = self._lookups.pop(req_id, None)
+        if future is not None:
+            future.cancel()
+        if state is None:
+            return None
+        return {k: v for k, v in state.report.items() if not k.startswith("_")}
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    def build_step(self, new: Sequence[Any], cached: Any, num_scheduled: dict[str, int],
+                   finished: Iterable[str]) -> CMXStepMetadata:
+        meta = CMXStepMetadata()
+        for req_id in finished:
+            self.finished(req_id)
+        for req in new:
+            state = self.requests.get(req.req_id)
+            if state is None:  # not seen by matched_tokens (no prompt ids): nothing to do
+                continue
+            state.block_ids = list(req.block_ids[0])
+            self._schedule(meta, req.req_id, state, req.num_computed_tokens,
+                           num_scheduled.get(req.req_id, 0))
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests.get(req_id)
+            if state is None:
+                continue
+            ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(ids[0]) if ids is not None else []
+            elif ids is not None:
+                state.block_ids.extend(ids[0])
+            self._schedule(meta, req_id, state, cached.num_computed_tokens[i],
+                           num_scheduled.get(req_id, 0))
+        return meta
+
+    def _schedule(self, meta: CMXStepMetadata, req_id: str, state: RequestState,
+                  computed: int, scheduled: int) -> None:
+        T = self.block_size
+        state.offer = None  # asked about again only after a preemption: afresh then
+        if state.load is not None:
+            start, end = state.load
+            state.load = None
+            meta.loads.append(LoadSpec(req_id, state.salt, state.prompt[:end], start, end,
+                                       tuple(state.block_ids[start // T:end // T])))
+        if scheduled > 0:
+            meta.computed.append((computed, computed + scheduled))
+        if state.stored_upto < 0:
+            # Blocks the engine did not compute itself (its own cache, or loaded) are stored.
+            state.stored_upto = computed // T * T
+        upto = min(computed + scheduled, len(state.prompt)) // T * T
+        if self.do_save and upto > state.stored_upto:
+            start = state.stored_upto
+            meta.saves.append(SaveSpec(req_id, state.salt, state.prompt[:upto], start, upto,
+                                       tuple(state.block_ids[start // T:upto // T])))
+            state.stored_upto = upto
+
+    def take_report(self, report: CMXWorkerReport) -> None:
+        """What the workers did last step: per-request figures, and measurements for the gate."""
+        for load in report.loads:
+            state = self.requests.get(load.req_id)
+            if state is not None:
+                state.report["loaded_tokens"] = (state.report.get("loaded_tokens", 0)
+                                                 + load.loaded_tokens)
+                if load.loaded_tokens < load.asked_tokens:
+                    state.report["load_failed_tokens"] = load.asked_tokens - load.loaded_tokens
+            if load.loaded_tokens and load.seconds > 0:
+                self.gate.observe_load(load.sources, load.seconds)
+        for req_id, tokens in report.stored.items():
+            state = self.requests.get(req_id)
+            if state is not None:
+                state.report["stored_tokens"] = state.report.get("stored_tokens", 0) + tokens
+        for req_id, tokens in report.dropped.items():
+            state = self.requests.get(req_id)
+            if state is not None:
+                state.report["store_dropped_tokens"] = tokens
+        if len(report.computed) == 1 and report.step_s > 0 and not report.loads:
+            start, end = report.computed[0]
+            if end - start > 1:  # a prefill chunk, alone in its step: a clean measurement
+                self.gate.observe_prefill(start, end, report.step_s)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,259 @@
+"""The worker side of ``CMXConnector``: moves blocks between vLLM's paged cache and the service.
+
+One step, in vLLM's call order:
+
+1. ``begin_step`` (``bind_connector_metadata``): the step's loads and saves.
+2. ``start_load`` (``start_load_kv``, before the forward): a loader thread looks the prefix up
+   afresh, loads what is still there, then writes it into the paged cache layer by layer,
+   marking each layer ready.
+3. ``wait_layer`` (``wait_for_layer_load``, at each attention layer): waits for that layer
+   only, so attention over the first layers runs while the last are being written. Past the
+   load bound the step's loads are cancelled (the loader writes nothing more) and failed.
+4. ``save_layer`` (``save_kv_layer``, after each attention layer): copies the blocks completed
+   this step out of the paged cache, one indexed copy per layer.
+5. ``end_step`` (``wait_for_save``): waits for the loader (bounded), hands the copied blocks to
+   a store thread and returns: the engine never waits for a store.
+
+Blocks that were promised but not loaded (the prefix vanished between lookup and load, the
+service failed or was late) are returned by ``take_failed``; vLLM recomputes them. Blocks
+written by the loader are the only cache contents this side ever changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from cmx.connectors.paged import PagedLayout, block_view, gather_layer, scatter_layer
+from cmx.connectors.settings import ConnectorSettings, Namespaces
+from cmx.connectors.vllm_meta import (
+    CMXStepMetadata,
+    CMXWorkerReport,
+    LoadResult,
+    LoadSpec,
+    SaveSpec,
+)
+from cmx.errors import LayoutMismatchError
+from cmx.policies.breakeven import source_class
+
+__all__ = ["WorkerSide"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Loaded:
+    spec: LoadSpec
+    kv: Any  # [layers, 2, heads, blocks * T, dim] on the host, or None
+    blocks: int  # how many of spec's blocks arrived (a prefix)
+    sources: tuple[str, ...] = ()  # source class of each block asked for, where it was found
+
+
+@dataclass
+class _Step:
+    meta: CMXStepMetadata
+    layers: int
+    started: float = field(default_factory=time.monotonic)
+    ready: list[threading.Event] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    cancelled: bool = False  # set under lock: the loader writes no layer after it
+    loader: Future[list[_Loaded]] | None = None
+    staged: dict[int, Any] = field(default_factory=dict)  # save index -> host KV
+    layers_saved: int = 0
+
+    def __post_init__(self) -> None:
+        self.ready = [threading.Event() for _ in range(self.layers)]
+
+
+class WorkerSide:
+    def __init__(self, settings: ConnectorSettings, namespaces: Namespaces,
+                 layer_names: list[str], paged_layout: PagedLayout) -> None:
+        self.settings = settings
+        self.namespaces = namespaces
+        self.layout = namespaces.layout
+        self.index = {name: i for i, name in enumerate(layer_names)}
+        self.paged = paged_layout
+        self.caches: list[Any] = []
+        self._step: _Step | None = None
+        self._failed: set[int] = set()
+        self._report = CMXWorkerReport()
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="cmx-load")
+        self._storer = ThreadPoolExecutor(1, thread_name_prefix="cmx-store")
+        self._pending = 0  # stores handed to the store thread and not finished
+        self._pending_lock = threading.Lock()
+
+    def register(self, kv_caches: Mapping[str, Any]) -> None:
+        """The engine's per-layer caches; each must be the layout's shape."""
+        missing = sorted(set(self.index) - set(kv_caches))
+        if missing:
+            raise LayoutMismatchError(f"no KV cache for layers {missing[:3]}...")
+        caches = [kv_caches[name] for name in sorted(self.index, key=self.index.__getitem__)]
+        for cache in caches:
+            view = block_view(cache, self.paged, self.layout.head_dim)
+            if (view.shape[1], view.shape[3]) != (self.layout.num_kv_heads,
+                                                  self.layout.block_tokens):
+                raise LayoutMismatchError(
+                    f"a paged cache of shape {tuple(cache.shape)} does not hold "
+                    f"{self.layout.num_kv_heads} heads x {self.layout.block_tokens} tokens")
+        self.caches = caches
+
+    # -- a step --------------------------------------------------------------------------------
+
+    def begin_step(self, meta: CMXStepMetadata) -> None:
+        self._step = _Step(meta, len(self.caches))
+
+    def start_load(self) -> None:
+        step = self._step
+        if step is None or not step.meta.loads or step.loader is not None:
+            return
+        step.loader = self._loader.submit(self._load, step)
+
+    def wait_layer(self, layer_name: str) -> None:
+        step = self._step
+        if step is None or step.loader is None:
+            return
+        remaining = step.started + self.settings.load_bound_s - time.monotonic()
+        if not step.ready[self.index[layer_name]].wait(max(0.0, remaining)):
+            self._cancel(step, "late")
+
+    def save_layer(self, layer_name: str, kv_layer: Any) -> None:
+        step = self._step
+        if step is None or not step.meta.saves:
+            return
+        import torch
+
+        layer = self.index[layer_name]
+        for i, save in enumerate(step.meta.saves):
+            kv = step.staged.get(i)
+            if kv is None:
+                kv = step.staged[i] = torch.empty(self.layout.shape(save.end - save.start),
+                                                  dtype=kv_layer.dtype)
+            gather_layer(kv_layer, self.paged, save.block_ids, kv[layer])
+        step.layers_saved += 1
+
+    def end_step(self) -> None:
+        step, self._step = self._step, None
+        if step is None:
+            return
+        if step.loader is not None:
+            remaining = step.started + self.settings.load_bound_s - time.monotonic()
+            try:
+                loaded = step.loader.result(timeout=max(0.0, remaining))
+            except Exception as exc:  # noqa: BLE001 - a late or failed load: recompute
+                self._cancel(step, f"{type(exc).__name__}: {exc}")
+                loaded = []
+            self._report_loads(step, loaded)
+        if step.meta.saves:
+            self._hand_to_store(step)
+        self._report.step_s = time.monotonic() - step.started
+        self._report.computed = list(step.meta.computed)
+
+    def take_failed(self) -> set[int]:
+        failed, self._failed = self._failed, set()
+        return failed
+
+    def take_report(self) -> CMXWorkerReport | None:
+        report, self._report = self._report, CMXWorkerReport()
+        if not (report.loads or report.stored or report.dropped or report.computed):
+            return None
+        return report
+
+    def shutdown(self) -> None:
+        self._loader.shutdown(wait=True, cancel_futures=True)
+        self._storer.shutdown(wait=True)
+
+    # -- loads ---------------------------------------------------------------------------------
+
+    def _load(self, step: _Step) -> list[_Loaded]:
+        """On the loader thread: fetch every load of the step, then write it layer by layer."""
+        try:
+            loaded = [self._fetch(spec) for spec in step.meta.loads]
+            for layer, cache in enumerate(self.caches):
+                with step.lock:
+                    if step.cancelled:
+                        break
+                    for item in loaded:
+                        if item.blocks:
+                            scatter_layer(cache, self.paged, item.spec.block_ids[:item.blocks],
+                                          item.kv[layer])
+                step.ready[layer].set()
+            return loaded
+        finally:
+            for event in step.ready:
+                event.set()
+
+    def _fetch(self, spec: LoadSpec) -> _Loaded:
+        from cmx.client import Match
+
+        T = self.layout.block_tokens
+        ns = self.namespaces.get(spec.salt)
+        try:
+            # Looked up again: the prefix may have changed since the scheduler's lookup.
+            match = ns.lookup(spec.token_ids)
+            blocks = match.blocks[spec.start // T:spec.end // T]
+            if not blocks:
+                return _Loaded(spec, None, 0)
+            kv = ns.load(spec.token_ids, Match(len(blocks) * T, tuple(blocks)))
+            here = self.namespaces.node_id
+            sources = tuple(source_class(b.tier.value, b.node, here) for b in blocks)
+            return _Loaded(spec, kv.contiguous(), kv.shape[3] // T, sources)
+        except Exception as exc:  # noqa: BLE001 - a failed load is recomputed, never fatal
+            log.warning("load of %d tokens failed: %s", spec.end - spec.start, exc)
+            return _Loaded(spec, None, 0)
+
+    def _cancel(self, step: _Step, why: str) -> None:
+        with step.lock:
+            if step.cancelled:
+                return
+            step.cancelled = True
+        log.warning("loads of this step cancelled (%s); vLLM recomputes their blocks", why)
+        for spec in step.meta.loads:
+            self._failed.update(spec.block_ids)
+        for event in step.ready:
+            event.set()
+
+    def _report_loads(self, step: _Step, loaded: list[_Loaded]) -> None:
+        seconds = time.monotonic() - step.started
+        T, nbytes = self.layout.block_tokens, self.layout.block_bytes
+        for i, spec in enumerate(step.meta.loads):
+            item = loaded[i] if i < len(loaded) else None
+            got = 0 if step.cancelled or item is None else item.blocks
+            self._failed.update(spec.block_ids[got:])
+            sources = tuple((c, nbytes) for c in item.sources[:got]) if item else ()
+            self._report.loads.append(LoadResult(spec.req_id, spec.end - spec.start, got * T,
+                                                 got * nbytes, seconds, sources))
+
+    # -- stores --------------------------------------------------------------------------------
+
+    def _hand_to_store(self, step: _Step) -> None:
+        for i, save in enumerate(step.meta.saves):
+            kv = step.staged.get(i)
+            tokens = save.end - save.start
+            with self._pending_lock:
+                full = self._pending >= self.settings.max_pending_stores
+                if not full and kv is not None and step.layers_saved == len(self.caches):
+                    self._pending += 1
+                else:
+                    full = True
+            if full:
+                log.warning("store of %d tokens dropped: %d stores in flight", tokens,
+                            self._pending)
+                self._report.dropped[save.req_id] = tokens
+                continue
+            self._storer.submit(self._store, save, kv)
+            self._report.stored[save.req_id] = self._report.stored.get(save.req_id, 0) + tokens
+
+    def _store(self, save: SaveSpec, kv: Any) -> None:
+        try:
+            ns = self.namespaces.get(save.salt)
+            ns.store(list(save.token_ids), kv, start=save.start).wait()
+        except Exception as exc:  # noqa: BLE001 - a lost store is a later miss, never an error
+            log.warning("store of %d tokens failed: %s", save.end - save.start, exc)
+        finally:
+            with self._pending_lock:
+                self._pending -= 1

@@ -26,7 +26,7 @@ from cmx.keys import BlockHash, Namespace, chain_keys, namespace_id
 from cmx.layout import KVLayout
 from cmx.links import RayLink
 from cmx.operate.ray_cluster import DEFAULT_JOIN_TIMEOUT_S, join_or_start
-from cmx.protocol import RAY_NAMESPACE, Copy, Loaded, Priority, actor_name, best_copy, shard_of
+from cmx.protocol import Copy, Loaded, Priority, actor_name, best_copy, shard_of
 from cmx.storage.arena import SharedArena
 from cmx.tiers import Tier
 

@@ -43,6 +43,6 @@ def test_bench_rejects_unknown_suites_before_touching_the_disk(tmp_path: Path) -
 
 
 def test_demo_and_serve_are_commands_and_serve_rejects_an_unknown_policy() -> None:
-    assert "two LLM replicas" in runner.invoke(app, ["demo", "--help"]).output
+    assert "two vLLM replicas" in " ".join(runner.invoke(app, ["demo", "--help"]).output.split())
     result = runner.invoke(app, ["serve", "--prefetch", "eager"])
     assert result.exit_code == 2 and "best_effort" in result.output

@@ -21,6 +21,7 @@ Public calls, each bounded:
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
@@ -78,7 +79,7 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites):
         self.latency = {op: Histogram() for op in ("store", "load", "stage", "prefetch")}
         self.nvme = NvmeIo()
         self.pool_admission = make_admission("frequency", min_count=config.pool_admission_min_count)
-        self.placement = make_placement(config.placement)
+        self.placement_policy = make_placement(config.placement)
         self.nvme_admission = make_admission("frequency",
                                              min_count=config.nvme_admission_min_count)
         self._pool: list[str] = []
@@ -134,7 +135,7 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites):
         for key in keys:
             self.nvme_admission.record(key)
         through = [s for s in stored
-                   if Tier.NVME in self.placement.on_store(self.nvme_admission.admit(s[0]))]
+                   if Tier.NVME in self.placement_policy.on_store(self.nvme_admission.admit(s[0]))]
         self._write_nvme(Tier.DRAM, through, parents_of(keys, parents))
         self._pool_write([k for k, _, _ in stored if self._admit(k)], parents_of(keys, parents),
                          replicas)
@@ -288,7 +289,7 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites):
                     continue
                 dst = self._arena(granted[i].epoch).slot_view(granted[i].slot)
                 jobs.append((i, pin, self.scheduler.submit(
-                    priority, lambda pin=pin, dst=dst: self._read_local(tier, pin, dst))))
+                    priority, functools.partial(self._read_local, tier, pin, dst))))
             out: dict[int, Loaded] = {}
             for i, pin, fut in jobs:
                 if not fut.result():

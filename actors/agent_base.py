@@ -52,7 +52,7 @@ class AgentBase:
     nvme: NvmeIo
     pool_admission: AdmissionPolicy
     nvme_admission: AdmissionPolicy  # which blocks DRAM may write to NVMe
-    placement: PlacementPolicy  # write-through or write-back, over DRAM then NVMe
+    placement_policy: PlacementPolicy  # write-through or write-back, over DRAM then NVMe
     moved: Counter[str]  # "src->dst" -> bytes
     moved_via: Counter[str]  # transport, "local" or "nvme" -> bytes
     dropped: Counter[str]  # why evicted blocks were not demoted -> blocks

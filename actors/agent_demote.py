@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 
@@ -47,7 +48,7 @@ class Demotion(AgentBase):
         """Whether a block DRAM evicts goes to NVMe: the placement's rule, with NVMe admission
         (a block seen fewer than ``nvme_admission_min_count`` times is dropped)."""
         admitted = self.nvme_admission.admit(key)
-        if self.placement.on_evict(Tier.DRAM, admitted, has_lower_copy=False) is Tier.NVME:
+        if self.placement_policy.on_evict(Tier.DRAM, admitted, has_lower_copy=False) is Tier.NVME:
             return True
         self.dropped["not_admitted_to_nvme"] += 1
         return False
@@ -104,7 +105,7 @@ class Demotion(AgentBase):
                 if ext is None or src is None:
                     continue
                 futures.append((ext, size, csum, src, self.scheduler.submit(
-                    Priority.DEMOTE, lambda ext=ext, src=src: self.nvme.write(ext, src))))
+                    Priority.DEMOTE, functools.partial(self.nvme.write, ext, src))))
             commits = []
             for ext, size, csum, src, fut in futures:
                 fut.result()

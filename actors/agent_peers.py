@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from cmx.actors.agent_base import AgentBase
-from cmx.actors.arena_tier import Grant
+from cmx.actors.arena_tier import Grant, Pinned
 from cmx.actors.nvme_io import Extent
 from cmx.actors.scheduler import Priority
 from cmx.actors.transport import PeerInfo
@@ -21,6 +22,11 @@ __all__ = ["PeerServing"]
 
 
 class PeerServing(AgentBase):
+    # Provided by the classes this one is combined with (Demotion, OffloadAgent); declared
+    # here, without a value, so that they do not shadow those in the method order.
+    _demote_victims: Callable[[Tier, Sequence[Grant | None]], None]
+    _read_local: Callable[[Tier, Pinned | Extent, np.ndarray], bool]
+
     def stage(self, keys: Sequence[BlockHash], owner: str) -> list[Staged | None]:
         """Pin each block in a memory arena here for ``owner`` (a peer agent), promoting NVMe
         blocks into DRAM. The pins are leases: a peer that dies before ``unstage`` holds them
@@ -84,7 +90,7 @@ class PeerServing(AgentBase):
                     continue
                 dst = self._arena(g.epoch).slot_view(g.slot)
                 if self.scheduler.submit(
-                    Priority.LOAD, lambda p=p, dst=dst: self._read_local(Tier.NVME, p, dst)
+                    Priority.LOAD, functools.partial(self._read_local, Tier.NVME, p, dst)
                 ).result():
                     ok.append((i, p, g))
                 else:

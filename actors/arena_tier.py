@@ -29,7 +29,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cmx.actors.directory import Entry, Source
@@ -129,7 +129,7 @@ class ArenaTierService:
             ),
             self._holdings,
             self.store._lock,
-            lambda key: self._tags.get(key, ""),
+            lambda key: self._tags.get(BlockHash(key), ""),
         )
         self.store.subscribe(self.publisher.on_event)
         self.store.subscribe(self._forget_tag)
@@ -221,8 +221,7 @@ class ArenaTierService:
                 self._unpin_key(key)
                 out.append(None)
                 continue
-            lease = self.leases.grant(owner, LeaseKind.PIN, key,
-                                      lambda _, key=key: self._unpin_key(key))
+            lease = self.leases.grant(owner, LeaseKind.PIN, key, self._unpin_later(key))
             out.append(Pinned(key, ref.slot, ref.size, csum, self.epoch, lease))
         return out
 
@@ -249,6 +248,12 @@ class ArenaTierService:
 
     def expire(self) -> int:
         return self.leases.expire()
+
+    def _unpin_later(self, key: BlockHash) -> Callable[[int], None]:
+        """The undo of a pin lease of ``key``: unpin it when the lease ends."""
+        def undo(_lease: int) -> None:
+            self._unpin_key(key)
+        return undo
 
     def _unpin_key(self, key: BlockHash) -> None:
         try:

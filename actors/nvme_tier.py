@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from cmx.actors.directory import Entry, Source
 from cmx.actors.events import EventPublisher
@@ -127,8 +127,7 @@ class NvmeTierService:
                 self._unpin_key(key)
                 out.append(None)
                 continue
-            lease = self.leases.grant(owner, LeaseKind.PIN, key,
-                                      lambda _, key=key: self._unpin_key(key))
+            lease = self.leases.grant(owner, LeaseKind.PIN, key, self._unpin_later(key))
             out.append(Extent(key, self.store.segment_path(entry.seg), entry.offset,
                               entry.length, entry.checksum, lease))
         return out
@@ -146,6 +145,12 @@ class NvmeTierService:
 
     def expire(self) -> int:
         return self.leases.expire()
+
+    def _unpin_later(self, key: BlockHash) -> Callable[[int], None]:
+        """The undo of a pin lease of ``key``: unpin it when the lease ends."""
+        def undo(_lease: int) -> None:
+            self._unpin_key(key)
+        return undo
 
     def _unpin_key(self, key: BlockHash) -> None:
         try:

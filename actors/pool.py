@@ -21,7 +21,9 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+import numpy as np
 
 from cmx.actors.directory import Entry, Source
 from cmx.actors.events import EventPublisher
@@ -147,8 +149,7 @@ class PoolNodeService:
                 self._unpin_staged(key)
                 out.append(None)
                 continue
-            lease = self.leases.grant(owner, LeaseKind.PIN, key,
-                                      lambda _, key=key: self._unpin_staged(key))
+            lease = self.leases.grant(owner, LeaseKind.PIN, key, self._unstage_later(key))
             out.append(Staged(key, Tier.POOL, region, ref.slot, ref.size, ref.checksum or 0,
                               Tier.POOL, lease))
             self.served += 1
@@ -166,6 +167,12 @@ class PoolNodeService:
             self._drop_staged(key)
             self.store.quarantine(key)
         self.publisher.flush()
+
+    def _unstage_later(self, key: BlockHash) -> Callable[[int], None]:
+        """The undo of a reader's lease of staged ``key``: unpin it when the lease ends."""
+        def undo(_lease: int) -> None:
+            self._unpin_staged(key)
+        return undo
 
     def _unpin_staged(self, key: BlockHash) -> None:
         try:
@@ -297,7 +304,7 @@ class PoolNodeService:
             info = self._peers[actor] = self.link.call(actor, "peer_info")  # type: ignore[attr-defined]
         return info
 
-    def _fetch(self, peer_agent: str, slots: list[tuple[str, int]]) -> list[object]:
+    def _fetch(self, peer_agent: str, slots: list[tuple[str, int]]) -> list[np.ndarray]:
         actor = next(a for a, p in self._peers.items() if p.agent == peer_agent)
         return self.link.call(actor, "read_slots", slots)  # type: ignore[attr-defined]
 

@@ -250,7 +250,7 @@ def _agent_placement(
 def _placed_on(node_id: str, config: ServiceConfig) -> str | None:
     """Where the running agent of ``node_id`` is (None: it does not answer)."""
     try:
-        agent = ray.get_actor(actor_name("agent", node_id), namespace=RAY_NAMESPACE)
+        agent: Any = ray.get_actor(actor_name("agent", node_id), namespace=RAY_NAMESPACE)
         return str(ray.get(agent.placement.remote(), timeout=config.call_timeout_s)["placed_on"])
     except Exception:  # noqa: BLE001 - not running, or not answering: nothing to move
         return None
@@ -258,7 +258,7 @@ def _placed_on(node_id: str, config: ServiceConfig) -> str | None:
 
 def _start_agent(node_id: str, config: ServiceConfig, alive: dict[str, dict[str, Any]]
                  ) -> Any:
-    handle = ray.remote(AgentActor).options(
+    handle: Any = ray.remote(AgentActor).options(
         name=actor_name("agent", node_id), namespace=RAY_NAMESPACE, get_if_exists=True,
         num_cpus=0, max_concurrency=32, **_agent_placement(node_id, config, alive), **_RESTART,
     ).remote(node_id, config)
@@ -292,7 +292,7 @@ def start_node_actors(
     """Start (or find) the tier actors and the agent of one node; returns their handles."""
     on_node = NodeAffinitySchedulingStrategy(node_id, soft=False)
     common = {"namespace": RAY_NAMESPACE, "get_if_exists": True, "num_cpus": 0, **_RESTART}
-    handles = {}
+    handles: dict[str, Any] = {}
     for tier in (Tier.HBM, Tier.DRAM):
         handles[tier.value] = ray.remote(ArenaTierActor).options(
             name=actor_name(tier.value, node_id), scheduling_strategy=on_node,
@@ -310,7 +310,7 @@ def start_node_actors(
 
 
 def start_pool_actor(node_id: str, pool_id: str, config: ServiceConfig) -> Any:
-    handle = ray.remote(PoolNodeActor).options(
+    handle: Any = ray.remote(PoolNodeActor).options(
         name=actor_name("pool", node_id), namespace=RAY_NAMESPACE, get_if_exists=True,
         num_cpus=0, max_concurrency=16,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False), **_RESTART,
@@ -326,7 +326,7 @@ def ensure_service(config: ServiceConfig) -> Any:
         ray.remote(DirectoryShard).options(
             name=actor_name("dir", shard), max_concurrency=1, **common
         ).remote(shard)
-    controller = ray.remote(Controller).options(
+    controller: Any = ray.remote(Controller).options(
         name="cmx:controller", max_concurrency=4, **common
     ).remote(config)
     ray.get(controller.reconcile.remote(), timeout=180)
@@ -374,7 +374,7 @@ def stop_service(timeout_s: float = 10.0) -> int:
     Tiers and pool nodes are closed first, so their shared-memory arenas are unlinked and
     their NVMe indexes snapshotted; an actor that does not close in time is killed anyway.
     """
-    handles = []
+    handles: list[tuple[str, Any]] = []
     for info in ray.util.list_named_actors(all_namespaces=True):
         if info.get("namespace") == RAY_NAMESPACE and info["name"].startswith("cmx:"):
             try:

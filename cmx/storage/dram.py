@@ -342,7 +342,8 @@ class DramStore(DramBooks):
         return entry
 
     def _evict_one(self) -> None:
-        for key in self._policy.victims(self._evictable):
+        for victim in self._policy.victims(self._evictable):
+            key = BlockHash(victim)
             entry = self._index[key]
             if self._on_evict is not None:
                 self._demote(key, entry)

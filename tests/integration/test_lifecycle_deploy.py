@@ -76,13 +76,30 @@ def _reconcile() -> dict[str, Any]:
 def test_a_dpu_that_joins_after_its_host_takes_its_agent_over(
     cluster: Any, cm: Any, config: Any
 ) -> None:
+    # The nodes join the session's shared cluster: whatever happens, they leave it again, so a
+    # failure here cannot spill into the suites after it.
+    added: list[Any] = []
+    try:
+        _dpu_takeover(cluster, config, added)
+    finally:
+        for node in added:
+            try:
+                cluster.remove_node(node)
+            except Exception:  # noqa: BLE001 - removed by the scenario already
+                pass
+        _reconcile()
+
+
+def _dpu_takeover(cluster: Any, config: Any, added: list[Any]) -> None:
     host = cluster.add_node(num_cpus=0, labels={config.host_label: "rack3-h2"})
+    added.append(host)
     cluster.wait_for_nodes()
     _reconcile()
     assert _placement(host.node_id)["dpu"] is False
 
     dpu = cluster.add_node(
         num_cpus=0, labels={config.dpu_label: "bluefield-3", config.host_label: "rack3-h2"})
+    added.append(dpu)
     cluster.wait_for_nodes()
     assert host.node_id in _reconcile()["agents_moved"]
     assert _placement(host.node_id) == {"node": host.node_id, "placed_on": dpu.node_id,
@@ -92,10 +109,11 @@ def test_a_dpu_that_joins_after_its_host_takes_its_agent_over(
     assert ray.get(remote.store.remote("m-dpu", LAYOUT, "t", toks,
                                        LAYOUT.random_kv(len(toks), seed=5))) == 2
 
+    added.remove(dpu)
     cluster.remove_node(dpu)  # the DPU goes: the agent comes back to its host
     result = _reconcile()
     assert host.node_id in result["agents_moved"]
     assert _placement(host.node_id)["dpu"] is False
     ray.kill(remote)
+    added.remove(host)
     cluster.remove_node(host)
-    _reconcile()

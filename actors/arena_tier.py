@@ -235,12 +235,8 @@ class ArenaTierService:
         return [p if p is not None else next(grants) for p in pins]
 
     def unpin(self, leases: Sequence[int | BlockHash]) -> None:
-        """End pins by lease; a key ends the oldest pin of ``ADMIN`` on it (the admin API
-        pins and unpins by key)."""
-        self.leases.end([x for x in leases if isinstance(x, int)])
-        for key in leases:
-            if isinstance(key, bytes):
-                self.leases.end_one(ADMIN, BlockHash(key))
+        """End pins by lease, or an admin pin by key (``Leases.end_pins``)."""
+        self.leases.end_pins(leases)
 
     def release_owner(self, owner: str) -> int:
         """Give back every pin and reservation ``owner`` holds; how many."""

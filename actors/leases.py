@@ -95,6 +95,15 @@ class Leases:
                          None)
         return lease is not None and self.end([lease]) == 1
 
+    def end_pins(self, leases: Iterable[int | bytes]) -> None:
+        """End pins by lease id; a key ends the oldest pin of ``ADMIN`` on it (the admin API
+        pins and unpins by key)."""
+        items = list(leases)
+        self.end([x for x in items if isinstance(x, int)])
+        for key in items:
+            if isinstance(key, bytes):
+                self.end_one(ADMIN, BlockHash(key))
+
     def forget_key(self, key: BlockHash) -> int:
         """Drop every lease on ``key`` without giving anything back: the block itself is gone
         (quarantined), and a later block of the same key must not lose its pins to them."""

@@ -16,7 +16,7 @@ from two models measured on the replica that decides, and refitted as requests r
 engine resumes only on chunk boundaries) and picks the one with the lowest estimated time to
 first token; it loads nothing unless that beats recomputing by ``margin``. The plan carries a
 ``patience_s``: how long the engine should wait for the load before it starts computing anyway
-(see ``cmx.deploy.engine``), so a model that is wrong costs a bounded amount and the measurement
+(a bound the caller applies), so a model that is wrong costs a bounded amount and the measurement
 that follows corrects it.
 
 Time never comes from a clock here: callers pass measured seconds, so tests drive the models

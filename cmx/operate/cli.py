@@ -54,7 +54,7 @@ def _steps() -> Iterator[Callable[[str], None]]:
 
 def _client(url: str | None) -> Any:
     from cmx.config import AdminConfig
-    from cmx.operate.client import AdminClient
+    from cmx.operate.admin_client import AdminClient
     from cmx.operate.state import ServiceState
 
     admin = AdminConfig.from_env()
@@ -68,7 +68,7 @@ def _client(url: str | None) -> Any:
 
 
 def _call(fn: Callable[[], Any]) -> Any:
-    from cmx.operate.client import AdminApiError
+    from cmx.operate.admin_client import AdminApiError
 
     try:
         return fn()

@@ -19,7 +19,7 @@ from typing import Any
 
 from cmx.config import AdminConfig, ServiceConfig
 from cmx.errors import CmxError
-from cmx.operate.client import AdminApiError, AdminClient
+from cmx.operate.admin_client import AdminApiError, AdminClient
 from cmx.operate.local_ray import (
     HeadOptions,
     is_local,

@@ -9,7 +9,7 @@ Protocol, in call order:
    asks the policy for a deadline (``_deadline``), waits until the move completes or the
    deadline passes, and returns ``Waited``: the outcome and the seconds spent waiting.
 3. The replica loads the prefix. A move still in flight is not cancelled: the load waits for it
-   in the background while the replica computes (see ``cmx.deploy.engine``), so stopping the
+   in the background while the replica computes (``deploy.server``), so stopping the
    wait early costs nothing but the bytes not yet moved.
 
 The clock is injected (a callable returning seconds), so tests drive a fake one.

@@ -1,7 +1,7 @@
 """Control plane of a node's NVMe tier: the log's space, index, journal and eviction.
 
 The tier hands out extents and records commits; the offload agent writes and reads the
-bytes (``actors.nvme_io``). Protocol, in call order:
+bytes (``actors.agent_nvme``). Protocol, in call order:
 
 1. ``reserve([(key, parent, size)], owner)`` -> an Extent per key (None if already stored
    or no room). Space is held until commit, abort or the reservation's lease expires.
@@ -23,9 +23,9 @@ from collections.abc import Callable, Sequence
 from cmx.actors.directory import Entry, Source
 from cmx.actors.events import EventPublisher
 from cmx.actors.leases import ADMIN, Clock, LeaseKind, Leases
-from cmx.actors.nvme_io import Extent
 from cmx.errors import BlockStateError
 from cmx.keys import BlockHash
+from cmx.storage.nvme.dataplane import Extent
 from cmx.storage.nvme.extents import ExtentStore, PendingExtent
 from cmx.tiers import Tier
 

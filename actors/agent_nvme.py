@@ -3,7 +3,8 @@
 The tier pins (reads) or reserves (writes) extents; the agent moves their bytes with the
 NVMe store's own parts (``cmx.storage.nvme.dataplane.ExtentPlane``: ``BlockReader`` over
 ``ExtentIo``), a whole list of extents per call, so a prefix, a promotion for a peer or a
-demotion keeps ``queue_depth`` I/Os in flight instead of one block per agent worker.
+demotion keeps ``queue_depth`` I/Os in flight instead of one block per agent worker. The
+tier's compaction copies go through here as well (``move_extents``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,15 @@ class NvmeTransfers(AgentBase):
             log.warning("%d NVMe blocks failed their checksum; quarantined", len(bad))
             self._call(Tier.NVME, "quarantine", bad)
         return ok
+
+    def move_extents(self, pairs: Sequence[tuple[Extent, Extent]]) -> list[bool | None]:
+        """Compaction's copies, for the NVMe tier (which only decides them): each block from
+        its old extent to its new one, verified; None for a block whose bytes failed."""
+        done = self.nvme.copy_many(pairs)
+        moved = sum(src.size for (src, _), ok in zip(pairs, done) if ok)
+        self.moved["nvme->nvme"] += moved
+        self.moved_via["nvme"] += moved
+        return done
 
     def _write_nvme(
         self, tier: Tier, items: Sequence[tuple[BlockHash, int, int | None]],

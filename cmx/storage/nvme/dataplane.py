@@ -31,12 +31,14 @@ from cmx.storage.nvme.blockreads import BlockReader
 from cmx.storage.nvme.chunks import block_sums, extent_bytes
 from cmx.storage.nvme.extentio import ExtentIo
 from cmx.storage.nvme.io import IoBatch, make_io_engine
+from cmx.storage.nvme.staging import alloc_aligned
 
 __all__ = ["Extent", "ExtentPlane", "PlaneStats"]
 
 log = logging.getLogger(__name__)
 
 MAX_OPEN_SEGMENTS = 64
+COPY_WINDOW = 64 << 20  # compaction's bytes in flight at once
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,8 @@ class ExtentPlane:
         self._fds: OrderedDict[str, int] = OrderedDict()
         self._users: dict[int, int] = {}  # descriptor -> calls using it now
         self._lock = threading.Lock()
+        self._cbuf: np.ndarray | None = None  # compaction's buffer (one copy_many at a time)
+        self._copying = threading.Lock()
         self._counts = dict.fromkeys(("bytes_read", "bytes_written", "blocks_read",
                                       "blocks_written", "bad_reads"), 0)
 
@@ -169,6 +173,40 @@ class ExtentPlane:
             self._counts["bytes_written"] += sum(e.size for e in extents)
             self._counts["blocks_written"] += len(extents)
         return sums
+
+    # -- compaction ----------------------------------------------------------------------------
+
+    def copy_many(self, pairs: Sequence[tuple[Extent, Extent]],
+                  window: int = COPY_WINDOW) -> list[bool | None]:
+        """Copy each block from its first extent to its second (compaction), many in flight,
+        through one reused buffer of ``window`` bytes (or one block's extent, if larger); per
+        block True, or None if its bytes failed their checksum (it was not copied)."""
+        with self._copying:
+            return self._copy_many(pairs, window)
+
+    def _copy_many(self, pairs: Sequence[tuple[Extent, Extent]],
+                   window: int) -> list[bool | None]:
+        out: list[bool | None] = []
+        start = 0
+        while start < len(pairs):
+            stop, room = start, window
+            while stop < len(pairs) and (stop == start or pairs[stop][0].extent <= room):
+                room -= pairs[stop][0].extent
+                stop += 1
+            batch = pairs[start:stop]
+            need = sum(src.extent for src, _ in batch)
+            if self._cbuf is None or self._cbuf.nbytes < need:
+                self._cbuf = alloc_aligned(max(need, window))
+            views, pos = [], 0
+            for src, _ in batch:
+                views.append(self._cbuf[pos : pos + src.extent])
+                pos += src.extent
+            ok = self.read_many([src for src, _ in batch], views)
+            good = [i for i, fine in enumerate(ok) if fine]
+            self.write_many([batch[i][1] for i in good], [views[i] for i in good])
+            out += [True if fine else None for fine in ok]
+            start = stop
+        return out
 
     # -- files ---------------------------------------------------------------------------------
 

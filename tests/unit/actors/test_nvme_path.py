@@ -158,3 +158,30 @@ def test_a_pool_node_stages_cold_blocks_in_parallel(plane: Plane) -> None:
         pool.check_integrity()
     finally:
         pool.close()
+
+
+def test_compaction_is_decided_by_the_tier_and_its_bytes_moved_by_the_agent(tmp_path) -> None:
+    p = make_plane(small_config(tmp_path, hbm_bytes=16 * BLOCK, dram_bytes=32 * BLOCK,
+                                nvme_bytes=64 * BLOCK, nvme_segment_bytes=16 * BLOCK,
+                                placement="write_through"))
+    try:
+        agent, nvme = p.agents["node-a"], p.tiers[("node-a", Tier.NVME)]
+        keys, payload = blocks(80, seed=5)
+        agent.store(keys[:64], [None, *keys[:63]], payload[: 64 * BLOCK])
+        assert nvme.evict(keys[0:48:2]) == 24  # a third of the log is dead: compaction's turn
+        agent.store(keys[64:], keys[63:79], payload[64 * BLOCK :])
+        extra = nvme.store.stats().extra
+        assert extra["compactions"] >= 1 and extra["compacted_bytes"] > 0
+        assert agent.moved["nvme->nvme"] == extra["compacted_bytes"]
+        engine = nvme.store.io.engine  # the tier's own engine never moved a byte
+        assert engine.io_sizes("read") == {} and engine.io_sizes("write") == {}
+        survivors = [i for i in range(80) if keys[i] in nvme.store]
+        assert set(range(1, 48, 2)) <= set(survivors)  # compaction kept every live block
+        only_on_nvme(p, "node-a", [keys[i] for i in survivors])
+        for i in survivors:
+            data, got = load(p, "node-a", [keys[i]])
+            assert np.array_equal(data, payload[i * BLOCK : (i + 1) * BLOCK])
+            assert got[0].source_tier is Tier.NVME
+        check(p)
+    finally:
+        p.close()

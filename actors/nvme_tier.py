@@ -28,8 +28,8 @@ from cmx.actors.leases import ADMIN, Clock, LeaseKind, Leases
 from cmx.actors.links import actor_name
 from cmx.errors import BlockStateError
 from cmx.keys import BlockHash
-from cmx.storage.nvme.dataplane import Extent
-from cmx.storage.nvme.extents import ExtentStore, PendingExtent
+from cmx.storage.nvme.dataplane import Extent, extent_pairs
+from cmx.storage.nvme.extents import ExtentBooks, PendingExtent
 from cmx.storage.nvme.space import ExtentMove, Mover
 from cmx.tiers import Tier
 
@@ -55,7 +55,7 @@ class NvmeTierService:
         self.tier = Tier.NVME
         self.node = node
         self.epoch = uuid.uuid4().hex[:8]
-        self.store = ExtentStore(
+        self.store = ExtentBooks(
             root, capacity_bytes=capacity_bytes, block_bytes=block_bytes, eviction=eviction,
             segment_bytes=segment_bytes, mover=AgentMover(directory, node),
         )
@@ -227,14 +227,10 @@ class AgentMover(Mover):
         self._agent = actor_name("agent", node)
 
     def move(self, moves: Sequence[ExtentMove]) -> list[bool | None]:
-        pairs = [(Extent(m.entry.key, m.src.path, m.entry.offset, m.entry.length,
-                         m.entry.checksum),
-                  Extent(m.entry.key, m.dst.path, m.dst_offset, m.entry.length,
-                         m.entry.checksum)) for m in moves]
-        return list(self._link.call(self._agent, "move_extents", pairs))  # type: ignore[attr-defined]
+        return list(self._link.call(self._agent, "move_extents", extent_pairs(moves)))  # type: ignore[attr-defined]
 
 
-def extent_holdings(store: ExtentStore) -> list[Entry]:
+def extent_holdings(store: ExtentBooks) -> list[Entry]:
     """Every committed block of an NVMe store as a directory entry, for a resync."""
     entries = []
     for key in store.keys():

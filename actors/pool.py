@@ -1,6 +1,7 @@
 """A pool node (G4): NVMe on a storage node, pooled for every node of the cluster.
 
-A pool node is its own small data plane: an NVMe store (``ExtentStore``), a DRAM staging arena
+A pool node is its own small data plane: an NVMe store (``ExtentBooks``, its bytes and
+compaction's through an ``ExtentPlane``), a DRAM staging arena
 registered with its transport, and the same pull protocol as the offload agents:
 
 - ``ingest(source, items)``: pull blocks from the arena of ``source`` (an agent or another
@@ -36,8 +37,8 @@ from cmx.keys import BlockHash
 from cmx.policies.rendezvous import owners
 from cmx.protocol import Offer, Staged
 from cmx.storage.dram import DramStore, Reservation
-from cmx.storage.nvme.dataplane import Extent, ExtentPlane
-from cmx.storage.nvme.extents import ExtentStore, PendingExtent
+from cmx.storage.nvme.dataplane import Extent, ExtentPlane, PlaneMover
+from cmx.storage.nvme.extents import ExtentBooks, PendingExtent
 from cmx.tiers import Tier
 
 __all__ = ["PoolNodeService"]
@@ -59,11 +60,12 @@ class PoolNodeService:
         self.link = link
         self.epoch = uuid.uuid4().hex[:8]
         self.name = f"cmx-pool-{pool_id}-{self.epoch}"
-        self.store = ExtentStore(root, capacity_bytes=capacity_bytes, block_bytes=block_bytes,
-                                 eviction=eviction, segment_bytes=segment_bytes)
+        self.io = ExtentPlane()  # this node's data plane: the NVMe store's reader and writer
+        self.store = ExtentBooks(root, capacity_bytes=capacity_bytes, block_bytes=block_bytes,
+                                 eviction=eviction, segment_bytes=segment_bytes,
+                                 mover=PlaneMover(self.io))
         self.staging = DramStore(staging_bytes, block_bytes, name=self.name)
         self.leases = Leases(lease_s, clock)  # readers' pins of staged blocks
-        self.io = ExtentPlane()  # this node's data plane: the NVMe store's reader and writer
         self.transport = make_transport(self.name, transport, self._fetch)
         arena = self.staging.arena
         self.transport.register(

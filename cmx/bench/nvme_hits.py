@@ -126,6 +126,8 @@ def nvme_prefix_figures(ctx: BenchContext) -> list[Figure]:
                     _only_on_nvme(bc.cm, ns, toks)
                     ctx.drop_cache()
                     loads.append(nbytes / _load_seconds(bc.cm, ns, toks) / GB)
+                    ctx.log(f"service: load {loads[-1]:.2f} GB/s (fio read {fio_r[-1]:.2f}), "
+                            f"store {stores[-1]:.2f} GB/s (fio write {fio_w[-1]:.2f})")
                 what = f"{nbytes // MiB} MiB prefix of {block_bytes // MiB} MiB blocks"
                 figures += [
                     Figure("service", f"ContextMemory.load, {what}, on local NVMe only", "GB/s",

@@ -31,9 +31,10 @@ from cmx.storage.nvme.blockreads import BlockReader
 from cmx.storage.nvme.chunks import block_sums, extent_bytes
 from cmx.storage.nvme.extentio import ExtentIo
 from cmx.storage.nvme.io import IoBatch, make_io_engine
+from cmx.storage.nvme.space import ExtentMove, Mover
 from cmx.storage.nvme.staging import alloc_aligned
 
-__all__ = ["Extent", "ExtentPlane", "PlaneStats"]
+__all__ = ["Extent", "ExtentPlane", "PlaneMover", "PlaneStats", "extent_pairs"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,23 @@ class Extent:
     @property
     def extent(self) -> int:
         return extent_bytes(self.size)
+
+
+def extent_pairs(moves: Sequence[ExtentMove]) -> list[tuple[Extent, Extent]]:
+    """Compaction's copies as (from, to) extents, for a data plane to make."""
+    return [(Extent(m.entry.key, m.src.path, m.entry.offset, m.entry.length, m.entry.checksum),
+             Extent(m.entry.key, m.dst.path, m.dst_offset, m.entry.length, m.entry.checksum))
+            for m in moves]
+
+
+class PlaneMover(Mover):
+    """Compaction's copies made by an ExtentPlane in this process (a pool node's own)."""
+
+    def __init__(self, plane: ExtentPlane) -> None:
+        self._plane = plane
+
+    def move(self, moves: Sequence[ExtentMove]) -> list[bool | None]:
+        return self._plane.copy_many(extent_pairs(moves))
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,8 @@ class NvmeTransfers(AgentBase):
             )
             todo = [(e, csum, src) for (_, _, csum), e, src in zip(items, extents, srcs)
                     if e is not None and src is not None]
+            if not todo:  # every block is on NVMe already (write-through), or no room
+                return
             exts, views = [t[0] for t in todo], [t[2] for t in todo]
             sums = self.scheduler.submit(
                 Priority.DEMOTE, lambda: self.nvme.write_many(exts, views)).result()

@@ -125,5 +125,7 @@ def run_service(ctx: BenchContext) -> SuiteResult:
         "the whole load through ContextMemory.load", (median(loads),), Goal("<=", 0.10),
         note=f"load {median(loads) * 1e3:.1f} ms ({64 * MiB / median(loads) / 1e9:.2f} GB/s), "
              f"checksum {median(sums) * 1e3:.1f} ms"))
-    result.figures += nvme_prefix_figures(ctx)
+    figures, notes = nvme_prefix_figures(ctx)
+    result.figures += figures
+    result.notes += notes
     return result

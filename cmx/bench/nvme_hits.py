@@ -130,44 +130,58 @@ def _agent_seconds(cm: Any, ns: Any, toks: Any) -> float:
     return took
 
 
-def nvme_prefix_figures(ctx: BenchContext) -> list[Figure]:
-    figures = []
+def nvme_prefix_figures(ctx: BenchContext) -> tuple[list[Figure], list[str]]:
+    """The figures, and notes on block sizes whose cluster did not start (a loaded machine:
+    the other block size's figures are kept)."""
+    figures: list[Figure] = []
+    notes: list[str] = []
     for block_bytes, block_tokens in LAYOUTS.items():
-        layout = _layout(block_tokens)
-        config = ServiceConfig(
-            block_bytes=block_bytes, hbm_bytes=GiB, dram_bytes=GiB // 2,
-            nvme_bytes=8 * GiB, nvme_segment_bytes=GiB, placement="write_through",
-            nvme_dir=str(ctx.scratch("service-nvme")), load_timeout_s=300)
-        kv = layout.random_kv(CHUNK // layout.block_bytes * block_tokens, seed=block_bytes)
-        with bench_cluster(config) as bc:
-            for nbytes in PREFIXES:
-                loads, agent, stores, fio_r, fio_w = [], [], [], [], []
-                for rep in range(ctx.config.reps):
-                    ctx.log(f"service: {nbytes // MiB} MiB prefix of {block_bytes // MiB} MiB "
-                            f"blocks on NVMe, rep {rep + 1}/{ctx.config.reps}")
-                    fio_w.append(fio_same_bytes(ctx, "write", block_bytes, nbytes) / GB)
-                    ns, toks, dt = _store(bc.cm, layout, nbytes, kv)
-                    stores.append(nbytes / dt / GB)
-                    fio_r.append(fio_same_bytes(ctx, "read", block_bytes, nbytes) / GB)
-                    _only_on_nvme(bc.cm, ns, toks)
-                    ctx.drop_cache()
-                    loads.append(nbytes / _load_seconds(bc.cm, ns, toks) / GB)
-                    _only_on_nvme(bc.cm, ns, toks)
-                    ctx.drop_cache()
-                    agent.append(nbytes / _agent_seconds(bc.cm, ns, toks) / GB)
-                    ctx.log(f"service: load {loads[-1]:.2f} GB/s (agent alone {agent[-1]:.2f}, "
-                            f"fio read {fio_r[-1]:.2f}), "
-                            f"store {stores[-1]:.2f} GB/s (fio write {fio_w[-1]:.2f})")
-                what = f"{nbytes // MiB} MiB prefix of {block_bytes // MiB} MiB blocks"
-                figures += [
-                    Figure("service", f"ContextMemory.load, {what}, on local NVMe only", "GB/s",
-                           tuple(loads), f"fio read, same bytes, bs {block_bytes // MiB} MiB "
-                           f"QD16 O_DIRECT", tuple(fio_r), Goal(">=", GOAL),
-                           note=f"the agent's part alone (into HBM, before the client's "
-                                f"checksum and copy out): {median(agent):.2f} GB/s"),
-                    Figure("service", f"ContextMemory store, write-through, {what}", "GB/s",
-                           tuple(stores), f"fio write, same bytes into a new file + fsync, bs "
-                           f"{block_bytes // MiB} MiB QD16 O_DIRECT", tuple(fio_w),
-                           Goal(">=", GOAL), note="store calls of at most 512 MiB"),
-                ]
+        try:
+            figures += _figures_of(ctx, block_bytes, block_tokens)
+        except Exception as exc:  # noqa: BLE001 - one cluster's failure costs only its figures
+            ctx.log(f"service: {block_bytes // MiB} MiB blocks failed: {exc}")
+            notes.append(f"NVMe prefix of {block_bytes // MiB} MiB blocks: no figures, "
+                         f"{type(exc).__name__}: {exc}")
+    return figures, notes
+
+
+def _figures_of(ctx: BenchContext, block_bytes: int, block_tokens: int) -> list[Figure]:
+    figures = []
+    layout = _layout(block_tokens)
+    config = ServiceConfig(
+        block_bytes=block_bytes, hbm_bytes=GiB, dram_bytes=GiB // 2,
+        nvme_bytes=8 * GiB, nvme_segment_bytes=GiB, placement="write_through",
+        nvme_dir=str(ctx.scratch("service-nvme")), load_timeout_s=300)
+    kv = layout.random_kv(CHUNK // layout.block_bytes * block_tokens, seed=block_bytes)
+    with bench_cluster(config) as bc:
+        for nbytes in PREFIXES:
+            loads, agent, stores, fio_r, fio_w = [], [], [], [], []
+            for rep in range(ctx.config.reps):
+                ctx.log(f"service: {nbytes // MiB} MiB prefix of {block_bytes // MiB} MiB "
+                        f"blocks on NVMe, rep {rep + 1}/{ctx.config.reps}")
+                fio_w.append(fio_same_bytes(ctx, "write", block_bytes, nbytes) / GB)
+                ns, toks, dt = _store(bc.cm, layout, nbytes, kv)
+                stores.append(nbytes / dt / GB)
+                fio_r.append(fio_same_bytes(ctx, "read", block_bytes, nbytes) / GB)
+                _only_on_nvme(bc.cm, ns, toks)
+                ctx.drop_cache()
+                loads.append(nbytes / _load_seconds(bc.cm, ns, toks) / GB)
+                _only_on_nvme(bc.cm, ns, toks)
+                ctx.drop_cache()
+                agent.append(nbytes / _agent_seconds(bc.cm, ns, toks) / GB)
+                ctx.log(f"service: load {loads[-1]:.2f} GB/s, agent alone {agent[-1]:.2f}, "
+                        f"fio read {fio_r[-1]:.2f}")
+                ctx.log(f"service: store {stores[-1]:.2f} GB/s, fio write {fio_w[-1]:.2f}")
+            what = f"{nbytes // MiB} MiB prefix of {block_bytes // MiB} MiB blocks"
+            figures += [
+                Figure("service", f"ContextMemory.load, {what}, on local NVMe only", "GB/s",
+                       tuple(loads), f"fio read, same bytes, bs {block_bytes // MiB} MiB "
+                       f"QD16 O_DIRECT", tuple(fio_r), Goal(">=", GOAL),
+                       note=f"the agent's part alone (into HBM, before the client's "
+                            f"checksum and copy out): {median(agent):.2f} GB/s"),
+                Figure("service", f"ContextMemory store, write-through, {what}", "GB/s",
+                       tuple(stores), f"fio write, same bytes into a new file + fsync, bs "
+                       f"{block_bytes // MiB} MiB QD16 O_DIRECT", tuple(fio_w),
+                       Goal(">=", GOAL), note="store calls of at most 512 MiB"),
+            ]
     return figures

@@ -27,18 +27,18 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import numpy as np
 
 from cmx.actors.agent_demote import Demotion
 from cmx.actors.agent_fetch import RemoteFills, StagedAhead
+from cmx.actors.agent_nvme import Extent, make_nvme_plane
 from cmx.actors.agent_peers import PeerServing
 from cmx.actors.agent_pool import PoolWrites
 from cmx.actors.arena_tier import ArenaInfo, Grant, Pinned
 from cmx.actors.directory import Copy
 from cmx.actors.links import actor_name
-from cmx.actors.nvme_io import Extent, NvmeIo
 from cmx.actors.scheduler import Priority, Scheduler
 from cmx.actors.transport import PeerInfo, TransferError, make_transport
 from cmx.checksum import checksum
@@ -77,7 +77,7 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites):
         self.moved_via: Counter[str] = Counter()  # transport or "local"/"nvme" -> bytes
         self.dropped: Counter[str] = Counter()  # why evicted blocks were not demoted -> blocks
         self.latency = {op: Histogram() for op in ("store", "load", "stage", "prefetch")}
-        self.nvme = NvmeIo()
+        self.nvme = make_nvme_plane()
         self.pool_admission = make_admission("frequency", min_count=config.pool_admission_min_count)
         self.placement_policy = make_placement(config.placement)
         self.nvme_admission = make_admission("frequency",
@@ -283,19 +283,19 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites):
                                      priority, ahead)
         pins = self._pin_local(tier, keys, idx, ahead)
         try:
-            jobs = []
-            for i, pin in zip(idx, pins):
-                if pin is None:
-                    continue
-                dst = self._arena(granted[i].epoch).slot_view(granted[i].slot)
-                jobs.append((i, pin, self.scheduler.submit(
-                    priority, functools.partial(self._read_local, tier, pin, dst))))
+            got = [(i, pin) for i, pin in zip(idx, pins) if pin is not None]
+            dsts = [self._arena(granted[i].epoch).slot_view(granted[i].slot) for i, _ in got]
+            extents = [p for _, p in got if isinstance(p, Extent)]
+            if tier is Tier.NVME:
+                ok = self._read_extents(extents, dsts, priority)
+            else:
+                jobs = [self.scheduler.submit(priority, functools.partial(self._copy_local, p, dst))
+                        for (_, p), dst in zip(got, dsts) if isinstance(p, Pinned)]
+                ok = [f.result() for f in jobs]
             out: dict[int, Loaded] = {}
-            for i, pin, fut in jobs:
-                if not fut.result():
-                    self._call(tier, "quarantine", [keys[i]])
-                else:
-                    via = "nvme" if tier is Tier.NVME else "local"
+            via = "nvme" if tier is Tier.NVME else "local"
+            for (i, pin), good in zip(got, ok):
+                if good:
                     out[i] = Loaded(keys[i], granted[i].slot, pin.size, tier, node, via,
                                     pin.checksum)
                     self.moved[f"{tier.value}->hbm"] += pin.size
@@ -314,11 +314,8 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites):
         pre.update(zip(rest, self._call(tier, "pin", [keys[i] for i in rest], self.owner)))
         return [pre[i] for i in idx]
 
-    def _read_local(self, tier: Tier, pin: Pinned | Extent, slot: np.ndarray) -> bool:
-        """Copy one pinned local block into the front of ``slot``; NVMe reads are verified."""
-        if isinstance(pin, Extent):
-            self.nvme.read(pin, slot)
-            return checksum(slot[: pin.size]) == pin.checksum
+    def _copy_local(self, pin: Pinned, slot: np.ndarray) -> bool:
+        """Copy one block pinned in this node's DRAM into the front of ``slot``."""
         src = self._arena(pin.epoch).slot_view(pin.slot)
         np.copyto(slot[: pin.size], src[: pin.size])
         return True
@@ -341,7 +338,7 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites):
             },
             "queues": self.scheduler.stats(),
             "latency_s": {op: h.snapshot() for op, h in self.latency.items()},
-            "nvme_io": self.nvme.stats(),
+            "nvme_io": asdict(self.nvme.stats()),
         }
 
     def _fetch_from_peer(self, peer_agent: str, slots: list[tuple[str, int]]) -> list[np.ndarray]:

@@ -16,7 +16,6 @@ from typing import Any
 
 from cmx.actors.arena_tier import ArenaInfo
 from cmx.actors.links import actor_name
-from cmx.actors.nvme_io import NvmeIo
 from cmx.actors.scheduler import Scheduler
 from cmx.actors.transport import PeerInfo, Region, Transport
 from cmx.config import ServiceConfig
@@ -25,6 +24,7 @@ from cmx.metrics import Histogram
 from cmx.policies.admission import AdmissionPolicy
 from cmx.policies.placement import PlacementPolicy
 from cmx.storage.arena import SharedArena
+from cmx.storage.nvme.dataplane import ExtentPlane
 from cmx.tiers import Tier
 
 __all__ = ["AgentBase", "StaleEpochError"]
@@ -49,7 +49,7 @@ class AgentBase:
     link: Any
     scheduler: Scheduler
     transport: Transport
-    nvme: NvmeIo
+    nvme: ExtentPlane  # the NVMe tier's bytes (agent_nvme.py)
     pool_admission: AdmissionPolicy
     nvme_admission: AdmissionPolicy  # which blocks DRAM may write to NVMe
     placement_policy: PlacementPolicy  # write-through or write-back, over DRAM then NVMe

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Sequence
 
 import numpy as np
 
-from cmx.actors.agent_base import AgentBase
-from cmx.actors.arena_tier import Grant, Pinned
-from cmx.actors.nvme_io import Extent
-from cmx.actors.scheduler import Priority
+from cmx.actors.agent_nvme import NvmeTransfers
+from cmx.actors.arena_tier import Grant
 from cmx.errors import CmxError
 from cmx.keys import BlockHash
-from cmx.storage.nvme.chunks import block_sums
 from cmx.tiers import Tier
 
 __all__ = ["Demotion"]
@@ -22,7 +18,7 @@ __all__ = ["Demotion"]
 log = logging.getLogger(__name__)
 
 
-class Demotion(AgentBase):
+class Demotion(NvmeTransfers):
     def _demote_victims(self, tier: Tier, grants: Sequence[Grant | None]) -> None:
         """Move blocks evicted from ``tier`` one tier down before their slots are rewritten.
 
@@ -79,49 +75,3 @@ class Demotion(AgentBase):
             self._give_back(Tier.DRAM, abort=[g.lease for g in grants if g is not None])
             raise
         self._call(Tier.DRAM, "commit", commits)
-
-    def _write_nvme(
-        self, tier: Tier, items: Sequence[tuple[BlockHash, int, int | None]],
-        parents: dict[BlockHash, BlockHash | None], sources: Sequence[np.ndarray] | None = None,
-    ) -> None:
-        """Write blocks to NVMe: from ``sources`` (slots of ``tier``'s arena whose blocks are
-        no longer in it), or pinned in ``tier`` by key."""
-        if not items:
-            return
-        pins: list[Pinned | None] = []
-        if sources is None:
-            pins = self._call(tier, "pin", [k for k, _, _ in items], self.owner)
-            srcs = [self._arena(p.epoch).slot_view(p.slot) if p is not None else None
-                    for p in pins]
-        else:
-            srcs = list(sources)
-        extents: list[Extent | None] = []
-        try:
-            extents = self._call(
-                Tier.NVME, "reserve", [(k, parents.get(k), n) for k, n, _ in items], self.owner
-            )
-            futures = []
-            for (_, size, csum), ext, src in zip(items, extents, srcs):
-                if ext is None or src is None:
-                    continue
-                futures.append((ext, size, csum, src, self.scheduler.submit(
-                    Priority.DEMOTE, functools.partial(self.nvme.write, ext, src))))
-            commits = []
-            for ext, size, csum, src, fut in futures:
-                fut.result()
-                whole, chunk_sums = block_sums(src[:size])
-                if csum is not None and csum != whole:
-                    log.warning("block %s changed in %s; not demoted", ext.key.hex()[:12],
-                                tier.value)
-                    continue
-                commits.append((ext.lease, size, whole, chunk_sums))
-            done = {c[0] for c in commits}
-            self._give_back(Tier.NVME, abort=[e.lease for e in extents
-                                              if e is not None and e.lease not in done])
-            extents = []
-            self._call(Tier.NVME, "commit", commits)
-            self.moved[f"{tier.value}->nvme"] += sum(c[1] for c in commits)
-            self.moved_via["nvme"] += sum(c[1] for c in commits)
-        finally:
-            self._give_back(Tier.NVME, abort=[e.lease for e in extents if e is not None])
-            self._give_back(tier, unpin=[p.lease for p in pins if p is not None])

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from cmx.actors.agent_base import AgentBase
-from cmx.actors.arena_tier import Grant, Pinned
-from cmx.actors.nvme_io import Extent
+from cmx.actors.agent_nvme import NvmeTransfers
+from cmx.actors.arena_tier import Grant
 from cmx.actors.scheduler import Priority
 from cmx.actors.transport import PeerInfo
 from cmx.errors import UnavailableError
@@ -21,11 +19,10 @@ from cmx.tiers import Tier
 __all__ = ["PeerServing"]
 
 
-class PeerServing(AgentBase):
-    # Provided by the classes this one is combined with (Demotion, OffloadAgent); declared
-    # here, without a value, so that they do not shadow those in the method order.
+class PeerServing(NvmeTransfers):
+    # Provided by the class this one is combined with (Demotion); declared
+    # here, without a value, so that it does not shadow that in the method order.
     _demote_victims: Callable[[Tier, Sequence[Grant | None]], None]
-    _read_local: Callable[[Tier, Pinned | Extent, np.ndarray], bool]
 
     def stage(self, keys: Sequence[BlockHash], owner: str) -> list[Staged | None]:
         """Pin each block in a memory arena here for ``owner`` (a peer agent), promoting NVMe
@@ -84,17 +81,11 @@ class PeerServing(AgentBase):
             grants = self._call(Tier.DRAM, "reserve", [(keys[i], None) for i, _ in present],
                                 self.owner)
             self._demote_victims(Tier.DRAM, grants)
-            ok: list[tuple[int, Extent, Grant]] = []
-            for (i, p), g in zip(present, grants):
-                if g is None:
-                    continue
-                dst = self._arena(g.epoch).slot_view(g.slot)
-                if self.scheduler.submit(
-                    Priority.LOAD, functools.partial(self._read_local, Tier.NVME, p, dst)
-                ).result():
-                    ok.append((i, p, g))
-                else:
-                    self._call(Tier.NVME, "quarantine", [p.key])
+            todo = [(i, p, g) for (i, p), g in zip(present, grants) if g is not None]
+            good = self._read_extents(  # all at once, verified
+                [p for _, p, _ in todo],
+                [self._arena(g.epoch).slot_view(g.slot) for _, _, g in todo], Priority.LOAD)
+            ok = [t for t, fine in zip(todo, good) if fine]
             done = {g.lease for _, _, g in ok}
             self._give_back(Tier.DRAM, abort=[g.lease for g in grants
                                               if g is not None and g.lease not in done])

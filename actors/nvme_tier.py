@@ -1,13 +1,15 @@
 """Control plane of a node's NVMe tier: the log's space, index, journal and eviction.
 
 The tier hands out extents and records commits; the offload agent writes and reads the
-bytes (``actors.nvme_io``). Protocol, in call order:
+bytes (``actors.agent_nvme``). Protocol, in call order:
 
 1. ``reserve([(key, parent, size)], owner)`` -> an Extent per key (None if already stored
    or no room). Space is held until commit, abort or the reservation's lease expires.
 2. The agent writes the extent, then ``commit([(lease, size, checksum, chunk_sums)])``; the
    segment data is made durable and the index record journaled before the block is visible.
-3. Readers ``pin(keys, owner)`` -> Extents (None on a miss), read and verify, then
+3. Compaction (inside a ``reserve`` that needs room) is decided here and its copies made by
+   the agent (``AgentMover``: ``move_extents``), so the tier never carries payload bytes.
+4. Readers ``pin(keys, owner)`` -> Extents (None on a miss), read and verify, then
    ``unpin([lease])``. A reader that finds a bad checksum calls ``quarantine(keys)``.
 
 Pins and reservations are leases (``actors.leases``), taken back when they expire.
@@ -23,10 +25,12 @@ from collections.abc import Callable, Sequence
 from cmx.actors.directory import Entry, Source
 from cmx.actors.events import EventPublisher
 from cmx.actors.leases import ADMIN, Clock, LeaseKind, Leases
-from cmx.actors.nvme_io import Extent
+from cmx.actors.links import actor_name
 from cmx.errors import BlockStateError
 from cmx.keys import BlockHash
-from cmx.storage.nvme.extents import ExtentStore, PendingExtent
+from cmx.storage.nvme.dataplane import Extent, extent_pairs
+from cmx.storage.nvme.extents import ExtentBooks, PendingExtent
+from cmx.storage.nvme.space import ExtentMove, Mover
 from cmx.tiers import Tier
 
 __all__ = ["NvmeTierService", "extent_holdings"]
@@ -51,9 +55,9 @@ class NvmeTierService:
         self.tier = Tier.NVME
         self.node = node
         self.epoch = uuid.uuid4().hex[:8]
-        self.store = ExtentStore(
+        self.store = ExtentBooks(
             root, capacity_bytes=capacity_bytes, block_bytes=block_bytes, eviction=eviction,
-            segment_bytes=segment_bytes,
+            segment_bytes=segment_bytes, mover=AgentMover(directory, node),
         )
         self.leases = Leases(lease_s, clock)
         self._pending: dict[int, PendingExtent] = {}  # lease -> space held for a write
@@ -214,7 +218,19 @@ class NvmeTierService:
         return extent_holdings(self.store)
 
 
-def extent_holdings(store: ExtentStore) -> list[Entry]:
+class AgentMover(Mover):
+    """Compaction's bytes, moved by the node's agent (its data plane): the tier decides the
+    copies and records them, and never reads or writes a block itself."""
+
+    def __init__(self, link: object, node: str) -> None:
+        self._link = link
+        self._agent = actor_name("agent", node)
+
+    def move(self, moves: Sequence[ExtentMove]) -> list[bool | None]:
+        return list(self._link.call(self._agent, "move_extents", extent_pairs(moves)))  # type: ignore[attr-defined]
+
+
+def extent_holdings(store: ExtentBooks) -> list[Entry]:
     """Every committed block of an NVMe store as a directory entry, for a resync."""
     entries = []
     for key in store.keys():

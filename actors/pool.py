@@ -1,6 +1,7 @@
 """A pool node (G4): NVMe on a storage node, pooled for every node of the cluster.
 
-A pool node is its own small data plane: an NVMe store (``ExtentStore``), a DRAM staging arena
+A pool node is its own small data plane: an NVMe store (``ExtentBooks``, its bytes and
+compaction's through an ``ExtentPlane``), a DRAM staging arena
 registered with its transport, and the same pull protocol as the offload agents:
 
 - ``ingest(source, items)``: pull blocks from the arena of ``source`` (an agent or another
@@ -28,7 +29,6 @@ import numpy as np
 from cmx.actors.directory import Entry, Source
 from cmx.actors.events import EventPublisher
 from cmx.actors.leases import Clock, LeaseKind, Leases
-from cmx.actors.nvme_io import Extent, NvmeIo
 from cmx.actors.nvme_tier import extent_holdings
 from cmx.actors.transport import Move, PeerInfo, Region, TransferError, make_transport
 from cmx.checksum import checksum
@@ -36,9 +36,9 @@ from cmx.errors import BlockStateError, CmxError, StoreFullError, UnavailableErr
 from cmx.keys import BlockHash
 from cmx.policies.rendezvous import owners
 from cmx.protocol import Offer, Staged
-from cmx.storage.dram import DramStore
-from cmx.storage.nvme.chunks import block_sums
-from cmx.storage.nvme.extents import ExtentStore
+from cmx.storage.dram import DramStore, Reservation
+from cmx.storage.nvme.dataplane import Extent, ExtentPlane, PlaneMover
+from cmx.storage.nvme.extents import ExtentBooks, PendingExtent
 from cmx.tiers import Tier
 
 __all__ = ["PoolNodeService"]
@@ -60,11 +60,12 @@ class PoolNodeService:
         self.link = link
         self.epoch = uuid.uuid4().hex[:8]
         self.name = f"cmx-pool-{pool_id}-{self.epoch}"
-        self.store = ExtentStore(root, capacity_bytes=capacity_bytes, block_bytes=block_bytes,
-                                 eviction=eviction, segment_bytes=segment_bytes)
+        self.io = ExtentPlane()  # this node's data plane: the NVMe store's reader and writer
+        self.store = ExtentBooks(root, capacity_bytes=capacity_bytes, block_bytes=block_bytes,
+                                 eviction=eviction, segment_bytes=segment_bytes,
+                                 mover=PlaneMover(self.io))
         self.staging = DramStore(staging_bytes, block_bytes, name=self.name)
         self.leases = Leases(lease_s, clock)  # readers' pins of staged blocks
-        self.io = NvmeIo()
         self.transport = make_transport(self.name, transport, self._fetch)
         arena = self.staging.arena
         self.transport.register(
@@ -109,26 +110,7 @@ class PoolNodeService:
                 self.staging.abort(r)
             self._peers.pop(source, None)
             return 0
-        stored = 0
-        for o, r in grants:
-            data = r.buffer[: o.size]
-            if checksum(data) != o.checksum:
-                self.staging.abort(r)
-                continue
-            pending = self.store.reserve_extent(o.key, o.parent, o.size)
-            if pending is None:
-                self.staging.abort(r)
-                continue
-            try:
-                self.io.write(Extent(o.key, pending.path, pending.offset, o.size), r.buffer)
-            except OSError:
-                self.store.abort_extent(pending)
-                self.staging.abort(r)
-                continue
-            whole, sums = block_sums(data)
-            self.store.commit_extent(pending, whole, sums)
-            self.staging.commit(r, o.size, o.checksum)
-            stored += 1
+        stored = self._write_through(grants)
         self.store.flush()
         self.publisher.flush()
         self.ingested += stored
@@ -140,8 +122,10 @@ class PoolNodeService:
         self.leases.expire()
         out: list[Staged | None] = []
         region = self.staging.arena.name
-        for key in keys:
-            if not self.staging.pin(key) and not self._load_into_staging(key):
+        cached = [self.staging.pin(key) for key in keys]
+        loaded = self._load_into_staging([k for k, c in zip(keys, cached) if not c])
+        for key, was_cached in zip(keys, cached):
+            if not was_cached and key not in loaded:
                 out.append(None)
                 continue
             ref = self.staging.locate(key)
@@ -180,37 +164,87 @@ class PoolNodeService:
         except BlockStateError:
             pass
 
-    def _load_into_staging(self, key: BlockHash) -> bool:
-        """Read a block from NVMe into a pinned staging slot; False on a miss, or if the read
-        fails (nothing is left reserved or pinned)."""
-        if not self.store.pin(key):
-            return False
+    def _write_through(self, grants: list[tuple[Offer, Reservation]]) -> int:
+        """Write the verified blocks pulled into staging to NVMe, all in flight at once;
+        commit each to both. Returns how many are stored."""
+        held: list[tuple[Offer, Reservation, PendingExtent]] = []
+        for o, r in grants:
+            pending = None
+            if checksum(r.buffer[: o.size]) == o.checksum:
+                pending = self.store.reserve_extent(o.key, o.parent, o.size)
+            if pending is None:
+                self.staging.abort(r)
+            else:
+                held.append((o, r, pending))
         try:
-            entry = self.store.entry_of(key)
-            if entry is None:
-                return False
+            sums = self.io.write_many(
+                [Extent(o.key, p.path, p.offset, o.size) for o, _, p in held],
+                [r.buffer for _, r, _ in held])
+        except OSError as exc:
+            log.warning("pool write of %d blocks failed: %s", len(held), exc)
+            for _, r, p in held:
+                self.store.abort_extent(p)
+                self.staging.abort(r)
+            return 0
+        for (o, r, p), (whole, chunk_sums) in zip(held, sums):
+            self.store.commit_extent(p, whole, chunk_sums)
+            self.staging.commit(r, o.size, o.checksum)
+        return len(held)
+
+    def _load_into_staging(self, keys: Sequence[BlockHash]) -> set[BlockHash]:
+        """Read blocks from NVMe into pinned staging slots, all in flight at once; the keys
+        now staged and pinned. A miss, a full staging arena or a failed read stages nothing
+        of that key and leaves nothing reserved or pinned; a corrupt block is quarantined."""
+        held: list[tuple[Extent, Reservation]] = []
+        try:
+            for key in keys:
+                if not self.store.pin(key):
+                    continue
+                entry = self.store.entry_of(key)
+                res = None
+                if entry is not None:
+                    try:
+                        res = self.staging.reserve(key, entry.parent)
+                    except (BlockStateError, StoreFullError):
+                        res = None
+                if entry is None or res is None:
+                    self._unpin_stored(key)
+                    continue
+                held.append((Extent(key, self.store.segment_path(entry.seg), entry.offset,
+                                    entry.length, entry.checksum), res))
             try:
-                res = self.staging.reserve(key, entry.parent)
-            except (BlockStateError, StoreFullError):
-                return False
-            ext = Extent(key, self.store.segment_path(entry.seg), entry.offset, entry.length)
-            try:
-                self.io.read(ext, res.buffer)
-            except OSError as exc:
-                log.warning("pool read of %s failed: %s", key.hex()[:12], exc)
-                self.staging.abort(res)
-                return False
-            if checksum(res.buffer[: entry.length]) != entry.checksum:
-                self.staging.abort(res)
-                self.store.unpin(key)
+                ok = self.io.read_many([e for e, _ in held], [r.buffer for _, r in held])
+            except OSError as exc:  # the disk failed, not the blocks: nothing is quarantined
+                log.warning("pool read of %d blocks failed: %s", len(held), exc)
+                for _, res in held:
+                    self.staging.abort(res)
+                return set()
+            staged: set[BlockHash] = set()
+            for (ext, res), good in zip(held, ok):
+                key = BlockHash(ext.key)
+                if not good:
+                    self.staging.abort(res)
+                    continue
+                self.staging.commit(res, ext.size, ext.checksum)
+                if self.staging.pin(key):
+                    staged.add(key)
+            bad = [BlockHash(e.key) for (e, _), good in zip(held, ok) if not good]
+            for key in bad:
+                self._unpin_stored(key)
                 self.store.quarantine(key)
+            held = [(e, r) for e, r in held if e.key not in set(bad)]
+            if bad:
                 self.publisher.flush()
-                return False
-            self.staging.commit(res, entry.length, entry.checksum)
-            return self.staging.pin(key)
+            return staged
         finally:
-            if key in self.store:
-                self.store.unpin(key)
+            for ext, _ in held:
+                self._unpin_stored(BlockHash(ext.key))
+
+    def _unpin_stored(self, key: BlockHash) -> None:
+        try:
+            self.store.unpin(key)
+        except BlockStateError:
+            pass  # quarantined under the pin
 
     def drop_staging(self) -> int:
         """Empty the staging cache of unpinned blocks (cold reads in benchmarks)."""

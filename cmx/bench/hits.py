@@ -5,6 +5,7 @@
   small loads. The HBM copy a load leaves is evicted before the next, so each is a DRAM hit.
 - The consumer-side checksum on a 64 MiB DRAM-hit load (16 blocks of 4 MiB): the time the
   client spends verifying the blocks it copies out, against the whole load.
+- A prefix on the local NVMe tier alone, loaded and stored against fio (``nvme_hits``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 
 from cmx.bench.cluster import bench_cluster, on_node
 from cmx.bench.core import BenchContext, Figure, Goal, MiB, SuiteResult, median
+from cmx.bench.nvme_hits import nvme_prefix_figures
 from cmx.checksum import checksum
 from cmx.config import ServiceConfig
 from cmx.layout import KVLayout
@@ -123,4 +125,7 @@ def run_service(ctx: BenchContext) -> SuiteResult:
         "the whole load through ContextMemory.load", (median(loads),), Goal("<=", 0.10),
         note=f"load {median(loads) * 1e3:.1f} ms ({64 * MiB / median(loads) / 1e9:.2f} GB/s), "
              f"checksum {median(sums) * 1e3:.1f} ms"))
+    figures, notes = nvme_prefix_figures(ctx)
+    result.figures += figures
+    result.notes += notes
     return result

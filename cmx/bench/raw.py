@@ -27,6 +27,7 @@ __all__ = [
     "FioMissingError",
     "fio_bandwidth",
     "fio_engine",
+    "fio_path",
     "memcpy_bandwidth",
     "run_limits",
 ]
@@ -56,7 +57,7 @@ class FioJob:
         return f"fio {self.rw} {size} QD{self.iodepth}{tail}"
 
 
-def _fio() -> str:
+def fio_path() -> str:
     path = shutil.which("fio")
     if path is None:
         raise FioMissingError(FIO_INSTALL_HINT)
@@ -79,7 +80,7 @@ def _run_fio(ctx: BenchContext, job: FioJob, engine: str, seconds: float) -> dic
         path, size = path.with_name(path.name + ".new"), ctx.config.nbytes
         path.unlink(missing_ok=True)
     cmd = [
-        _fio(), "--name=raw", f"--filename={path}", f"--size={size}",
+        fio_path(), "--name=raw", f"--filename={path}", f"--size={size}",
         "--direct=1", f"--ioengine={engine}", f"--rw={job.rw}", f"--bs={job.bs}",
         f"--iodepth={job.iodepth}", "--output-format=json", "--numjobs=1", "--group_reporting",
     ]
@@ -117,7 +118,7 @@ def _prepare_file(ctx: BenchContext) -> None:
     if path.exists() and path.stat().st_size >= _file_bytes(ctx):
         return
     cmd = [
-        _fio(), "--name=layout", f"--filename={path}", f"--size={_file_bytes(ctx)}",
+        fio_path(), "--name=layout", f"--filename={path}", f"--size={_file_bytes(ctx)}",
         "--direct=1", "--rw=write", "--bs=1M", "--iodepth=1", "--output-format=json",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)

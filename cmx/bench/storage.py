@@ -9,7 +9,9 @@
   read, 1 MiB I/Os at queue depth 16, run in the same repetition just before the store's
   passes. Goals judge put_many+flush and get_many_into. The write baseline writes the same
   bytes once into a new file and fsyncs it, as put_many+flush does; fio's time-based overwrite
-  of a laid-out file, with no fsync, is shown beside it.
+  of a laid-out file, with no fsync, is shown beside it. The service's own NVMe path (the
+  tier's ExtentBooks deciding, the agent's ExtentPlane moving the bytes: ``plane_io``) is
+  measured on the same bytes and judged by the same goals.
 - ``dram``: DramStore ``put``, ``get_into`` and ``get`` of the same bytes against numpy memcpy
   (one thread) into a faulted-in destination of the same size, measured in the same
   repetition. The store splits large copies over the cores (``cmx.buffers.copy_bytes``); that
@@ -31,6 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from cmx.bench.core import GB, BenchContext, Figure, Goal, KiB, MiB, SuiteResult, Table, timed
+from cmx.bench.plane_io import plane_pass
 from cmx.bench.raw import FioJob, fio_bandwidth, fio_engine
 from cmx.buffers import PARALLEL_MIN_BYTES, aligned_empty, copy_bytes
 from cmx.keys import BlockHash, block_hash
@@ -162,6 +165,8 @@ def run_nvme(ctx: BenchContext) -> SuiteResult:
             fio_new.append(fio_bandwidth(ctx, fresh) / GB)
             root = ctx.work / f"nvme-{block_bytes // MiB}m-{rep}"
             got, extra = _nvme_pass(ctx, root, block_bytes, n, pool)
+            got.update(plane_pass(ctx, root.with_name(root.name + "-plane"), block_bytes,
+                                  block_keys(n, root.name.encode() + b"/plane"), pool))
             for k, v in got.items():
                 rates.setdefault(k, []).append(v)
         size = f"{n * block_bytes / 2**30:g} GiB"
@@ -172,6 +177,14 @@ def run_nvme(ctx: BenchContext) -> SuiteResult:
                    tuple(rates["put_many"]), *w, Goal(">=", goal)),
             Figure("nvme", f"NvmeStore get_many_into, {label}, {size}", "GB/s",
                    tuple(rates["get_many_into"]), *r, Goal(">=", goal)),
+            Figure("nvme", f"service path: ExtentPlane.write_many+commit+flush, {label}, "
+                   f"{size}", "GB/s", tuple(rates["plane_write"]), *w, Goal(">=", goal),
+                   note="what the agent and the NVMe tier do for a write-through store, "
+                        "without Ray (plane_io.py)"),
+            Figure("nvme", f"service path: ExtentPlane.read_many, {label}, {size}", "GB/s",
+                   tuple(rates["plane_read"]), *r, Goal(">=", goal),
+                   note="what the agent does for a load from the NVMe tier (BlockReader over "
+                        "ExtentIo), without Ray"),
             Figure("nvme", f"NvmeStore put_many+flush, {label}, {size}, against overwrites",
                    "GB/s", tuple(rates["put_many"]), f"{wjob.label}, {engine}", tuple(fio_w),
                    note="fio rewriting a laid-out file for a fixed time, with no fsync: the "

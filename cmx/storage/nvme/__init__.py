@@ -15,7 +15,8 @@ Map of the package (who owns what):
   io_uring), with ``staging`` for unaligned buffers.
 - ``writes`` / ``blockreads`` / ``slices``: each operation's two phases around its bytes
   (``reads`` plans slice I/O; ``chunks``: extents and per-chunk checksums).
-- ``extents``: ExtentStore, the books as a service's control plane calls them.
+- ``extents``: ExtentBooks, the books alone, as the service's NVMe tier runs them; and
+  ``dataplane``: ExtentPlane, the bytes of those books, moved in the node's data plane.
 - ``files``: FileOps, every file system call (the crash tests' seam), and the directory's
   privacy rule; ``errors``: StoreIOError, StoreDirectoryError.
 """

@@ -39,7 +39,7 @@ from cmx.storage.nvme.index import BlockIndex
 from cmx.storage.nvme.records import RecordDel
 from cmx.storage.nvme.recovery import recover
 from cmx.storage.nvme.segments import Segment, SegmentSet
-from cmx.storage.nvme.space import Space
+from cmx.storage.nvme.space import LocalMover, Mover, Space
 
 __all__ = ["NvmeBooks", "Reservation"]
 
@@ -67,7 +67,7 @@ class NvmeBooks:
 
     def __init__(self, root: str, capacity: int, segment_bytes: int, compact_threshold: int,
                  snapshot_every: int, eviction: str | EvictionPolicy, io: ExtentIo,
-                 files: FileOps, emit: Emit) -> None:
+                 files: FileOps, emit: Emit, mover: Mover | None = None) -> None:
         self.root = root
         self.capacity = capacity
         self.files = files
@@ -86,7 +86,8 @@ class NvmeBooks:
                                file_limit=capacity + segment_bytes, files=files)
         self.durability = Durability(root, files, self.lock, self.index, self.segs,
                                      snapshot_every, self._drop_unrecorded)
-        self.space = Space(self.lock, self.index, self.segs, io, capacity, compact_threshold,
+        self.space = Space(self.lock, self.index, self.segs, mover or LocalMover(io), capacity,
+                           compact_threshold,
                            self.remove, self.quarantine, self.durability.note, self.flush)
 
     def open(self) -> None:

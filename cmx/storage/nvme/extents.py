@@ -1,9 +1,10 @@
-"""Two-phase extents: the NVMe store's books, with the bytes moved by someone else.
+"""ExtentBooks: the NVMe store's control plane alone, for a service whose bytes move elsewhere.
 
-The service splits the NVMe tier into a control plane (the tier actor: space, index, journal,
-eviction) and a data plane (the node's offload agent, which writes and reads the segment
-files itself with O_DIRECT). ``ExtentStore`` is the store as that control plane sees it: the
-same ``NvmeBooks`` that ``NvmeStore`` runs, called without its ``ExtentIo``.
+The service splits the NVMe tier in two: this part, in the tier actor (space, index, journal,
+eviction, the decisions of compaction), and the node's data plane (``dataplane.ExtentPlane``
+in the agent), which reads and writes the segment files itself. ExtentBooks is composed of
+the same ``NvmeBooks`` that ``NvmeStore`` runs, with a ``Mover`` that has compaction's copies
+made by the data plane; it holds no reader or writer, so no payload passes through it.
 
 Protocol, in call order:
 
@@ -17,19 +18,27 @@ Protocol, in call order:
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from cmx.errors import BlockTooLargeError
+from cmx.errors import BlockStateError, BlockTooLargeError
 from cmx.keys import BlockHash, check_key
-from cmx.storage.nvme.books import Reservation
+from cmx.storage.base import EventKind, StoreEvent, StoreStats
+from cmx.storage.nvme.books import NvmeBooks, Reservation
 from cmx.storage.nvme.chunks import chunk_count, extent_bytes
 from cmx.storage.nvme.entry import BlockEntry
+from cmx.storage.nvme.extentio import ExtentIo
+from cmx.storage.nvme.files import FileOps
+from cmx.storage.nvme.io import make_io_engine
 from cmx.storage.nvme.records import check_tag
-from cmx.storage.nvme.store import NvmeStore
+from cmx.storage.nvme.space import Mover
 
-__all__ = ["ExtentStore", "PendingExtent"]
+__all__ = ["ExtentBooks", "PendingExtent"]
+
+_GIB = 1 << 30
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,11 +53,58 @@ class PendingExtent:
     tag: str = ""  # the owner's label (a namespace id), kept with the block
 
 
-class ExtentStore(NvmeStore):
+class ExtentBooks:
+    """See the module docstring. ``NvmeStore`` documents the arguments; ``mover`` makes
+    compaction's copies (without one, this process's own I/O engine makes them)."""
+
+    def __init__(self, root: str | os.PathLike[str], capacity_bytes: int, block_bytes: int, *,
+                 segment_bytes: int | None = None, eviction: str = "lru",
+                 mover: Mover | None = None, files: FileOps | None = None) -> None:
+        if capacity_bytes <= 0 or block_bytes <= 0:
+            raise ValueError(f"capacity {capacity_bytes} and block_bytes {block_bytes} must be > 0")
+        block_ext = extent_bytes(block_bytes)
+        if segment_bytes is None:
+            segment_bytes = max(min(capacity_bytes // 8 // 4096 * 4096, _GIB), block_ext)
+        if segment_bytes < block_ext or segment_bytes % 4096:
+            raise ValueError(f"segment_bytes {segment_bytes} must be a multiple of 4096 and hold "
+                             f"one block ({block_ext})")
+        self.root = os.fspath(root)
+        self.block_bytes = block_bytes
+        self.capacity_bytes = capacity_bytes
+        self._subscribers: list[Callable[[StoreEvent], None]] = []
+        self._seq = 0
+        files = files or FileOps()
+        # The engine only registers segment files (and makes compaction's copies when no
+        # mover is given): one thread.
+        self.io = ExtentIo(make_io_engine("threads", 1, files=files), block_ext)
+        try:
+            self.books = NvmeBooks(self.root, capacity_bytes, segment_bytes, segment_bytes,
+                                   1 << 16, eviction, self.io, files, self._emit, mover)
+            self.books.open()
+        except BaseException:
+            if hasattr(self, "books"):
+                self.books.teardown()
+            self.io.close()
+            raise
+
+    # -- events --------------------------------------------------------------------------------
+
     @property
     def event_lock(self) -> threading.RLock:
         """Held while events are emitted; hold it to read holdings and sequence together."""
         return self.books.lock
+
+    def subscribe(self, callback: Callable[[StoreEvent], None]) -> None:
+        """Call ``callback`` for every later event, in sequence order (under ``event_lock``)."""
+        self._subscribers.append(callback)
+
+    def _emit(self, kind: EventKind, key: BlockHash, size: int, checksum: int | None) -> None:
+        self._seq += 1  # the books emit under their lock
+        event = StoreEvent(self._seq, kind, key, size, checksum)
+        for callback in self._subscribers:
+            callback(event)
+
+    # -- writes --------------------------------------------------------------------------------
 
     def reserve_extent(
         self, key: bytes, parent: bytes | None, size: int, tag: str = ""
@@ -80,6 +136,18 @@ class ExtentStore(NvmeStore):
         with self.books.op():
             self.books.abort(pending.reservation)
 
+    # -- reads ---------------------------------------------------------------------------------
+
+    def pin(self, key: bytes) -> bool:
+        key = check_key(key)
+        with self.books.op(), self.books.lock:
+            return self.books.index.pin(key)
+
+    def unpin(self, key: bytes) -> None:
+        key = check_key(key)
+        with self.books.op(), self.books.lock:
+            self.books.index.unpin(key)
+
     def entry_of(self, key: bytes) -> BlockEntry | None:
         """The index entry of a committed block (segment id, offset, checksums), or None."""
         with self.books.op(), self.books.lock:
@@ -87,6 +155,8 @@ class ExtentStore(NvmeStore):
 
     def segment_path(self, seg_id: int) -> str:
         return self.books.segs.path(seg_id)
+
+    # -- removals ------------------------------------------------------------------------------
 
     def quarantine(self, key: bytes) -> bool:
         """Drop a block whose bytes failed a reader's checksum; True if it was there."""
@@ -96,3 +166,45 @@ class ExtentStore(NvmeStore):
                 return False
             self.books.quarantine(entry)
             return True
+
+    def delete_unpinned(self, keys: Iterable[bytes]) -> int:
+        """Remove each key that is not pinned (a pinned one stays); how many went."""
+        gone = 0
+        with self.books.op():
+            for key in keys:
+                try:
+                    gone += self.books.delete(check_key(key))
+                except BlockStateError:
+                    pass
+        return gone
+
+    # -- questions -----------------------------------------------------------------------------
+
+    def __contains__(self, key: object) -> bool:
+        with self.books.op(), self.books.lock:
+            return key in self.books.index
+
+    def keys(self) -> list[BlockHash]:
+        with self.books.op(), self.books.lock:
+            return [BlockHash(k) for k in self.books.index]
+
+    def stats(self) -> StoreStats:
+        with self.books.op():
+            return self.books.stats()
+
+    def check_integrity(self) -> None:
+        with self.books.op():
+            self.books.check_integrity()
+
+    # -- durability and closing ----------------------------------------------------------------
+
+    def flush(self) -> None:
+        with self.books.op():
+            self.books.flush()
+
+    def close(self) -> None:
+        """Flush, snapshot the index and release files, engine and directory lock. Idempotent."""
+        try:
+            self.books.close()
+        finally:
+            self.io.close()

@@ -19,15 +19,18 @@ put waits for other writes in flight to commit (they become evictable), and rais
 StoreFullError when there are none: everything left is pinned.
 
 Space owns the space lock (one writer makes room at a time, taken before the books' lock)
-and its counters; it decides under the books' lock and moves compaction's bytes through the
-data plane (``ExtentIo``) outside it.
+and its counters; it decides under the books' lock and has compaction's bytes moved outside
+it by a ``Mover``: the store's own ``ExtentIo`` (``LocalMover``), or, in the service, the
+node's data plane (the tier's books never carry payload).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 
 from cmx.errors import StoreFullError
@@ -37,12 +40,12 @@ from cmx.storage.nvme.index import BlockIndex
 from cmx.storage.nvme.records import RecordDel
 from cmx.storage.nvme.segments import Segment, SegmentSet
 
-__all__ = ["Space"]
+__all__ = ["ExtentMove", "LocalMover", "Mover", "Space"]
 
 
 class Space:
     def __init__(self, lock: threading.RLock, index: BlockIndex, segs: SegmentSet,
-                 io: ExtentIo, capacity: int, compact_threshold: int,
+                 mover: Mover, capacity: int, compact_threshold: int,
                  remove: Callable[[BlockEntry], None],
                  quarantine: Callable[[BlockEntry], None],
                  note: Callable[[BlockEntry | RecordDel], None],
@@ -51,7 +54,7 @@ class Space:
         self._books = lock
         self._index = index
         self._segs = segs
-        self._io = io
+        self._mover = mover
         self.capacity = capacity
         self.compact_threshold = compact_threshold
         self._remove = remove  # the books' removal: index, segment, record, event
@@ -122,53 +125,92 @@ class Space:
         return best
 
     def _compact(self, seg: Segment) -> None:
-        """Move the live blocks of ``seg`` to the log head, then retire and delete it."""
+        """Move the live blocks of ``seg`` to the log head, then retire and delete it.
+
+        Destinations for every live block are allocated first, then the mover copies them
+        all (outside the lock: in this process, or in the node's data plane), then each
+        block that is still there and unpinned moves in the index."""
         with self._books:
             if seg is self._segs.active:
                 self._segs.seal(seg)
             entries = sorted((self._index.entries[k] for k in seg.keys), key=lambda e: e.offset)
+            moves = []
+            for entry in entries:
+                if self._still(entry):
+                    dst, offset = self._segs.allocate(entry.extent)
+                    moves.append(ExtentMove(entry, seg, dst, offset))
             seg.io_refs += 1
         moved = 0
+        results: list[bool | None] = [False] * len(moves)
         try:
-            for entry in entries:
-                moved += self._move(entry, seg)
+            if moves:
+                results = self._mover.move(moves)
         finally:
             with self._books:
+                for m, ok in zip(moves, results, strict=True):
+                    moved += self._finish(m, ok)
                 self._segs.unref(seg)
                 self.compactions += 1
                 self.compacted_bytes += moved
+            for m, ok in zip(moves, results, strict=True):
+                if ok is None:
+                    self._quarantine(m.entry)
         self._flush()
 
     def _still(self, entry: BlockEntry) -> bool:
         return self._index.get(entry.key) is entry and not self._index.pinned(entry.key)
 
-    def _move(self, entry: BlockEntry, seg: Segment) -> int:
-        """Copy one block to the log head; the bytes moved (0 if it left or got pinned)."""
-        with self._books:
-            if not self._still(entry):
-                return 0
-        extent = self._io.load_checked(seg.fd, entry.offset, entry.length, entry.checksum)
-        if extent is None:
-            self._quarantine(entry)
+    def _finish(self, m: ExtentMove, ok: bool | None) -> int:
+        """Settle one copy (under the books' lock): the block moves if it was copied and is
+        still there, unpinned; else its new bytes are dead. The bytes moved."""
+        keep = bool(ok) and self._still(m.entry)
+        entry = m.entry
+        self._segs.finish_write(m.dst, entry.extent, entry.key if keep else None)
+        if not keep:
             return 0
-        with self._books:
-            if not self._still(entry):
-                return 0
-            dst, offset = self._segs.allocate(entry.extent)
-        done = False
-        try:
-            self._io.store(dst.fd, offset, extent)
-            done = True
-        finally:
-            with self._books:
-                keep = done and self._still(entry)
-                self._segs.finish_write(dst, entry.extent, entry.key if keep else None)
-                if keep:
-                    new = self._index.move(entry, dst.id, offset)
-                    self._segs.drop(entry.seg, entry.key, entry.extent, entry.seq)
-                    self._note(new)
-                    self._note(RecordDel(entry.key, entry.seq, entry.seg))
-        return entry.extent if keep else 0
+        new = self._index.move(entry, m.dst.id, m.dst_offset)
+        self._segs.drop(entry.seg, entry.key, entry.extent, entry.seq)
+        self._note(new)
+        self._note(RecordDel(entry.key, entry.seq, entry.seg))
+        return entry.extent
+
+
+@dataclass(frozen=True, eq=False)
+class ExtentMove:
+    """One block compaction copies: from its extent in ``src`` to ``dst_offset`` of ``dst``."""
+
+    entry: BlockEntry
+    src: Segment
+    dst: Segment
+    dst_offset: int
+
+
+class Mover(ABC):
+    """Who moves compaction's bytes: this process (``LocalMover``), or the node's data plane."""
+
+    @abstractmethod
+    def move(self, moves: Sequence[ExtentMove]) -> list[bool | None]:
+        """Copy each block's extent, verified against its checksum; per block True (copied),
+        False (not copied) or None (its bytes failed the checksum: quarantine it)."""
+
+
+class LocalMover(Mover):
+    """Compaction's copies through this store's own ``ExtentIo``, one block at a time."""
+
+    def __init__(self, io: ExtentIo) -> None:
+        self._io = io
+
+    def move(self, moves: Sequence[ExtentMove]) -> list[bool | None]:
+        out: list[bool | None] = []
+        for m in moves:
+            e = m.entry
+            extent = self._io.load_checked(m.src.fd, e.offset, e.length, e.checksum)
+            if extent is None:
+                out.append(None)
+                continue
+            self._io.store(m.dst.fd, m.dst_offset, extent)
+            out.append(True)
+        return out
 
 
 def _nothing() -> None:

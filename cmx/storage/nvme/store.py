@@ -35,6 +35,7 @@ from cmx.storage.nvme.files import FileOps
 from cmx.storage.nvme.io import make_io_engine
 from cmx.storage.nvme.records import check_tag
 from cmx.storage.nvme.slices import RunRequest, SliceReader
+from cmx.storage.nvme.space import Mover
 from cmx.storage.nvme.writes import PutItem, Writer
 
 __all__ = ["NvmeLocation", "NvmeStore", "PutItem"]
@@ -89,6 +90,8 @@ class NvmeStore(BlockStore):
         snapshot_every: journal records after which a flush writes a snapshot instead.
         files: the file system calls (``files.FileOps``); the crash tests pass one that
             records them.
+        mover: who copies compaction's bytes (``space.Mover``); default this store's own
+            I/O engine. The service's NVMe tier passes one that asks the node's data plane.
     """
 
     def __init__(
@@ -106,6 +109,7 @@ class NvmeStore(BlockStore):
         compact_threshold_bytes: int | None = None,
         snapshot_every: int = 1 << 16,
         files: FileOps | None = None,
+        mover: Mover | None = None,
     ) -> None:
         super().__init__()
         if capacity_bytes <= 0 or block_bytes <= 0:
@@ -125,7 +129,7 @@ class NvmeStore(BlockStore):
         try:
             self.books = NvmeBooks(self.root, capacity_bytes, segment_bytes,
                                    compact_threshold_bytes or segment_bytes, snapshot_every,
-                                   eviction, self.io, files, self._emit)
+                                   eviction, self.io, files, self._emit, mover)
         except BaseException:
             self.io.close()
             raise

@@ -199,7 +199,7 @@ def test_a_pool_node_whose_read_fails_leaks_nothing(
             raise OSError("read failed")
 
         with monkeypatch.context() as m:
-            m.setattr(pool.io, "read", broken)
+            m.setattr(pool.io, "read_many", broken)
             assert pool.stage(keys, "agent:reader") == [None, None, None]
         stats = pool.stats()
         assert (stats["pinned"], stats["reserved"]) == (0, 0)

@@ -24,6 +24,7 @@ from cmx.keys import BlockHash, Namespace, chain_keys
 from cmx.layout import KVLayout
 from cmx.protocol import Copy, Loaded, Priority, actor_name, best_copy
 from cmx.storage.arena import SharedArena
+from cmx.stores import StoreHandle, store_into_dram
 from cmx.tiers import Tier
 
 if TYPE_CHECKING:
@@ -57,31 +58,6 @@ class Match:
         return len(self.blocks)
 
 
-class StoreHandle:
-    """An asynchronous store; ``wait()`` returns once the blocks are committed and visible."""
-
-    def __init__(self, ref: Any, num_blocks: int, timeout_s: float) -> None:
-        self._ref = ref
-        self.num_blocks = num_blocks
-        self._timeout_s = timeout_s
-
-    def wait(self, timeout_s: float | None = None) -> int:
-        """Blocks committed by this store (already-present blocks are not stored again)."""
-        if self._ref is None:
-            return 0
-        import ray
-
-        return int(ray.get(self._ref, timeout=timeout_s or self._timeout_s))
-
-    def done(self) -> bool:
-        import ray
-
-        if self._ref is None:
-            return True
-        ready, _ = ray.wait([self._ref], timeout=0)
-        return bool(ready)
-
-
 class NamespaceClient:
     def __init__(
         self, cm: ContextMemory, namespace: Namespace, replication: int | None = None
@@ -95,14 +71,12 @@ class NamespaceClient:
         return chain_keys(self.namespace.digest, token_ids, self.layout.block_tokens)
 
     def store(self, token_ids: object, kv: Any, start: int = 0) -> StoreHandle:
-        """Hand the full blocks of ``kv`` to this node's agent; returns at once.
+        """Copy the full blocks of ``kv`` once into DRAM slots this node's agent grants
+        (``cmx.stores``); returns once the bytes are there, the commit going on behind.
 
         ``kv`` holds the KV of ``token_ids[start:]``; ``start`` is a multiple of the block
         size, so an engine that already stored a prefix hands over only what is new.
         """
-        import ray
-        import torch
-
         T = self.layout.block_tokens
         if start < 0 or start % T:
             raise LayoutMismatchError(f"start {start} is not a multiple of {T} tokens")
@@ -117,12 +91,9 @@ class NamespaceClient:
         if first >= len(keys):
             return StoreHandle(None, 0, self.cm.config.call_timeout_s)
         new = keys[first:]
-        payloads = self.layout.split_blocks(kv[:, :, :, : len(new) * T])
-        payload = torch.cat(payloads).numpy()
         parents = [keys[first - 1] if first else None, *new[:-1]]
-        ref = self.cm.link.submit(actor_name("agent", self.cm.node_id), "store", new, parents,
-                                  ray.put(payload), self.namespace.id, self.replication)
-        return StoreHandle(ref, len(new), self.cm.config.load_timeout_s)
+        return store_into_dram(self.cm, self.layout, new, parents, kv, self.namespace.id,
+                               f"client:{uuid.uuid4().hex}", self.replication)
 
     def lookup(self, token_ids: object) -> Match:
         blocks = self._locate(self.keys(token_ids))

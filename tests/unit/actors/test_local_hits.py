@@ -17,6 +17,7 @@ from cmx.actors.links import LocalLink
 from cmx.client import ContextMemory, NamespaceClient
 from cmx.keys import Namespace
 from cmx.node_plane import NodePlane
+from cmx.protocol import arena_name
 from cmx.tiers import Tier
 
 NODE = f"hits-{uuid.uuid4().hex[:6]}"  # arenas named apart from other suites' on this host
@@ -33,6 +34,10 @@ class CountingLink(LocalLink):
     def call(self, name: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         self.calls.append((name.split(":")[1], method))
         return super().call(name, method, *args)
+
+    def submit(self, name: str, method: str, *args: Any) -> Any:
+        """Runs the call now; what a test of a store reads is the tiers, not the answer."""
+        return self.call(name, method, *args)
 
     def tell(self, name: str, method: str, *args: Any) -> None:
         self.calls.append((name.split(":")[1], f"tell {method}"))
@@ -128,3 +133,70 @@ def test_a_pin_of_a_restarted_tier_is_never_read(plane: Plane) -> None:
     restart_tier(plane, NODE, Tier.DRAM)  # a new epoch; the old arena's name is unlinked
     with pytest.raises(OSError):
         ns.cm.plane.payload(pins[0])
+
+
+# -- stores: the engine's KV copied once into granted DRAM slots, never through the object store
+
+
+@pytest.fixture
+def no_object_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a store went through the object store")
+
+    monkeypatch.setattr(ray, "put", refuse)
+
+
+def test_a_store_writes_the_granted_dram_slots_and_loads_back_exact(
+    plane: Plane, no_object_store: None
+) -> None:
+    ns = client(plane)
+    toks = np.random.default_rng(6).integers(0, 50_000, 3 * T)
+    kv = LAYOUT.random_kv(len(toks), seed=6)
+    link: CountingLink = plane.link  # type: ignore[assignment]
+    link.calls.clear()
+    ns.store(toks, kv)
+    assert [c for c in link.calls if c[0] == "agent"] == [
+        ("agent", "grant_store"), ("agent", "commit_store")]
+    assert plane.tiers[(NODE, Tier.DRAM)].contains(ns.keys(toks)) == [True] * 3
+    assert torch.equal(ns.load(toks), kv)
+    assert nothing_held(plane)
+    check(plane)
+
+
+def test_a_store_larger_than_dram_streams_through_it_in_windows(
+    plane: Plane, no_object_store: None
+) -> None:
+    ns = client(plane)
+    n = 2 * plane.config.dram_bytes // plane.config.block_bytes  # twice what DRAM holds
+    toks = np.random.default_rng(7).integers(0, 50_000, n * T)
+    kv = LAYOUT.random_kv(len(toks), seed=7)
+    ns.store(toks, kv)
+    keys = ns.keys(toks)
+    assert plane.tiers[(NODE, Tier.DRAM)].contains(keys[-2:]) == [True, True]
+    assert nothing_held(plane)
+    check(plane)
+
+
+def test_a_store_granted_by_a_dram_that_restarted_commits_nothing(plane: Plane) -> None:
+    ns = client(plane)
+    toks, _ = stored(plane, ns, 1, seed=8)  # the client maps this DRAM's arena
+    ns.load(toks)
+    toks2 = np.random.default_rng(9).integers(0, 50_000, 2 * T)
+    kv2 = LAYOUT.random_kv(len(toks2), seed=9)
+    agent = plane.agents[NODE]
+    keys = ns.keys(toks2)
+    grants = agent.grant_store(keys, [None, keys[0]], "client:test")
+    fresh = restart_tier(plane, NODE, Tier.DRAM)
+    # The writer copies into the old incarnation's arena, still mapped here: memory no tier
+    # uses. The new DRAM refuses the commit, so no lookup finds those bytes.
+    arena = ns.cm.plane.arena(arena_name(Tier.DRAM, NODE, grants[0].epoch))
+    done = []
+    for i, g in enumerate(grants):
+        slot = arena.slot_view(g.slot)[: LAYOUT.block_bytes]
+        LAYOUT.from_payload(slot).copy_(kv2[:, :, :, i * T : (i + 1) * T])
+        done.append((g, LAYOUT.block_bytes, 0))
+    assert agent.commit_store(keys, [None, keys[0]], done) == 0
+    assert fresh.contains(keys) == [False, False]
+    assert held(plane, NODE, Tier.DRAM) == (0, 0)

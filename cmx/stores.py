@@ -92,7 +92,7 @@ def _copy_window(
     grants = cm.link.call(_agent(cm), "grant_store", keys, parents, owner,
                           timeout_s=cm.config.load_timeout_s)
     T = layout.block_tokens
-    done = []
+    done: list[tuple[Any, int, int]] = []
     try:
         for i, grant in enumerate(grants):
             if grant is None:

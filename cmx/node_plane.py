@@ -3,10 +3,10 @@ their books, with the operation a local hit needs fused into one round trip.
 
 Protocol, in call order:
 
-1. ``pin_prefix(keys, owner)``: both tiers are asked at once to pin the keys for ``owner``
-   (each pin a lease, taken back when it expires). Each key keeps the pin of the fastest tier
-   holding it; the longest prefix of held keys is returned, and every other pin is let go one
-   way. One round trip, no directory: a tier pins only committed blocks.
+1. ``pin_prefix(keys, owner)``: the tiers pin the keys for ``owner`` (each pin a lease,
+   taken back when it expires), DRAM first, HBM for what DRAM lacks; the longest prefix of
+   held keys is returned, and every other pin is let go one way. A prefix in DRAM is one
+   round trip, with no directory: a tier pins only committed blocks.
 2. ``payload(pin)``: the block's bytes, read where they lie, in the shared-memory arena of the
    pin's epoch (``arena_name``), mapped here once per tier incarnation. A tier that restarted
    unlinked that name, so a read of its pin fails (OSError), never reads another block. The
@@ -35,7 +35,6 @@ __all__ = ["LocalPin", "NodePlane"]
 
 log = logging.getLogger(__name__)
 
-MEMORY_TIERS = (Tier.HBM, Tier.DRAM)  # fastest first
 KEEP_ARENAS = 8  # arenas mapped at once: the current incarnations and a few earlier ones
 
 
@@ -56,31 +55,38 @@ class NodePlane:
         self._lock = threading.Lock()
 
     def pin_prefix(self, keys: Sequence[bytes], owner: str) -> list[LocalPin]:
-        """The longest prefix of ``keys`` held in this node's memory, each pinned for ``owner``
-        in the fastest tier that holds it. A tier that does not answer holds nothing."""
+        """The longest prefix of ``keys`` held in this node's memory, each pinned for ``owner``.
+
+        DRAM is asked first, for every key: a reader on the host copies into host memory, so
+        a DRAM copy is the nearest, and a prefix DRAM holds whole costs that one call. HBM is
+        asked only for the keys from the first DRAM does not hold. A tier that does not answer
+        holds nothing."""
         if not keys:
             return []
-        answers = self.link.call_many(
-            [(actor_name(t.value, self.node), "pin", (list(keys), owner)) for t in MEMORY_TIERS],
-            timeout_s=self.timeout_s, return_exceptions=True)
-        per_tier: list[list[Pinned | None]] = []
-        for tier, answer in zip(MEMORY_TIERS, answers):
-            if isinstance(answer, BaseException):
-                log.debug("%s did not pin: %s", tier.value, answer)
-                answer = [None] * len(keys)
-            per_tier.append(answer)
+        dram = self._pin(Tier.DRAM, keys, owner)
+        gap = next((i for i, p in enumerate(dram) if p is None), len(keys))
+        hbm: list[Pinned | None] = [None] * len(keys)
+        if gap < len(keys):
+            rest = [i for i in range(gap, len(keys)) if dram[i] is None]
+            for i, pin in zip(rest, self._pin(Tier.HBM, [keys[i] for i in rest], owner)):
+                hbm[i] = pin
         prefix: list[LocalPin] = []
         spare: list[LocalPin] = []
-        for i in range(len(keys)):
-            held = [LocalPin(t, pin) for t, pins in zip(MEMORY_TIERS, per_tier)
-                    if (pin := pins[i]) is not None]
-            if held and len(prefix) == i:
-                prefix.append(held[0])
-                spare.extend(held[1:])
-            else:
-                spare.extend(held)
+        for i, (d, h) in enumerate(zip(dram, hbm)):
+            held = [LocalPin(t, p) for t, p in ((Tier.DRAM, d), (Tier.HBM, h)) if p is not None]
+            (prefix if held and len(prefix) == i else spare).extend(held)
         self.unpin(spare)
         return prefix
+
+    def _pin(self, tier: Tier, keys: Sequence[bytes], owner: str) -> list[Pinned | None]:
+        try:
+            answer: list[Pinned | None] = self.link.call(
+                actor_name(tier.value, self.node), "pin", list(keys), owner,
+                timeout_s=self.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a tier that fails holds nothing for this load
+            log.debug("%s did not pin: %s", tier.value, exc)
+            return [None] * len(keys)
+        return answer
 
     def payload(self, pin: LocalPin) -> np.ndarray:
         """The pinned block's bytes, in place: valid until the pin ends."""

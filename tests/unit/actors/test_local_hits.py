@@ -73,7 +73,7 @@ def nothing_held(plane: Plane) -> bool:
     return all(held(plane, NODE, t) == (0, 0) for t in (Tier.HBM, Tier.DRAM))
 
 
-def test_a_local_dram_hit_is_one_call_to_each_memory_tier_and_exact(plane: Plane) -> None:
+def test_a_local_dram_hit_is_one_call_to_dram_and_exact(plane: Plane) -> None:
     ns = client(plane)
     toks, kv = stored(plane, ns, 3, seed=1)
     moved = dict(plane.agents[NODE].moved)
@@ -82,20 +82,26 @@ def test_a_local_dram_hit_is_one_call_to_each_memory_tier_and_exact(plane: Plane
     got = ns.load(toks)
     assert torch.equal(got, kv)
     asked = [c for c in link.calls if not c[1].startswith("tell")]
-    assert sorted(asked) == [("dram", "pin"), ("hbm", "pin")]  # no directory, no agent
+    assert asked == [("dram", "pin")]  # no directory, no agent, no HBM
     assert dict(plane.agents[NODE].moved) == moved  # read where it lies, not moved
     assert nothing_held(plane)
     check(plane)
 
 
-def test_a_block_in_hbm_and_dram_is_read_from_hbm_and_both_pins_end(plane: Plane) -> None:
+def test_blocks_only_hbm_holds_are_read_from_hbm_after_those_in_dram(plane: Plane) -> None:
     ns = client(plane)
-    toks, kv = stored(plane, ns, 2, seed=2)
-    load(plane, NODE, ns.keys(toks))  # the agent's load leaves an HBM copy of each
+    toks, kv = stored(plane, ns, 3, seed=2)
+    keys = ns.keys(toks)
+    load(plane, NODE, keys)  # the agent's load leaves an HBM copy of each
+    plane.tiers[(NODE, Tier.DRAM)].evict(keys[1:])
     hbm = plane.tiers[(NODE, Tier.HBM)]
     reads = hbm.stats()["hits"]
+    link: CountingLink = plane.link  # type: ignore[assignment]
+    link.calls.clear()
     assert torch.equal(ns.load(toks), kv)
-    assert hbm.stats()["hits"] - reads == 2
+    assert [c for c in link.calls if not c[1].startswith("tell")] == [
+        ("dram", "pin"), ("hbm", "pin")]
+    assert hbm.stats()["hits"] - reads == 2  # HBM asked for the two DRAM lacks, no more
     assert nothing_held(plane)
     check(plane)
 

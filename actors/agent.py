@@ -7,6 +7,9 @@ through its scheduler: loads before prefetches before demotions.
 
 Public calls, each bounded:
 
+- ``grant_store(keys, parents, owner)`` / ``commit_store(keys, parents, done)``: a writer on
+  this node (the client) copies blocks straight into the DRAM slots granted to it, once,
+  between the two calls; the agent demotes what the grants evict and places what commits.
 - ``store(keys, parents, payload)``: blocks into this node's DRAM (evicted DRAM blocks demote
   to NVMe first, if NVMe admission lets them in); with write-through placement, admitted
   blocks go to NVMe as well. Returns when committed and visible to lookups.
@@ -120,13 +123,36 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites):
         self, keys: Sequence[BlockHash], parents: Sequence[BlockHash | None],
         payload: np.ndarray, size: int, namespace: str, replicas: int,
     ) -> int:
-        grants = self._call(Tier.DRAM, "reserve", list(zip(keys, parents)), self.owner)
+        grants = self.grant_store(keys, parents, self.owner)
         try:
-            self._demote_victims(Tier.DRAM, grants)
             done = self._copy_in(grants, payload, size)
         except BaseException:
             self._give_back(Tier.DRAM, abort=[g.lease for g in grants if g is not None])
             raise
+        return self.commit_store(keys, parents, done, namespace, replicas)
+
+    def grant_store(
+        self, keys: Sequence[BlockHash], parents: Sequence[BlockHash | None], owner: str,
+    ) -> list[Grant | None]:
+        """DRAM slots for ``keys`` (None: already stored, or no room), reserved for ``owner``,
+        their evicted blocks already demoted: a writer on this node copies each block into
+        its slot, in the arena of the grant's epoch, then calls ``commit_store``."""
+        grants: list[Grant | None] = self._call(
+            Tier.DRAM, "reserve", list(zip(keys, parents)), owner)
+        try:
+            self._demote_victims(Tier.DRAM, grants)
+        except BaseException:
+            self._give_back(Tier.DRAM, abort=[g.lease for g in grants if g is not None])
+            raise
+        return grants
+
+    def commit_store(
+        self, keys: Sequence[BlockHash], parents: Sequence[BlockHash | None],
+        done: Sequence[tuple[Grant, int, int]], namespace: str = "", replicas: int | None = None,
+    ) -> int:
+        """Commit the written slots (grant, size, checksum of each) and place the blocks: NVMe
+        with write-through, the pool if admitted. How many were committed (a grant of a DRAM
+        incarnation that since restarted commits nothing)."""
         committed = self._call(Tier.DRAM, "commit", [(g.lease, n, c) for g, n, c in done],
                                namespace)
         stored = [(g.key, n, c) for g, n, c in done]
@@ -138,7 +164,7 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites):
                    if Tier.NVME in self.placement_policy.on_store(self.nvme_admission.admit(s[0]))]
         self._write_nvme(Tier.DRAM, through, parents_of(keys, parents))
         self._pool_write([k for k, _, _ in stored if self._admit(k)], parents_of(keys, parents),
-                         replicas)
+                         replicas or self.config.pool_replication)
         return int(committed)
 
     def _copy_in(

@@ -37,6 +37,7 @@ from cmx.actors.events import EventPublisher
 from cmx.actors.leases import ADMIN, Clock, LeaseKind, Leases
 from cmx.errors import BlockStateError, StoreFullError
 from cmx.keys import BlockHash
+from cmx.protocol import Pinned, arena_name
 from cmx.storage.arena import SHM_DIR, reap_orphans
 from cmx.storage.base import EventKind, StoreEvent
 from cmx.storage.blocks import BlockMeta, Reservation
@@ -63,16 +64,6 @@ class Grant:
     epoch: str  # of the tier that granted it: a restarted tier has a new arena
     lease: int  # commit or abort by it
     victim: Victim | None = None  # demote it out of ``slot`` before writing
-
-
-@dataclass(frozen=True)
-class Pinned:
-    key: BlockHash
-    slot: int
-    size: int
-    checksum: int
-    epoch: str  # read ``slot`` in the arena of this epoch
-    lease: int  # unpin by it
 
 
 @dataclass(frozen=True)
@@ -105,13 +96,13 @@ class ArenaTierService:
         self.emulated = emulated
         self.epoch = uuid.uuid4().hex[:8]
         self._evicted: dict[int, Victim] = {}  # slot -> block evicted from it, until granted
-        _unlink_stale_arenas(f"cmx-{tier.value}-{node[:12]}-")
+        _unlink_stale_arenas(arena_name(tier, node, ""))
         reap_orphans()  # arenas of nodes torn down on this host before
         self.store = DramStore(
             capacity_bytes,
             block_bytes,
             eviction,
-            name=f"cmx-{tier.value}-{node[:12]}-{self.epoch}",
+            name=arena_name(tier, node, self.epoch),
             on_evict=self._on_evict,
         )
         self.leases = Leases(lease_s, clock)

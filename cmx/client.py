@@ -14,72 +14,33 @@ shorter prefix), never a hang and never wrong bytes.
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
-from cmx.checksum import checksum
 from cmx.config import ServiceConfig
-from cmx.errors import CmxError, LayoutMismatchError, UnavailableError
-from cmx.keys import BlockHash, Namespace, chain_keys, namespace_id
+from cmx.errors import LayoutMismatchError, UnavailableError
+from cmx.keys import BlockHash, Namespace, namespace_id
 from cmx.layout import KVLayout
 from cmx.links import RayLink
+from cmx.namespaces import (
+    BlockLocation,
+    Match,
+    NamespaceClient,
+    StoreHandle,
+    copy_payloads,
+    copy_verified,
+)
+from cmx.node_plane import NodePlane
 from cmx.operate.ray_cluster import DEFAULT_JOIN_TIMEOUT_S, join_or_start
-from cmx.protocol import Copy, Loaded, Priority, actor_name, best_copy, shard_of
-from cmx.storage.arena import SharedArena
+from cmx.protocol import Copy, actor_name, shard_of
 from cmx.tiers import Tier
 
 __all__ = [
-    "BlockLocation", "ContextMemory", "Match", "NamespaceClient", "StoreHandle", "copy_verified",
+    "BlockLocation", "ContextMemory", "Match", "NamespaceClient", "StoreHandle", "copy_payloads",
+    "copy_verified",
 ]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class BlockLocation:
-    key: BlockHash
-    tier: Tier  # the fastest tier holding a copy
-    node: str  # where that copy is
-    copies: tuple[Copy, ...]
-
-
-@dataclass(frozen=True)
-class Match:
-    """The longest committed prefix of a token sequence."""
-
-    num_tokens: int
-    blocks: tuple[BlockLocation, ...]
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.blocks)
-
-
-class StoreHandle:
-    """An asynchronous store; ``wait()`` returns once the blocks are committed and visible."""
-
-    def __init__(self, ref: Any, num_blocks: int, timeout_s: float) -> None:
-        self._ref = ref
-        self.num_blocks = num_blocks
-        self._timeout_s = timeout_s
-
-    def wait(self, timeout_s: float | None = None) -> int:
-        """Blocks committed by this store (already-present blocks are not stored again)."""
-        if self._ref is None:
-            return 0
-        import ray
-
-        return int(ray.get(self._ref, timeout=timeout_s or self._timeout_s))
-
-    def done(self) -> bool:
-        import ray
-
-        if self._ref is None:
-            return True
-        ready, _ = ray.wait([self._ref], timeout=0)
-        return bool(ready)
 
 
 class ContextMemory:
@@ -88,7 +49,7 @@ class ContextMemory:
         self.node_id = node_id
         self._owns_ray = owns_ray
         self.link = RayLink(config.call_timeout_s)
-        self._hbm: tuple[str, SharedArena] | None = None
+        self.plane = NodePlane(self.link, node_id, config.call_timeout_s)  # this node's memory
 
     @classmethod
     def connect(
@@ -236,9 +197,7 @@ class ContextMemory:
 
         from cmx.actors.service import stop_service as stop
 
-        if self._hbm is not None:
-            self._hbm[1].close()
-            self._hbm = None
+        self.plane.close()
         if stop_service if stop_service is not None else self._owns_ray:
             stop()
         if self._owns_ray:
@@ -272,143 +231,3 @@ class ContextMemory:
             for i, copies in zip(by_shard[shard], answer):
                 out[i] = copies
         return out
-
-    def _hbm_arena(self, name: str) -> SharedArena:
-        if self._hbm is None or self._hbm[0] != name:
-            if self._hbm is not None:
-                self._hbm[1].close()
-            self._hbm = (name, SharedArena.attach(name))
-        return self._hbm[1]
-
-
-class NamespaceClient:
-    def __init__(
-        self, cm: ContextMemory, namespace: Namespace, replication: int | None = None
-    ) -> None:
-        self.cm = cm
-        self.namespace = namespace
-        self.layout = namespace.layout
-        self.replication = replication
-
-    def keys(self, token_ids: object) -> list[BlockHash]:
-        return chain_keys(self.namespace.digest, token_ids, self.layout.block_tokens)
-
-    def store(self, token_ids: object, kv: Any, start: int = 0) -> StoreHandle:
-        """Hand the full blocks of ``kv`` to this node's agent; returns at once.
-
-        ``kv`` holds the KV of ``token_ids[start:]``; ``start`` is a multiple of the block
-        size, so an engine that already stored a prefix hands over only what is new.
-        """
-        import ray
-        import torch
-
-        T = self.layout.block_tokens
-        if start < 0 or start % T:
-            raise LayoutMismatchError(f"start {start} is not a multiple of {T} tokens")
-        keys = self.keys(token_ids)
-        first = start // T
-        self.layout.check_kv(kv)
-        if first > len(keys) or kv.shape[3] < (len(keys) - first) * T:
-            raise LayoutMismatchError(
-                f"kv holds {kv.shape[3]} tokens from {start}; token_ids have "
-                f"{len(keys) * T} in full blocks"
-            )
-        if first >= len(keys):
-            return StoreHandle(None, 0, self.cm.config.call_timeout_s)
-        new = keys[first:]
-        payloads = self.layout.split_blocks(kv[:, :, :, : len(new) * T])
-        payload = torch.cat(payloads).numpy()
-        parents = [keys[first - 1] if first else None, *new[:-1]]
-        ref = self.cm.link.submit(actor_name("agent", self.cm.node_id), "store", new, parents,
-                                  ray.put(payload), self.namespace.id, self.replication)
-        return StoreHandle(ref, len(new), self.cm.config.load_timeout_s)
-
-    def lookup(self, token_ids: object) -> Match:
-        keys = self.keys(token_ids)
-        copies = self.cm.copies(keys) if keys else []
-        blocks = []
-        for key, found in zip(keys, copies):
-            if not found:
-                break
-            best = best_copy(found, self.cm.node_id)
-            blocks.append(BlockLocation(key, best.tier, best.node, tuple(found)))
-        return Match(len(blocks) * self.layout.block_tokens, tuple(blocks))
-
-    def load(self, token_ids: object, match: Match | None = None) -> Any:
-        """KV [layers, 2, kv_heads, n, head_dim] of the longest loadable cached prefix."""
-        import torch
-
-        match = match or self.lookup(token_ids)
-        T = self.layout.block_tokens
-        out = torch.empty(self.layout.shape(match.num_blocks * T), dtype=self.layout.torch_dtype())
-        window = self._window()
-        blocks = list(match.blocks)
-        loaded = 0
-        for start in range(0, len(blocks), window):
-            chunk = blocks[start : start + window]
-            got = self._load_window(chunk, out, start)
-            loaded += got
-            if got < len(chunk):
-                break
-        return out[:, :, :, : loaded * T]
-
-    def prefetch(self, token_ids: object) -> Any:
-        """Start moving the cached prefix toward this node's HBM tier; returns an ObjectRef."""
-        match = self.lookup(token_ids)
-        if not match.blocks:
-            return None
-        blocks = list(match.blocks)[: self._window()]
-        return self.cm.link.submit(
-            actor_name("agent", self.cm.node_id), "prefetch",
-            [b.key for b in blocks], [list(b.copies) for b in blocks],
-        )
-
-    def _window(self) -> int:
-        """Blocks loaded per agent call: half the HBM tier, so loads stream through it."""
-        return max(1, self.cm.config.hbm_bytes // self.cm.config.block_bytes // 2)
-
-    def _load_window(self, blocks: list[BlockLocation], out: Any, first: int) -> int:
-        """Load ``blocks`` into ``out`` from block index ``first``; returns how many arrived.
-
-        The HBM pins the agent hands back are leases owned by this call alone: if the call
-        gives up waiting, it tells the agent so, and what the load pins is given back."""
-        import ray
-
-        agent = actor_name("agent", self.cm.node_id)
-        owner = f"client:{uuid.uuid4().hex}"
-        try:
-            ref = self.cm.link.submit(agent, "load", [b.key for b in blocks],
-                                      [list(b.copies) for b in blocks], Priority.LOAD, owner)
-            result = ray.get(ref, timeout=self.cm.config.load_timeout_s)
-        except Exception as exc:  # noqa: BLE001 - a failed or late load is a miss
-            log.warning("load failed: %s", exc)
-            self.cm.link.tell(agent, "give_up", owner)
-            return 0
-        if not result.blocks:
-            return 0
-        intact = 0
-        corrupt: list[Loaded] = []
-        try:
-            arena = self.cm._hbm_arena(result.arena)
-            intact, corrupt = copy_verified(self.layout, arena, result.blocks, out, first)
-        except (CmxError, OSError, ValueError) as exc:  # the HBM tier restarted: arena gone
-            log.warning("load's arena %s is gone: %s", result.arena, exc)
-        finally:
-            self.cm.link.tell(agent, "release", [b.lease for b in result.blocks], corrupt)
-        return intact
-
-
-def copy_verified(layout: KVLayout, arena: SharedArena, blocks: Sequence[Loaded], out: Any,
-                  first: int) -> tuple[int, list[Loaded]]:
-    """Copy the blocks of a load out of ``arena`` into ``out`` (from block ``first``), each
-    checked against its checksum before it is used; stops at the first that fails.
-    Returns (blocks copied, the corrupt one if any)."""
-    T = layout.block_tokens
-    for i, b in enumerate(blocks):
-        payload = arena.slot_view(b.slot)[: b.size]
-        if checksum(payload) != b.checksum:
-            log.warning("block %s failed its checksum where it was used", b.key.hex()[:12])
-            return i, [b]
-        block = layout.from_payload(payload)
-        out[:, :, :, (first + i) * T : (first + i + 1) * T].copy_(block)
-    return len(blocks), []

@@ -1,10 +1,12 @@
 """What the client and the service's actors say to each other: names, copies, the best-copy rule,
 and the messages of a load. Core types: the client imports these, never ``cmx.actors``.
 
-- ``actor_name``: every actor of the service by name in the Ray namespace ``cmx``.
+- ``actor_name``: every actor of the service by name in the Ray namespace ``cmx``;
+  ``arena_name``: the shared memory of a memory tier's incarnation.
 - ``Copy`` and ``shard_of``: where a block's copies are, and which directory shard knows.
 - ``best_copy``: the one rule for which copy a reader on a node should use.
-- ``Loaded`` / ``LoadResult``: a load's blocks, pinned in this node's HBM arena for the caller;
+- ``Pinned``: a block a memory tier pinned for a reader, read in the arena of its epoch;
+  ``Loaded`` / ``LoadResult``: a load's blocks, pinned in this node's HBM arena for the caller;
   ``Staged`` / ``Offer``: blocks a peer or the offering node pinned for one transfer.
 """
 
@@ -18,8 +20,8 @@ from cmx.keys import BlockHash
 from cmx.tiers import Tier
 
 __all__ = [
-    "RAY_NAMESPACE", "Copy", "LoadResult", "Loaded", "Offer", "Priority", "Staged",
-    "actor_name", "best_copy", "shard_of",
+    "RAY_NAMESPACE", "Copy", "LoadResult", "Loaded", "Offer", "Pinned", "Priority", "Staged",
+    "actor_name", "arena_name", "best_copy", "shard_of",
 ]
 
 RAY_NAMESPACE = "cmx"
@@ -28,6 +30,13 @@ RAY_NAMESPACE = "cmx"
 def actor_name(kind: str, ident: str | int) -> str:
     """``cmx:dram:<node id>``, ``cmx:agent:<node id>``, ``cmx:dir:3`` and so on."""
     return f"cmx:{kind}:{ident}"
+
+
+def arena_name(tier: Tier, node: str, epoch: str) -> str:
+    """The shared memory of the incarnation ``epoch`` of ``node``'s memory ``tier``: a reader
+    maps a pin's slot by this name, so a restarted tier (a new epoch, the old name unlinked)
+    can never hand it a slot of another incarnation."""
+    return f"cmx-{tier.value}-{node[:12]}-{epoch}"
 
 
 def shard_of(key: bytes, num_shards: int) -> int:
@@ -52,6 +61,18 @@ def best_copy(copies: Sequence[Copy], node: str) -> Copy:
     if not copies:
         raise ValueError("no copies to choose from")
     return min(copies, key=lambda c: (c.node != node, c.tier.rank))
+
+
+@dataclass(frozen=True)
+class Pinned:
+    """A block a memory tier pinned for a reader (a lease of the reader's owner)."""
+
+    key: BlockHash
+    slot: int
+    size: int
+    checksum: int
+    epoch: str  # read ``slot`` in the arena of this epoch (``arena_name``)
+    lease: int  # unpin by it
 
 
 class Priority(enum.IntEnum):

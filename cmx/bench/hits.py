@@ -2,7 +2,9 @@
 
 - A local DRAM hit of 1 and of 16 small blocks (32 KiB), p50, against a bare Ray actor round
   trip on the same node in the same run: the control path, not the bytes, is the cost of
-  small loads. The HBM copy a load leaves is evicted before the next, so each is a DRAM hit.
+  small loads. A local hit is one call to the DRAM tier (``NodePlane.pin_prefix``), the
+  client's verified copy out of shared memory, and a one-way unpin; any HBM copy is evicted
+  before each load, so each is a DRAM hit.
 - The consumer-side checksum on a 64 MiB DRAM-hit load (16 blocks of 4 MiB): the time the
   client spends verifying the blocks it copies out, against the whole load.
 - A prefix on the local NVMe tier alone, loaded and stored against fio (``nvme_hits``).

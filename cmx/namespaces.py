@@ -1,0 +1,240 @@
+"""A namespace of the context memory: store, look up and load the KV of token sequences.
+
+A load takes the longest cached prefix in two parts. What this node holds in memory (HBM or
+DRAM) is pinned in one round trip to the node's tiers (``NodePlane.pin_prefix``, no directory
+lookup) and copied out of their shared memory here, each block checked against its checksum.
+The rest is looked up in the directory and moved into this node's HBM by its agent, from NVMe,
+another node or the pool, and copied out the same way. Pins are leases: they are let go one
+way after the copy, or expire.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from cmx.checksum import checksum
+from cmx.errors import CmxError, LayoutMismatchError
+from cmx.keys import BlockHash, Namespace, chain_keys
+from cmx.layout import KVLayout
+from cmx.protocol import Copy, Loaded, Priority, actor_name, best_copy
+from cmx.storage.arena import SharedArena
+from cmx.stores import StoreHandle, store_into_dram
+from cmx.tiers import Tier
+
+if TYPE_CHECKING:
+    from cmx.client import ContextMemory
+
+__all__ = [
+    "BlockLocation", "Match", "NamespaceClient", "StoreHandle", "copy_payloads",
+    "copy_verified",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BlockLocation:
+    key: BlockHash
+    tier: Tier  # the fastest tier holding a copy
+    node: str  # where that copy is
+    copies: tuple[Copy, ...]
+
+
+@dataclass(frozen=True)
+class Match:
+    """The longest committed prefix of a token sequence."""
+
+    num_tokens: int
+    blocks: tuple[BlockLocation, ...]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+
+class NamespaceClient:
+    def __init__(
+        self, cm: ContextMemory, namespace: Namespace, replication: int | None = None
+    ) -> None:
+        self.cm = cm
+        self.namespace = namespace
+        self.layout = namespace.layout
+        self.replication = replication
+
+    def keys(self, token_ids: object) -> list[BlockHash]:
+        return chain_keys(self.namespace.digest, token_ids, self.layout.block_tokens)
+
+    def store(self, token_ids: object, kv: Any, start: int = 0) -> StoreHandle:
+        """Copy the full blocks of ``kv`` once into DRAM slots this node's agent grants
+        (``cmx.stores``); returns once the bytes are there, the commit going on behind.
+
+        ``kv`` holds the KV of ``token_ids[start:]``; ``start`` is a multiple of the block
+        size, so an engine that already stored a prefix hands over only what is new.
+        """
+        T = self.layout.block_tokens
+        if start < 0 or start % T:
+            raise LayoutMismatchError(f"start {start} is not a multiple of {T} tokens")
+        keys = self.keys(token_ids)
+        first = start // T
+        self.layout.check_kv(kv)
+        if first > len(keys) or kv.shape[3] < (len(keys) - first) * T:
+            raise LayoutMismatchError(
+                f"kv holds {kv.shape[3]} tokens from {start}; token_ids have "
+                f"{len(keys) * T} in full blocks"
+            )
+        if first >= len(keys):
+            return StoreHandle(None, 0, self.cm.config.call_timeout_s)
+        new = keys[first:]
+        parents = [keys[first - 1] if first else None, *new[:-1]]
+        return store_into_dram(self.cm, self.layout, new, parents, kv, self.namespace.id,
+                               f"client:{uuid.uuid4().hex}", self.replication)
+
+    def lookup(self, token_ids: object) -> Match:
+        blocks = self._locate(self.keys(token_ids))
+        return Match(len(blocks) * self.layout.block_tokens, blocks)
+
+    def _locate(self, keys: Sequence[BlockHash]) -> tuple[BlockLocation, ...]:
+        """The longest prefix of ``keys`` the directory knows, and where each copy is."""
+        copies = self.cm.copies(keys) if keys else []
+        blocks = []
+        for key, found in zip(keys, copies):
+            if not found:
+                break
+            best = best_copy(found, self.cm.node_id)
+            blocks.append(BlockLocation(key, best.tier, best.node, tuple(found)))
+        return tuple(blocks)
+
+    def load(self, token_ids: object, match: Match | None = None) -> Any:
+        """KV [layers, 2, kv_heads, n, head_dim] of the longest loadable cached prefix.
+
+        Without ``match``, this node's memory is asked first and the directory only for what
+        it does not hold; with one, the prefix ``match`` shows in this node's memory is."""
+        import torch
+
+        keys = [b.key for b in match.blocks] if match is not None else self.keys(token_ids)
+        T = self.layout.block_tokens
+        out = torch.empty(self.layout.shape(len(keys) * T), dtype=self.layout.torch_dtype())
+        here = len(keys) if match is None else _held_here(match, self.cm.node_id)
+        loaded, whole = self._load_local(keys[:here], out)
+        if whole and loaded < len(keys):
+            rest = match.blocks[loaded:] if match is not None else self._locate(keys[loaded:])
+            loaded += self._load_through_agent(list(rest), out, loaded)
+        return out[:, :, :, : loaded * T]
+
+    def _load_local(self, keys: Sequence[BlockHash], out: Any) -> tuple[int, bool]:
+        """Copy the prefix of ``keys`` held in this node's memory into ``out``: (blocks
+        copied, whether all that were pinned were intact, so the rest may be looked for)."""
+        if not keys:
+            return 0, True
+        plane = self.cm.plane
+        pins = plane.pin_prefix(keys, f"client:{uuid.uuid4().hex}")
+        try:
+            payloads = [(p.pin.key, plane.payload(p), p.pin.checksum) for p in pins]
+        except (CmxError, OSError, ValueError) as exc:  # the tier restarted: its arena is gone
+            log.warning("a local block's arena is gone: %s", exc)
+            plane.unpin(pins)
+            return 0, True  # the agent maps the tier's new incarnation
+        copied = 0
+        try:
+            copied = copy_payloads(self.layout, payloads, out, 0)
+        finally:
+            plane.unpin(pins)
+        if copied < len(pins):
+            plane.quarantine(pins[copied : copied + 1])
+        return copied, copied == len(pins)
+
+    def prefetch(self, token_ids: object) -> Any:
+        """Start moving the cached prefix toward this node's HBM tier; returns an ObjectRef."""
+        match = self.lookup(token_ids)
+        if not match.blocks:
+            return None
+        blocks = list(match.blocks)[: self._window()]
+        return self.cm.link.submit(
+            actor_name("agent", self.cm.node_id), "prefetch",
+            [b.key for b in blocks], [list(b.copies) for b in blocks],
+        )
+
+    def _window(self) -> int:
+        """Blocks loaded per agent call: half the HBM tier, so loads stream through it."""
+        return max(1, self.cm.config.hbm_bytes // self.cm.config.block_bytes // 2)
+
+    def _load_through_agent(self, blocks: list[BlockLocation], out: Any, first: int) -> int:
+        """Load ``blocks`` through this node's agent into ``out`` from block ``first``, window
+        by window; how many arrived."""
+        window = self._window()
+        loaded = 0
+        for start in range(0, len(blocks), window):
+            chunk = blocks[start : start + window]
+            got = self._load_window(chunk, out, first + start)
+            loaded += got
+            if got < len(chunk):
+                break
+        return loaded
+
+    def _load_window(self, blocks: list[BlockLocation], out: Any, first: int) -> int:
+        """Load ``blocks`` into ``out`` from block index ``first``; returns how many arrived.
+
+        The HBM pins the agent hands back are leases owned by this call alone: if the call
+        gives up waiting, it tells the agent so, and what the load pins is given back."""
+        import ray
+
+        agent = actor_name("agent", self.cm.node_id)
+        owner = f"client:{uuid.uuid4().hex}"
+        try:
+            ref = self.cm.link.submit(agent, "load", [b.key for b in blocks],
+                                      [list(b.copies) for b in blocks], Priority.LOAD, owner)
+            result = ray.get(ref, timeout=self.cm.config.load_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a failed or late load is a miss
+            log.warning("load failed: %s", exc)
+            self.cm.link.tell(agent, "give_up", owner)
+            return 0
+        if not result.blocks:
+            return 0
+        intact = 0
+        corrupt: list[Loaded] = []
+        try:
+            arena = self.cm.plane.arena(result.arena)
+            intact, corrupt = copy_verified(self.layout, arena, result.blocks, out, first)
+        except (CmxError, OSError, ValueError) as exc:  # the HBM tier restarted: arena gone
+            log.warning("load's arena %s is gone: %s", result.arena, exc)
+        finally:
+            self.cm.link.tell(agent, "release", [b.lease for b in result.blocks], corrupt)
+        return intact
+
+
+def _held_here(match: Match, node: str) -> int:
+    """How many leading blocks of ``match`` the directory shows in ``node``'s memory."""
+    for i, b in enumerate(match.blocks):
+        if not any(c.node == node and c.tier in (Tier.HBM, Tier.DRAM) for c in b.copies):
+            return i
+    return len(match.blocks)
+
+
+def copy_verified(layout: KVLayout, arena: SharedArena, blocks: Sequence[Loaded], out: Any,
+                  first: int) -> tuple[int, list[Loaded]]:
+    """Copy the blocks of a load out of ``arena`` into ``out`` (from block ``first``), each
+    checked against its checksum before it is used; stops at the first that fails.
+    Returns (blocks copied, the corrupt one if any)."""
+    payloads = [(b.key, arena.slot_view(b.slot)[: b.size], b.checksum) for b in blocks]
+    n = copy_payloads(layout, payloads, out, first)
+    return n, list(blocks[n : n + 1])
+
+
+def copy_payloads(layout: KVLayout, payloads: Sequence[tuple[BlockHash, np.ndarray, int]],
+                  out: Any, first: int) -> int:
+    """Copy block payloads (key, bytes, checksum) into ``out`` from block ``first``, each
+    checked before it is used; stops at the first that fails. How many were copied."""
+    T = layout.block_tokens
+    for i, (key, payload, want) in enumerate(payloads):
+        if checksum(payload) != want:
+            log.warning("block %s failed its checksum where it was used", key.hex()[:12])
+            return i
+        block = layout.from_payload(payload)
+        out[:, :, :, (first + i) * T : (first + i + 1) * T].copy_(block)
+    return len(payloads)

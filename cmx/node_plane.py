@@ -1,0 +1,127 @@
+"""This node's memory tiers (HBM and DRAM) as a reader calls them: one typed interface over
+their books, with the operation a local hit needs fused into one round trip.
+
+Protocol, in call order:
+
+1. ``pin_prefix(keys, owner)``: the tiers pin the keys for ``owner`` (each pin a lease,
+   taken back when it expires), DRAM first, HBM for what DRAM lacks; the longest prefix of
+   held keys is returned, and every other pin is let go one way. A prefix in DRAM is one
+   round trip, with no directory: a tier pins only committed blocks.
+2. ``payload(pin)``: the block's bytes, read where they lie, in the shared-memory arena of the
+   pin's epoch (``arena_name``), mapped here once per tier incarnation. A tier that restarted
+   unlinked that name, so a read of its pin fails (OSError), never reads another block. The
+   reader checks each block's checksum before using it.
+3. ``unpin(pins)`` and ``quarantine(pins)``: one way, off the load's path. A corrupt copy goes
+   when its last pin does.
+
+Blocks this node holds on NVMe, on other nodes or in the pool are the agent's to move.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from cmx.protocol import Pinned, actor_name, arena_name
+from cmx.storage.arena import SharedArena
+from cmx.tiers import Tier
+
+__all__ = ["LocalPin", "NodePlane"]
+
+log = logging.getLogger(__name__)
+
+KEEP_ARENAS = 8  # arenas mapped at once: the current incarnations and a few earlier ones
+
+
+@dataclass(frozen=True)
+class LocalPin:
+    """A block pinned in one of this node's memory tiers for a reader."""
+
+    tier: Tier
+    pin: Pinned
+
+
+class NodePlane:
+    def __init__(self, link: Any, node: str, timeout_s: float) -> None:
+        self.link = link
+        self.node = node
+        self.timeout_s = timeout_s
+        self._arenas: dict[str, SharedArena] = {}  # arena name -> mapping, oldest first
+        self._lock = threading.Lock()
+
+    def pin_prefix(self, keys: Sequence[bytes], owner: str) -> list[LocalPin]:
+        """The longest prefix of ``keys`` held in this node's memory, each pinned for ``owner``.
+
+        DRAM is asked first, for every key: a reader on the host copies into host memory, so
+        a DRAM copy is the nearest, and a prefix DRAM holds whole costs that one call. HBM is
+        asked only for the keys from the first DRAM does not hold. A tier that does not answer
+        holds nothing."""
+        if not keys:
+            return []
+        dram = self._pin(Tier.DRAM, keys, owner)
+        gap = next((i for i, p in enumerate(dram) if p is None), len(keys))
+        hbm: list[Pinned | None] = [None] * len(keys)
+        if gap < len(keys):
+            rest = [i for i in range(gap, len(keys)) if dram[i] is None]
+            for i, pin in zip(rest, self._pin(Tier.HBM, [keys[i] for i in rest], owner)):
+                hbm[i] = pin
+        prefix: list[LocalPin] = []
+        spare: list[LocalPin] = []
+        for i, (d, h) in enumerate(zip(dram, hbm)):
+            held = [LocalPin(t, p) for t, p in ((Tier.DRAM, d), (Tier.HBM, h)) if p is not None]
+            (prefix if held and len(prefix) == i else spare).extend(held)
+        self.unpin(spare)
+        return prefix
+
+    def _pin(self, tier: Tier, keys: Sequence[bytes], owner: str) -> list[Pinned | None]:
+        try:
+            answer: list[Pinned | None] = self.link.call(
+                actor_name(tier.value, self.node), "pin", list(keys), owner,
+                timeout_s=self.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a tier that fails holds nothing for this load
+            log.debug("%s did not pin: %s", tier.value, exc)
+            return [None] * len(keys)
+        return answer
+
+    def payload(self, pin: LocalPin) -> np.ndarray:
+        """The pinned block's bytes, in place: valid until the pin ends."""
+        name = arena_name(pin.tier, self.node, pin.pin.epoch)
+        return self.arena(name).slot_view(pin.pin.slot)[: pin.pin.size]
+
+    def unpin(self, pins: Sequence[LocalPin]) -> None:
+        for tier, leases in _by_tier(pins, lambda p: p.pin.lease).items():
+            self.link.tell(actor_name(tier.value, self.node), "unpin", leases)
+
+    def quarantine(self, pins: Sequence[LocalPin]) -> None:
+        """Drop copies the reader found corrupt (each goes when its last pin does)."""
+        for tier, keys in _by_tier(pins, lambda p: p.pin.key).items():
+            self.link.tell(actor_name(tier.value, self.node), "quarantine", keys)
+
+    def arena(self, name: str) -> SharedArena:
+        """The arena ``name`` mapped here; the oldest mapping goes past ``KEEP_ARENAS`` (a read
+        still using it keeps its view: unmapping waits for the last)."""
+        with self._lock:
+            arena = self._arenas.get(name)
+            if arena is None:
+                arena = self._arenas[name] = SharedArena.attach(name)
+                while len(self._arenas) > KEEP_ARENAS:
+                    self._arenas.pop(next(iter(self._arenas))).close()
+            return arena
+
+    def close(self) -> None:
+        with self._lock:
+            for arena in self._arenas.values():
+                arena.close()
+            self._arenas.clear()
+
+
+def _by_tier(pins: Sequence[LocalPin], what: Any) -> dict[Tier, list[Any]]:
+    out: dict[Tier, list[Any]] = {}
+    for p in pins:
+        out.setdefault(p.tier, []).append(what(p))
+    return out

@@ -287,9 +287,8 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites):
             for i, pin in zip(idx, pins):
                 if pin is None:
                     continue
-                dst = self._arena(granted[i].epoch).slot_view(granted[i].slot)
                 jobs.append((i, pin, self.scheduler.submit(
-                    priority, functools.partial(self._read_local, tier, pin, dst))))
+                    priority, functools.partial(self._read_local, tier, pin, granted[i]))))
             out: dict[int, Loaded] = {}
             for i, pin, fut in jobs:
                 if not fut.result():
@@ -314,8 +313,10 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites):
         pre.update(zip(rest, self._call(tier, "pin", [keys[i] for i in rest], self.owner)))
         return [pre[i] for i in idx]
 
-    def _read_local(self, tier: Tier, pin: Pinned | Extent, slot: np.ndarray) -> bool:
-        """Copy one pinned local block into the front of ``slot``; NVMe reads are verified."""
+    def _read_local(self, tier: Tier, pin: Pinned | Extent, grant: Grant) -> bool:
+        """Copy one pinned local block into the front of ``grant``'s slot; NVMe reads are
+        verified."""
+        slot = self._arena(grant.epoch).slot_view(grant.slot)
         if isinstance(pin, Extent):
             self.nvme.read(pin, slot)
             return checksum(slot[: pin.size]) == pin.checksum

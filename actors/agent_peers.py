@@ -25,7 +25,7 @@ class PeerServing(AgentBase):
     # Provided by the classes this one is combined with (Demotion, OffloadAgent); declared
     # here, without a value, so that they do not shadow those in the method order.
     _demote_victims: Callable[[Tier, Sequence[Grant | None]], None]
-    _read_local: Callable[[Tier, Pinned | Extent, np.ndarray], bool]
+    _read_local: Callable[[Tier, Pinned | Extent, Grant], bool]
 
     def stage(self, keys: Sequence[BlockHash], owner: str) -> list[Staged | None]:
         """Pin each block in a memory arena here for ``owner`` (a peer agent), promoting NVMe
@@ -88,9 +88,8 @@ class PeerServing(AgentBase):
             for (i, p), g in zip(present, grants):
                 if g is None:
                     continue
-                dst = self._arena(g.epoch).slot_view(g.slot)
                 if self.scheduler.submit(
-                    Priority.LOAD, functools.partial(self._read_local, Tier.NVME, p, dst)
+                    Priority.LOAD, functools.partial(self._read_local, Tier.NVME, p, g)
                 ).result():
                     ok.append((i, p, g))
                 else:

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from cmx.actors.agent_base import KEEP_EPOCHS
 from cmx.actors.arena_tier import Grant, Pinned
 from cmx.actors.dpu_access import HostAccessForbidden, NixlAccess, forbid_host_access
 from cmx.actors.dpu_host import RayEndpoint, host_endpoint_actor
@@ -40,8 +41,6 @@ from cmx.tiers import Tier
 __all__ = ["DpuAgentActor", "start_host_endpoint"]
 
 log = logging.getLogger(__name__)
-
-KEEP_EPOCHS = 4
 
 
 class HostArena:

@@ -19,6 +19,7 @@ with part of a slot moved silently.
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -240,8 +241,6 @@ class NixlAccess(HostAccess):
 
     def _move(self, op: str, remote: int, nbytes: int) -> None:
         """``op`` between the front of the bounce buffer and host memory at ``remote``."""
-        import time
-
         local_base = self._bounce.ctypes.data
         offs = range(0, nbytes, PIECE_BYTES)
         sizes = [min(PIECE_BYTES, nbytes - o) for o in offs]

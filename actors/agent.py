@@ -310,14 +310,8 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites):
         pins = self._pin_local(tier, keys, idx, ahead)
         try:
             got = [(i, pin) for i, pin in zip(idx, pins) if pin is not None]
-            dsts = [self._arena(granted[i].epoch).slot_view(granted[i].slot) for i, _ in got]
-            extents = [p for _, p in got if isinstance(p, Extent)]
-            if tier is Tier.NVME:
-                ok = self._read_extents(extents, dsts, priority)
-            else:
-                jobs = [self.scheduler.submit(priority, functools.partial(self._copy_local, p, dst))
-                        for (_, p), dst in zip(got, dsts) if isinstance(p, Pinned)]
-                ok = [f.result() for f in jobs]
+            ok = self._read_pinned(tier, [p for _, p in got], [granted[i] for i, _ in got],
+                                   priority)
             out: dict[int, Loaded] = {}
             via = "nvme" if tier is Tier.NVME else "local"
             for (i, pin), good in zip(got, ok):
@@ -339,6 +333,17 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites):
         rest = [i for i in idx if i not in pre]
         pre.update(zip(rest, self._call(tier, "pin", [keys[i] for i in rest], self.owner)))
         return [pre[i] for i in idx]
+
+    def _read_pinned(self, tier: Tier, pins: Sequence[Pinned | Extent], grants: Sequence[Grant],
+                     priority: Priority) -> list[bool]:
+        """Copy each block pinned in this node's ``tier`` into the front of its granted HBM
+        slot; per block whether it checked out. NVMe reads are all in flight at once."""
+        dsts = [self._arena(g.epoch).slot_view(g.slot) for g in grants]
+        if tier is Tier.NVME:
+            return self._read_extents([p for p in pins if isinstance(p, Extent)], dsts, priority)
+        jobs = [self.scheduler.submit(priority, functools.partial(self._copy_local, p, dst))
+                for p, dst in zip(pins, dsts) if isinstance(p, Pinned)]
+        return [f.result() for f in jobs]
 
     def _copy_local(self, pin: Pinned, slot: np.ndarray) -> bool:
         """Copy one block pinned in this node's DRAM into the front of ``slot``."""

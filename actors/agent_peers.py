@@ -7,8 +7,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from cmx.actors.agent_nvme import NvmeTransfers
-from cmx.actors.arena_tier import Grant
+from cmx.actors.agent_nvme import Extent, NvmeTransfers
+from cmx.actors.arena_tier import Grant, Pinned
 from cmx.actors.scheduler import Priority
 from cmx.actors.transport import PeerInfo
 from cmx.errors import UnavailableError
@@ -23,6 +23,8 @@ class PeerServing(NvmeTransfers):
     # Provided by the class this one is combined with (Demotion); declared
     # here, without a value, so that it does not shadow that in the method order.
     _demote_victims: Callable[[Tier, Sequence[Grant | None]], None]
+    _read_pinned: Callable[
+        [Tier, Sequence[Pinned | Extent], Sequence[Grant], Priority], list[bool]]
 
     def stage(self, keys: Sequence[BlockHash], owner: str) -> list[Staged | None]:
         """Pin each block in a memory arena here for ``owner`` (a peer agent), promoting NVMe
@@ -82,9 +84,8 @@ class PeerServing(NvmeTransfers):
                                 self.owner)
             self._demote_victims(Tier.DRAM, grants)
             todo = [(i, p, g) for (i, p), g in zip(present, grants) if g is not None]
-            good = self._read_extents(  # all at once, verified
-                [p for _, p, _ in todo],
-                [self._arena(g.epoch).slot_view(g.slot) for _, _, g in todo], Priority.LOAD)
+            good = self._read_pinned(  # all at once, verified
+                Tier.NVME, [p for _, p, _ in todo], [g for _, _, g in todo], Priority.LOAD)
             ok = [t for t, fine in zip(todo, good) if fine]
             done = {g.lease for _, _, g in ok}
             self._give_back(Tier.DRAM, abort=[g.lease for g in grants

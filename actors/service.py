@@ -258,7 +258,12 @@ def _placed_on(node_id: str, config: ServiceConfig) -> str | None:
 
 def _start_agent(node_id: str, config: ServiceConfig, alive: dict[str, dict[str, Any]]
                  ) -> Any:
-    handle: Any = ray.remote(AgentActor).options(
+    agent: type = AgentActor
+    if config.dpu_access == "nixl" and _dpu_of(node_id, config, alive):
+        from cmx.actors.agent_dpu import DpuAgentActor  # it imports this module
+
+        agent = DpuAgentActor
+    handle: Any = ray.remote(agent).options(
         name=actor_name("agent", node_id), namespace=RAY_NAMESPACE, get_if_exists=True,
         num_cpus=0, max_concurrency=32, **_agent_placement(node_id, config, alive), **_RESTART,
     ).remote(node_id, config)

@@ -38,6 +38,10 @@ class ServiceConfig:
     transport: str = "auto"  # "auto" (NIXL where it loads), "nixl" or "ray"
     dpu_label: str = "cmx.io/dpu"  # node label of DPU nodes; their agent serves a host node
     host_label: str = "cmx.io/host-id"  # names the host a node (or a DPU) belongs to
+    # How an agent on a DPU reaches its host: "shared" maps the host's shared memory and opens
+    # its files (a DPU node on the host's machine); "nixl" moves every byte through NIXL, as a
+    # BlueField, a separate computer, must (actors/agent_dpu.py)
+    dpu_access: str = "shared"
     agent_workers: int = 4  # agent threads moving bytes
     agent_queue_bound: int = 256  # waiting moves per priority class before backpressure
     staging_bytes: int = 256 * MiB  # agent's temporary-buffer budget
@@ -82,6 +86,8 @@ class ServiceConfig:
             raise ValueError(f"placement {self.placement!r} is not write_back or write_through")
         if self.transport not in ("auto", "nixl", "ray"):
             raise ValueError(f"transport {self.transport!r} is not auto, nixl or ray")
+        if self.dpu_access not in ("shared", "nixl"):
+            raise ValueError(f"dpu_access {self.dpu_access!r} is not shared or nixl")
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ here. Every figure is a ratio to a baseline measured in the same run (see ``core
     slices   "slices": one KV head as 512-byte pieces, served by NvmeStore.read_runs
     service  "transfer", "directory", "pool": the service on a local multi-node Ray cluster
     hits     "service": local hits against Ray round trips; the client's checksum of a load
+    dpu      "dpu": loads through an agent on the host and one on a DPU over NIXL
     cluster  that cluster
     e2e      "e2e": time to first token through the Serve application, cached against recompute
     report   JSON, markdown, plots, docs/BENCHMARKS.md
@@ -35,5 +36,6 @@ SUITES: dict[str, str] = {
     "service": "cmx.bench.hits:run_service",
     "lmcache": "cmx.bench.peer:run_lmcache",
     "prefetch": "cmx.bench.prefetch:run_prefetch",
+    "dpu": "cmx.bench.dpu:run_dpu",
     "e2e": "cmx.bench.e2e:run_e2e",
 }

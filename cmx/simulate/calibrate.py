@@ -64,19 +64,23 @@ class ControlCosts:
 
 @dataclass(frozen=True)
 class Row:
+    """One source's loads against the prediction.
+
+    Both sides are the least contended of the run: the fastest load, against the prediction
+    from the fastest of each speed and control cost. The machine is shared; other work only
+    ever adds time, and by different amounts to a microbenchmark and to a load a second
+    apart, so medians compare two samples of the neighbours' load, not the model."""
+
     source: str
     blocks: int
     nbytes: int
     measured_s: tuple[float, ...]  # the service, one per repetition
+    predicted_s: float  # the simulator, from the run's least contended figures
     predicted_each_s: tuple[float, ...]  # the simulator, from each repetition's own figures
 
     @property
     def measured(self) -> float:
-        return float(statistics.median(self.measured_s))
-
-    @property
-    def predicted_s(self) -> float:
-        return float(statistics.median(self.predicted_each_s))
+        return min(self.measured_s)
 
     @property
     def error(self) -> float:
@@ -89,6 +93,7 @@ class CalibrationResult:
     control: dict[str, ControlCosts]
     rows: tuple[Row, ...]
     notes: tuple[str, ...] = field(default_factory=tuple)
+    raw: dict[str, Any] = field(default_factory=dict)  # every measurement, for the JSON
 
     @property
     def ok(self) -> bool:
@@ -98,7 +103,7 @@ class CalibrationResult:
         from rich.table import Table
 
         t = Table(title="cmx simulate --calibrate: the service's loads, measured and predicted")
-        for col in ("source", "bytes", "measured s (median)", "predicted s", "error", "goal"):
+        for col in ("source", "bytes", "measured s (fastest)", "predicted s", "error", "goal"):
             t.add_column(col, justify="left" if col == "source" else "right")
         for r in self.rows:
             t.add_row(r.source, f"{r.nbytes / MiB:.0f} MiB", f"{r.measured:.3f}",
@@ -112,7 +117,8 @@ class CalibrationResult:
                 "rows": [{**asdict(r), "measured_median_s": r.measured,
                           "predicted_median_s": r.predicted_s, "error": r.error}
                          for r in self.rows],
-                "ok": self.ok, "goal": GOAL, "notes": list(self.notes), "command": COMMAND}
+                "ok": self.ok, "goal": GOAL, "notes": list(self.notes), "command": COMMAND,
+                "raw": self.raw}
 
 
 # -- 1. this machine -----------------------------------------------------------------------------
@@ -211,8 +217,8 @@ def predict_load(speeds: MachineSpeeds, control: ControlCosts, source: str, bloc
 
     The cluster: two nodes of one replica each; every link at the measured speed; the
     strategy's control cost per load and per block (one I/O per block) from the tiny loads;
-    checksums on NVMe and peer reads and the copy into the client's tensor, as the service
-    does them on a host without a GPU.
+    the agent's checksums of NVMe and peer reads, the client's checksum of every block and its
+    copy into the client's tensor, as the service does them on a host without a GPU.
     """
     from cmx.simulate.cluster import DRAM, NVME, ClusterSpec
     from cmx.simulate.engine import SimConfig, Simulator
@@ -228,7 +234,8 @@ def predict_load(speeds: MachineSpeeds, control: ControlCosts, source: str, bloc
     tokens = block_bytes // LLAMA3_8B.kv_bytes_per_token
     strategy = CMX.with_(control_s=control.fixed_s, per_io_cpu_s=control.per_block_s,
                          io_bytes=block_bytes, io_depth=16, lanes=1,
-                         verify_bandwidth=speeds.checksum, copy_out_bandwidth=speeds.copy_out)
+                         verify_bandwidth=speeds.checksum, consumer_verifies=True,
+                         copy_out_bandwidth=speeds.copy_out)
     workload = WorkloadSpec((TenantSpec("calibration", context_tokens=(tokens, tokens)),),
                             rate_per_s=1e-3, duration_s=1.0)
     config = SimConfig(workload, ClusterSpec(2, node, NetworkSpec(speeds.nixl, 0.0), 0),
@@ -254,12 +261,30 @@ def _control(tiny: dict[int, list[float]], rep: int, slot_s: float = 0.0) -> Con
     return ControlCosts(max(0.0, one - per_block - slot_s), per_block)
 
 
-def _median_speeds(all_speeds: list[MachineSpeeds]) -> MachineSpeeds:
-    def med(name: str) -> float:
-        return float(statistics.median(getattr(s, name) for s in all_speeds))
+def _best_speeds(all_speeds: list[MachineSpeeds]) -> MachineSpeeds:
+    """The fastest of each speed measured in the run: the machine at its least contended."""
+    def best(name: str) -> float:
+        return float(max(getattr(s, name) for s in all_speeds))
 
-    return MachineSpeeds(med("copy"), med("copy_out"), med("odirect_read"), med("checksum"),
-                         med("nixl"), all_speeds[0].nixl_note)
+    return MachineSpeeds(best("copy"), best("copy_out"), best("odirect_read"), best("checksum"),
+                         best("nixl"), all_speeds[0].nixl_note)
+
+
+def _in_round_trips(control: dict[str, ControlCosts], round_trips: list[float]) -> list[str]:
+    if not round_trips:
+        return []
+    rtt = float(np.percentile(round_trips, 10))  # the uncontended hop, as the costs are
+    fixed = ", ".join(f"{k} {v.fixed_s / rtt:.0f}" for k, v in control.items())
+    return [f"a bare Ray actor round trip: {rtt * 1e3:.2f} ms (10th percentile of "
+            f"{len(round_trips)}, median {float(np.median(round_trips)) * 1e3:.2f} ms); "
+            f"each load's fixed control cost in round trips: {fixed}"]
+
+
+def _slot_s(source: str, speeds: MachineSpeeds) -> float:
+    """Seconds a tiny peer block's whole slot takes over the link (see ``_control``)."""
+    from cmx.simulate.calibrate_service import BLOCK_BYTES
+
+    return BLOCK_BYTES / speeds.nixl if source.endswith("@peer") else 0.0
 
 
 def run_calibration(log: Callable[[str], None] = print, reps: int = 5, blocks: int = 16,
@@ -279,23 +304,24 @@ def run_calibration(log: Callable[[str], None] = print, reps: int = 5, blocks: i
         return speeds
 
     loads = measure_service(directory, reps=reps, blocks=blocks, log=log, baseline=baseline)
+    speeds = _best_speeds([b for v in loads.baselines.values() for b in v])
     rows, control = [], {}
     for s in SOURCES:
         predicted = []
-        slots = []
         for rep in range(reps):
-            speeds = loads.baselines[s][rep]
-            slots.append(BLOCK_BYTES / speeds.nixl if s.endswith("@peer") else 0.0)
-            costs = _control(loads.tiny[s], rep, slots[-1])
-            predicted.append(predict_load(speeds, costs, s, blocks, BLOCK_BYTES))
-        control[s] = _control({n: [float(statistics.median(v))] for n, v in
-                               loads.tiny[s].items()}, 0, float(statistics.median(slots)))
+            each = loads.baselines[s][rep]
+            costs = _control(loads.tiny[s], rep, _slot_s(s, each))
+            predicted.append(predict_load(each, costs, s, blocks, BLOCK_BYTES))
+        control[s] = _control({n: [min(v)] for n, v in loads.tiny[s].items()}, 0,
+                              _slot_s(s, speeds))
         rows.append(Row(s, blocks, blocks * BLOCK_BYTES, tuple(loads.large[s]),
+                        predict_load(speeds, control[s], s, blocks, BLOCK_BYTES),
                         tuple(predicted)))
-    speeds = _median_speeds([b for v in loads.baselines.values() for b in v])
     notes = (f"load average {os.getloadavg()[0]:.1f} at the end, on {os.cpu_count()} cores",
-             *loads.notes)
-    return CalibrationResult(speeds, control, tuple(rows), notes)
+             *loads.notes, *_in_round_trips(control, loads.round_trip_s))
+    raw = {"tiny_s": loads.tiny, "large_s": loads.large,
+           "speeds": {k: [asdict(b) for b in v] for k, v in loads.baselines.items()}}
+    return CalibrationResult(speeds, control, tuple(rows), notes, raw)
 
 
 def write_calibration(result: CalibrationResult, json_path: Path, docs: Path | None) -> None:

@@ -30,8 +30,8 @@ def render(result: CalibrationResult) -> str:
         f"Machine: {platform.processor() or platform.machine()}, {platform.node()}  ",
         f"Run: {when}",
         "",
-        "This machine's speeds, without the service (medians of the measurements made right "
-        "before each repetition's loads):",
+        "This machine's speeds, without the service (the fastest of the measurements made "
+        "right before each repetition's loads):",
         "",
         "| move | GB/s |",
         "| --- | --- |",
@@ -41,7 +41,8 @@ def render(result: CalibrationResult) -> str:
         f"| XXH3 checksum | {s.checksum / GB:.2f} |",
         f"| NIXL read between processes ({s.nixl_note}) | {s.nixl / GB:.2f} |",
         "",
-        "Control path per load, from loads of 1 and 8 tiny blocks through the client:",
+        "Control path per load (Ray round trips, actor hops, pins, the directory), from the "
+        "fastest loads of 1 and of 8 tiny blocks through the client:",
         "",
         "| source | fixed ms | per block ms |",
         "| --- | --- | --- |",
@@ -49,9 +50,11 @@ def render(result: CalibrationResult) -> str:
           for k, v in result.control.items()),
         "",
         f"The service's loads (`NamespaceClient.load`) against the simulator's prediction "
-        f"(goal: within {GOAL:.0%}):",
+        f"(goal: within {GOAL:.0%}). Both sides are the run's least contended: the fastest "
+        "load, against the prediction from the fastest speeds and control costs above; the "
+        "predictions from each repetition's own figures are beside them for the record:",
         "",
-        "| source | bytes | measured s (median) | samples | predicted s (median) | samples "
+        "| source | bytes | measured s (fastest) | samples | predicted s | per repetition "
         "| error | result |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
         *(f"| {r.source} | {r.nbytes >> 20} MiB | {r.measured:.3f} | "

@@ -1,8 +1,9 @@
 """NIXL (UCX) read bandwidth between two processes of this machine: the peer link's speed.
 
-A child process registers a buffer with its NIXL agent and hands its metadata and descriptors
-over a pipe; this process reads the whole buffer in 2 MiB descriptors, as the service's
-transport does, three times, and takes the median. Anything that fails is reported, not
+Measured with the service's own transport (``NixlTransport``: its lanes, its pieces, its
+prepared descriptor lists), as the link a peer load crosses, without the service around it:
+a child process registers a buffer of slots and hands its ``PeerInfo`` over a pipe; this
+process reads every slot, three times, and takes the median. Anything that fails is reported, not
 raised: the calibration then uses the copy speed for the link and says so.
 """
 
@@ -13,74 +14,66 @@ import statistics
 import time
 from typing import Any
 
-import numpy as np
-
 __all__ = ["nixl_read_rate"]
 
 PIECE = 2 << 20
 
 
-def _owner(conn: Any, nbytes: int) -> None:
-    from cmx.nixl_api import nixl_api
+def _owner(conn: Any, nbytes: int, slot_bytes: int) -> None:
+    from cmx.actors.nixl_transport import NixlTransport
+    from cmx.actors.transport import Region
+    from cmx.buffers import aligned_empty
 
-    api = nixl_api()
-    agent = api.nixl_agent("cmx-calibrate-owner", api.nixl_agent_config(backends=["UCX"]))
-    buf = np.ones(nbytes, np.uint8)
-    addr = buf.ctypes.data
-    agent.register_memory([(addr, nbytes, 0, "")], "DRAM")
-    descs = agent.get_xfer_descs([(addr + off, PIECE, 0) for off in range(0, nbytes, PIECE)],
-                                 "DRAM")
-    conn.send((agent.get_agent_metadata(), agent.get_serialized_descs(descs)))
+    transport = NixlTransport("cmx-calibrate-owner")
+    buf = aligned_empty(nbytes)
+    buf[:] = 1
+    transport.register(Region("owner", buf.ctypes.data, slot_bytes, nbytes // slot_bytes), buf)
+    conn.send(transport.info())
     conn.recv()  # the reader is done
+    transport.close()
 
 
-def _read(reader: Any, api: Any, nbytes: int, meta: bytes, remote_descs: bytes) -> list[float]:
-    local = np.zeros(nbytes, np.uint8)
-    addr = local.ctypes.data
-    reader.register_memory([(addr, nbytes, 0, "")], "DRAM")
-    name = reader.add_remote_agent(meta)
-    name = name.decode() if isinstance(name, bytes) else name
-    remote = reader.deserialize_descs(remote_descs)
-    descs = reader.get_xfer_descs([(addr + off, PIECE, 0) for off in range(0, nbytes, PIECE)],
-                                  "DRAM")
+def _read(reader: Any, peer: Any, nbytes: int, slot_bytes: int) -> list[float]:
+    from cmx.actors.transport import Move, Region
+    from cmx.buffers import aligned_empty
+
+    local = aligned_empty(nbytes)
+    local[:] = 0
+    slots = nbytes // slot_bytes
+    reader.register(Region("reader", local.ctypes.data, slot_bytes, slots), local)
+    moves = [Move("owner", i, "reader", i) for i in range(slots)]
     times = []
     for _ in range(4):  # the first connects; three are timed
         t0 = time.perf_counter()
-        handle = reader.initialize_xfer("READ", descs, remote, name)
-        if reader.transfer(handle) == "ERR":
-            raise RuntimeError("NIXL transfer could not start")
-        deadline = time.monotonic() + 60
-        while (state := reader.check_xfer_state(handle)) != "DONE":
-            if state == "ERR" or time.monotonic() > deadline:
-                raise RuntimeError(f"NIXL transfer ended in {state}")
-            time.sleep(20e-6)
+        reader.read(peer, moves, 60.0)
         times.append(time.perf_counter() - t0)
-        reader.release_xfer_handle(handle)
     if int(local[:: 1 << 20].min()) != 1:
         raise RuntimeError("NIXL read returned other bytes")
     return times[1:]
 
 
-def nixl_read_rate(nbytes: int) -> tuple[float | None, str]:
-    """(bytes/s, how) of NIXL UCX reads between two processes; (None, why) if it cannot run."""
+def nixl_read_rate(nbytes: int, slot_bytes: int = 16 << 20) -> tuple[float | None, str]:
+    """(bytes/s, how) of the service's NIXL transport between two processes; (None, why) if
+    it cannot run."""
     try:
-        from cmx.nixl_api import nixl_api
+        from cmx.actors.nixl_transport import LANES, PIECE_BYTES, NixlTransport
 
-        api = nixl_api()
-        reader = api.nixl_agent("cmx-calibrate-reader", api.nixl_agent_config(backends=["UCX"]))
+        reader = NixlTransport("cmx-calibrate-reader")
     except Exception as exc:  # noqa: BLE001 - NIXL absent or broken: say so, use the copy
         return None, f"NIXL unavailable ({exc}); the link is taken at the copy speed"
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_owner, args=(child, nbytes), daemon=True)
+    proc = ctx.Process(target=_owner, args=(child, nbytes, slot_bytes), daemon=True)
     proc.start()
     try:
         if not parent.poll(120):
             raise RuntimeError("the owner process sent no metadata in 120 s")
-        meta, descs = parent.recv()
-        times = _read(reader, api, nbytes, meta, descs)
-        return nbytes / statistics.median(times), \
-            f"UCX between two processes, {nbytes >> 20} MiB in 2 MiB descriptors, median of 3"
+        peer = parent.recv()
+        times = _read(reader, peer, nbytes, slot_bytes)
+        return nbytes / statistics.median(times), (
+            f"the service's transport (NixlTransport, UCX, {LANES} lanes, "
+            f"{PIECE_BYTES >> 20} MiB pieces) between two processes, {nbytes >> 20} MiB in "
+            f"{slot_bytes >> 20} MiB slots, median of 3")
     except Exception as exc:  # noqa: BLE001
         return None, f"NIXL read failed ({exc}); the link is taken at the copy speed"
     finally:
@@ -88,3 +81,4 @@ def nixl_read_rate(nbytes: int) -> tuple[float | None, str]:
         proc.join(30)
         if proc.is_alive():
             proc.kill()
+        reader.close()

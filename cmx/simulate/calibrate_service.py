@@ -45,6 +45,7 @@ class ServiceLoads:
     large: dict[str, list[float]] = field(default_factory=dict)  # source -> s
     baselines: dict[str, list[Any]] = field(default_factory=dict)  # source -> speeds, per rep
     notes: list[str] = field(default_factory=list)
+    round_trip_s: list[float] = field(default_factory=list)  # bare Ray actor calls, node a
 
     def add_tiny(self, source: str, n: int, seconds: float) -> None:
         self.tiny.setdefault(source, {}).setdefault(n, []).append(seconds)
@@ -116,6 +117,29 @@ def _loader_class() -> Any:
     return Loader
 
 
+def _round_trips(node: str, n: int = 100) -> list[float]:
+    """Seconds of ``n`` calls to an empty actor method on ``node``: what one hop of the
+    control path costs here, to read the tiny loads' costs by."""
+    import ray
+
+    from cmx.bench.cluster import on_node
+
+    @ray.remote(num_cpus=0)
+    class Echo:
+        def ping(self) -> None:
+            return None
+
+    echo = Echo.options(scheduling_strategy=on_node(node)).remote()  # type: ignore[attr-defined]
+    ray.get(echo.ping.remote(), timeout=CALL_TIMEOUT_S)
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        ray.get(echo.ping.remote(), timeout=CALL_TIMEOUT_S)
+        times.append(time.perf_counter() - t0)
+    ray.kill(echo)
+    return times
+
+
 def _memory(directory: Path, reps: int, blocks: int, out: ServiceLoads,
             log: Callable[[str], None], baseline: Callable[[], Any]) -> None:
     from cmx.bench.cluster import bench_cluster, on_node
@@ -134,6 +158,7 @@ def _memory(directory: Path, reps: int, blocks: int, out: ServiceLoads,
         ns, toks, check = _store(bc.cm, TINY, 1, seed)  # untimed: NIXL connects, code warms
         ray.get(loader.load.remote(TINY, seed, 1, check))
         _timed_load(ns, toks, 1, check)
+        out.round_trip_s = _round_trips(bc.node_a)
         for rep in range(reps):
             log(f"calibration: memory, repetition {rep + 1}/{reps}")
             for n in (*TINY_SIZES, blocks):

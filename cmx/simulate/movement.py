@@ -67,11 +67,12 @@ class Mover:
                 latency + self.spec.network.latency_s)
 
     def cpu_seconds(self, nbytes: int, verified: bool) -> float:
-        """Per-byte CPU work of a load path on a host without a GPU: checksums, copy-out."""
+        """Per-byte CPU work of a load path on a host without a GPU: the copy-out; the agent's
+        checksum of NVMe and network reads (``verified``); the consumer's of every block."""
         s = self.strategy
         t = nbytes / s.copy_out_bandwidth if s.copy_out_bandwidth else 0.0
-        if verified and s.verify_bandwidth:
-            t += nbytes / s.verify_bandwidth
+        if s.verify_bandwidth:
+            t += nbytes / s.verify_bandwidth * (int(verified) + int(s.consumer_verifies))
         return t
 
     # -- loads ---------------------------------------------------------------------------------

@@ -41,6 +41,9 @@ class Strategy:
     gating: bool = True  # break-even: recompute where a load would be slower
     pool: bool = True  # admitted blocks are copied to the pool (rendezvous owners)
     verify_bandwidth: float | None = None  # checksum bytes/s on disk and network reads
+    # The consumer checks each block where it uses it (the client, on a host without a GPU):
+    # one more checksum pass on every load, from any tier, at ``verify_bandwidth``
+    consumer_verifies: bool = False
     copy_out_bandwidth: float | None = None  # a host copy of each loaded byte; None on a GPU
 
     def __post_init__(self) -> None:

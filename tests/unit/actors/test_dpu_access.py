@@ -1,0 +1,194 @@
+"""How an agent reaches its host's bytes: over NIXL from another process (a DPU's), exactly as
+the local access does by mapping the arenas and opening the files; and a process that plays a
+DPU cannot map a host arena or open a host file at all.
+
+The host endpoint runs in a child process (real NIXL: UCX between the processes, POSIX for
+the files); this process is the DPU side.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from cmx.actors.arena_tier import ArenaInfo
+from cmx.actors.dpu_access import (
+    HostAccess,
+    HostAccessForbidden,
+    HostPeer,
+    HostRegion,
+    LocalAccess,
+    NixlAccess,
+)
+from cmx.storage.arena import SharedArena
+from cmx.storage.nvme.dataplane import Extent
+from cmx.tiers import Tier
+
+SLOT = 4 << 20
+
+
+def _serve(conn: Any) -> None:
+    from cmx.actors.dpu_host import HostEndpoint
+
+    endpoint = HostEndpoint("test-host-endpoint")
+    while True:
+        method, args = conn.recv()
+        if method == "stop":
+            return
+        try:
+            conn.send(getattr(endpoint, method)(*args))
+        except Exception as exc:  # noqa: BLE001 - handed to the caller to raise
+            conn.send(exc)
+
+
+class PipeEndpoint:
+    """The host endpoint in a child process, called over a pipe (a Ray actor in the service)."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+    def _call(self, method: str, *args: object) -> Any:
+        self.conn.send((method, args))
+        answer = self.conn.recv()
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def peer(self) -> HostPeer:
+        return self._call("peer")  # type: ignore[no-any-return]
+
+    def attach(self, info: ArenaInfo) -> HostRegion:
+        return self._call("attach", info)  # type: ignore[no-any-return]
+
+    def read_extent(self, extent: Extent, arena: str, slot: int) -> None:
+        self._call("read_extent", extent, arena, slot)
+
+    def write_extent(self, extent: Extent, arena: str, slot: int) -> None:
+        self._call("write_extent", extent, arena, slot)
+
+
+@pytest.fixture(scope="module")
+def host() -> Iterator[tuple[SharedArena, SharedArena, PipeEndpoint]]:
+    dram, hbm = SharedArena.create(8 * SLOT, SLOT), SharedArena.create(8 * SLOT, SLOT)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_serve, args=(child,), daemon=True)
+    proc.start()
+    try:
+        yield dram, hbm, PipeEndpoint(parent)
+    finally:
+        parent.send(("stop", ()))
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+        for arena in (dram, hbm):
+            arena.close()
+            arena.unlink()
+
+
+def _infos(dram: SharedArena, hbm: SharedArena) -> list[ArenaInfo]:
+    return [ArenaInfo(tier, "node", a.name, SLOT, 8, True, f"epoch-{tier.value}")
+            for tier, a in ((Tier.DRAM, dram), (Tier.HBM, hbm))]
+
+
+def _segment(tmp_path: Path) -> str:
+    path = tmp_path / "segment"
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    os.ftruncate(fd, 4 * SLOT)
+    os.close(fd)
+    return str(path)
+
+
+def _scenario(access: HostAccess, dram: SharedArena, hbm: SharedArena, tmp_path: Path) -> None:
+    """Every move of the interface; the bytes checked in the host's own arenas."""
+    rng = np.random.default_rng(7)
+    block = rng.integers(0, 256, SLOT, dtype=np.uint8)
+    for info in _infos(dram, hbm):
+        access.attach(info)
+    access.write(dram.name, 2, block)
+    assert np.array_equal(dram.slot_view(2), block)
+    assert np.array_equal(access.read(dram.name, 2, SLOT), block)
+    access.copy((dram.name, 2), (hbm.name, 5), SLOT - 100)
+    assert np.array_equal(hbm.slot_view(5)[: SLOT - 100], block[: SLOT - 100])
+    extent = Extent(b"k", _segment(tmp_path), 2 * 4096, SLOT - 4096)
+    access.write_extent(extent, dram.name, 2)
+    access.read_extent(extent, hbm.name, 6)
+    assert np.array_equal(hbm.slot_view(6)[: extent.size], block[: extent.size])
+
+
+def test_the_nixl_access_moves_exact_bytes_with_no_view_of_host_memory(
+    host: tuple[SharedArena, SharedArena, PipeEndpoint], tmp_path: Path,
+) -> None:
+    dram, hbm, endpoint = host
+    access = NixlAccess("test-dpu-agent", endpoint, bounce_bytes=3 << 20)  # windows: 3+1 MiB
+    try:
+        _scenario(access, dram, hbm, tmp_path)
+        # A read and a copy's read; a write and a copy's write: every byte over NIXL.
+        assert access.bytes_read == access.bytes_written == 2 * SLOT - 100
+        with pytest.raises(HostAccessForbidden):
+            access.view(dram.name, 2)
+        assert not hasattr(access, "nvme") and not hasattr(access, "_arenas")
+    finally:
+        access.close()
+
+
+def test_the_local_access_does_the_same_through_shared_memory_and_files(
+    host: tuple[SharedArena, SharedArena, PipeEndpoint], tmp_path: Path,
+) -> None:
+    dram, hbm, _ = host
+    access = LocalAccess()
+    try:
+        _scenario(access, dram, hbm, tmp_path)
+    finally:
+        access.close()
+
+
+def _play_dpu(name: str, path: str, conn: Any) -> None:
+    from cmx.actors.dpu_access import forbid_host_access
+    from cmx.storage.nvme.dataplane import ExtentPlane
+
+    forbid_host_access()
+    found = []
+    for attempt in (lambda: SharedArena.attach(name),
+                    lambda: ExtentPlane().read_many([Extent(b"k", path, 0, 4096)],
+                                                    [np.zeros(4096, np.uint8)])):
+        try:
+            attempt()
+            found.append("allowed")
+        except HostAccessForbidden:
+            found.append("forbidden")
+    conn.send(found)
+
+
+def test_a_process_playing_a_dpu_cannot_map_host_memory_or_open_host_files(
+    host: tuple[SharedArena, SharedArena, PipeEndpoint], tmp_path: Path,
+) -> None:
+    dram, _, _ = host
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_play_dpu, args=(dram.name, _segment(tmp_path), child))
+    proc.start()
+    assert parent.poll(120)
+    assert parent.recv() == ["forbidden", "forbidden"]
+    proc.join(30)
+
+
+def test_an_unattached_arena_is_a_typed_error_not_a_stray_address(
+    host: tuple[SharedArena, SharedArena, PipeEndpoint],
+) -> None:
+    from cmx.actors.transport import TransferError
+
+    dram, _, endpoint = host
+    access = NixlAccess("test-dpu-agent-2", endpoint, bounce_bytes=1 << 20)
+    with pytest.raises(TransferError):
+        access.read("cmx-no-such-arena", 0, 16)
+    access.attach(_infos(dram, dram)[0])
+    with pytest.raises(ValueError):
+        access.read(dram.name, 8, 16)  # slot 8 of 8
+    access.close()

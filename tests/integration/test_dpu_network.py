@@ -18,6 +18,7 @@ from lifecycle_support import new_machine
 
 SCENARIO = """
 import json, time, sys, torch, ray
+import numpy as np
 from ray.cluster_utils import Cluster
 from cmx import ContextMemory, KVLayout
 from cmx.config import ServiceConfig
@@ -75,7 +76,8 @@ def probe(agent_self, names, path):
     except Exception as exc:
         found["attach"] = type(exc).__name__
     try:
-        agent_self.nvme.read(Extent(b"k", path, 0, 4096), bytearray(4096))
+        agent_self.nvme.read_many([Extent(b"k" * 32, path, 0, 4096)],
+                                  [np.zeros(4096, np.uint8)])
         found["open"] = "opened"
     except Exception as exc:
         found["open"] = type(exc).__name__

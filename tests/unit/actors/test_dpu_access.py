@@ -26,6 +26,7 @@ from cmx.actors.dpu_access import (
     LocalAccess,
     NixlAccess,
 )
+from cmx.checksum import checksum
 from cmx.storage.arena import SharedArena
 from cmx.storage.nvme.dataplane import Extent
 from cmx.tiers import Tier
@@ -116,7 +117,8 @@ def _scenario(access: HostAccess, dram: SharedArena, hbm: SharedArena, tmp_path:
     assert np.array_equal(access.read(dram.name, 2, SLOT), block)
     access.copy((dram.name, 2), (hbm.name, 5), SLOT - 100)
     assert np.array_equal(hbm.slot_view(5)[: SLOT - 100], block[: SLOT - 100])
-    extent = Extent(b"k", _segment(tmp_path), 2 * 4096, SLOT - 4096)
+    extent = Extent(b"k" * 32, _segment(tmp_path), 2 * 4096, SLOT - 4096,
+                    checksum(block[: SLOT - 4096]))
     access.write_extent(extent, dram.name, 2)
     access.read_extent(extent, hbm.name, 6)
     assert np.array_equal(hbm.slot_view(6)[: extent.size], block[: extent.size])
@@ -156,7 +158,7 @@ def _play_dpu(name: str, path: str, conn: Any) -> None:
     forbid_host_access()
     found = []
     for attempt in (lambda: SharedArena.attach(name),
-                    lambda: ExtentPlane().read_many([Extent(b"k", path, 0, 4096)],
+                    lambda: ExtentPlane().read_many([Extent(b"k" * 32, path, 0, 4096)],
                                                     [np.zeros(4096, np.uint8)])):
         try:
             attempt()

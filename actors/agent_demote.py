@@ -38,7 +38,8 @@ class Demotion(AgentBase):
                 victims = [g for g in victims if self._placed_below(g.victim.key)]  # type: ignore[union-attr]
                 items = [(g.victim.key, g.victim.size, g.victim.checksum) for g in victims]  # type: ignore[union-attr]
                 parents = {g.victim.key: g.victim.parent for g in victims}  # type: ignore[union-attr]
-                self._write_nvme(Tier.DRAM, items, parents,
+                tags = {g.victim.key: g.victim.namespace for g in victims}  # type: ignore[union-attr]
+                self._write_nvme(Tier.DRAM, items, parents, tags,
                                  sources=[self._arena(g.epoch).slot_view(g.slot) for g in victims])
         except CmxError as exc:
             self.dropped["demotion_failed"] += len(victims)
@@ -82,10 +83,11 @@ class Demotion(AgentBase):
 
     def _write_nvme(
         self, tier: Tier, items: Sequence[tuple[BlockHash, int, int | None]],
-        parents: dict[BlockHash, BlockHash | None], sources: Sequence[np.ndarray] | None = None,
+        parents: dict[BlockHash, BlockHash | None], tags: dict[BlockHash, str],
+        sources: Sequence[np.ndarray] | None = None,
     ) -> None:
         """Write blocks to NVMe: from ``sources`` (slots of ``tier``'s arena whose blocks are
-        no longer in it), or pinned in ``tier`` by key."""
+        no longer in it), or pinned in ``tier`` by key. ``tags``: namespace ids, kept on disk."""
         if not items:
             return
         pins: list[Pinned | None] = []
@@ -97,9 +99,8 @@ class Demotion(AgentBase):
             srcs = list(sources)
         extents: list[Extent | None] = []
         try:
-            extents = self._call(
-                Tier.NVME, "reserve", [(k, parents.get(k), n) for k, n, _ in items], self.owner
-            )
+            wanted = [(k, parents.get(k), n, tags.get(k, "")) for k, n, _ in items]
+            extents = self._call(Tier.NVME, "reserve", wanted, self.owner)
             futures = []
             for (_, size, csum), ext, src in zip(items, extents, srcs):
                 if ext is None or src is None:

@@ -88,7 +88,7 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites):
         self._pool: list[str] = []
         self._pool_checked = float("-inf")
         for tier in (Tier.HBM, Tier.DRAM):
-            self._attach(tier)
+            self._attach_when_up(tier)
 
     # -- store ---------------------------------------------------------------------------------
 
@@ -162,7 +162,8 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites):
             self.nvme_admission.record(key)
         through = [s for s in stored
                    if Tier.NVME in self.placement_policy.on_store(self.nvme_admission.admit(s[0]))]
-        self._write_nvme(Tier.DRAM, through, parents_of(keys, parents))
+        self._write_nvme(Tier.DRAM, through, parents_of(keys, parents),
+                         dict.fromkeys(keys, namespace))
         self._pool_write([k for k, _, _ in stored if self._admit(k)], parents_of(keys, parents),
                          replicas or self.config.pool_replication)
         return int(committed)

@@ -10,6 +10,7 @@ the arenas of every tier incarnation still in use (``_arena(epoch)``), and the w
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -19,7 +20,7 @@ from cmx.actors.links import actor_name
 from cmx.actors.scheduler import Scheduler
 from cmx.actors.transport import PeerInfo, Region, Transport
 from cmx.config import ServiceConfig
-from cmx.errors import CmxError
+from cmx.errors import CmxError, UnavailableError
 from cmx.metrics import Histogram
 from cmx.policies.admission import AdmissionPolicy
 from cmx.policies.placement import PlacementPolicy
@@ -35,6 +36,7 @@ _EMPTY_NONE_CALLS = frozenset({"unpin", "abort"})
 _NO_ANSWER = object()
 log = logging.getLogger(__name__)
 
+START_WAIT_S = 180.0  # how long a starting agent waits for its node's tiers to answer
 KEEP_EPOCHS = 4  # arenas of earlier incarnations of a tier kept mapped for grants still in use
 
 
@@ -113,6 +115,20 @@ class AgentBase:
         if mapped is None:
             raise StaleEpochError(f"no arena of epoch {epoch} is mapped here")
         return mapped[1]
+
+    def _attach_when_up(self, tier: Tier, within_s: float = START_WAIT_S) -> None:
+        """``_attach`` at the agent's start, waiting for a tier that is restarting (killed with
+        the agent, or its node restarting): Ray never restarts an actor whose start raised, so
+        an agent that gave up at once would stay dead for good."""
+        deadline = time.monotonic() + within_s
+        while True:
+            try:
+                self._attach(tier)
+                return
+            except UnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
 
     def _attach(self, tier: Tier) -> None:
         info: ArenaInfo = self.link.call(actor_name(tier.value, self.node), "info")

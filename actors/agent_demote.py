@@ -34,7 +34,8 @@ class Demotion(NvmeTransfers):
                 victims = [g for g in victims if self._placed_below(g.victim.key)]  # type: ignore[union-attr]
                 items = [(g.victim.key, g.victim.size, g.victim.checksum) for g in victims]  # type: ignore[union-attr]
                 parents = {g.victim.key: g.victim.parent for g in victims}  # type: ignore[union-attr]
-                self._write_nvme(Tier.DRAM, items, parents,
+                tags = {g.victim.key: g.victim.namespace for g in victims}  # type: ignore[union-attr]
+                self._write_nvme(Tier.DRAM, items, parents, tags,
                                  sources=[self._arena(g.epoch).slot_view(g.slot) for g in victims])
         except CmxError as exc:
             self.dropped["demotion_failed"] += len(victims)

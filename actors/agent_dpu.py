@@ -134,8 +134,9 @@ class DpuAgentActor(AgentActor):
                    and self._placed_below(g.victim.key)]
         items = [(g.victim.key, g.victim.size, g.victim.checksum) for g in victims]  # type: ignore[union-attr]
         parents = {g.victim.key: g.victim.parent for g in victims}  # type: ignore[union-attr]
+        tags = {g.victim.key: g.victim.namespace for g in victims}  # type: ignore[union-attr]
         try:
-            self._write_nvme(Tier.DRAM, items, parents,
+            self._write_nvme(Tier.DRAM, items, parents, tags,
                              sources=[(self._name(g.epoch), g.slot) for g in victims])  # type: ignore[misc]
         except Exception as exc:  # noqa: BLE001 - a demotion that fails drops its blocks
             self.dropped["demotion_failed"] += len(victims)
@@ -143,7 +144,8 @@ class DpuAgentActor(AgentActor):
 
     def _write_nvme(
         self, tier: Tier, items: Sequence[tuple[BlockHash, int, int | None]],
-        parents: dict[BlockHash, BlockHash | None], sources: Sequence[Any] | None = None,
+        parents: dict[BlockHash, BlockHash | None], tags: dict[BlockHash, str],
+        sources: Sequence[Any] | None = None,
     ) -> None:
         """As the host agent's, with host slots named (arena, slot): the bytes are checked
         here after a NIXL read, and the endpoint writes them to the extent on the host."""
@@ -157,8 +159,8 @@ class DpuAgentActor(AgentActor):
             srcs = list(sources)
         extents: list[Extent | None] = []
         try:
-            extents = self._call(
-                Tier.NVME, "reserve", [(k, parents.get(k), n) for k, n, _ in items], self.owner)
+            wanted = [(k, parents.get(k), n, tags.get(k, "")) for k, n, _ in items]
+            extents = self._call(Tier.NVME, "reserve", wanted, self.owner)
             jobs = [(ext, size, csum, self.scheduler.submit(
                 Priority.DEMOTE, functools.partial(self._to_extent, ext, src, size)))
                 for (_, size, csum), ext, src in zip(items, extents, srcs)

@@ -57,11 +57,13 @@ class NvmeTransfers(AgentBase):
 
     def _write_nvme(
         self, tier: Tier, items: Sequence[tuple[BlockHash, int, int | None]],
-        parents: dict[BlockHash, BlockHash | None], sources: Sequence[np.ndarray] | None = None,
+        parents: dict[BlockHash, BlockHash | None], tags: dict[BlockHash, str],
+        sources: Sequence[np.ndarray] | None = None,
     ) -> None:
         """Write blocks to NVMe: from ``sources`` (slots of ``tier``'s arena whose blocks are
         no longer in it), or pinned in ``tier`` by key. All the writes are in flight at once;
-        a block whose bytes changed under the write (``items``' checksum) is not committed."""
+        a block whose bytes changed under the write (``items``' checksum) is not committed.
+        ``tags``: namespace ids, kept on disk with the blocks."""
         if not items:
             return
         pins: list[Pinned | None] = []
@@ -73,9 +75,8 @@ class NvmeTransfers(AgentBase):
             srcs = list(sources)
         extents: list[Extent | None] = []
         try:
-            extents = self._call(
-                Tier.NVME, "reserve", [(k, parents.get(k), n) for k, n, _ in items], self.owner
-            )
+            wanted = [(k, parents.get(k), n, tags.get(k, "")) for k, n, _ in items]
+            extents = self._call(Tier.NVME, "reserve", wanted, self.owner)
             todo = [(e, csum, src) for (_, _, csum), e, src in zip(items, extents, srcs)
                     if e is not None and src is not None]
             if not todo:  # every block is on NVMe already (write-through), or no room

@@ -55,6 +55,7 @@ class Victim:
     size: int
     checksum: int | None
     parent: BlockHash | None
+    namespace: str = ""  # its namespace id, carried to the tier it is demoted to
 
 
 @dataclass(frozen=True)
@@ -331,7 +332,8 @@ class ArenaTierService:
     def _on_evict(self, key: BlockHash, view: object, meta: BlockMeta) -> None:
         slot = self.store.locate(key)
         if slot is not None:
-            self._evicted[slot.slot] = Victim(key, meta.size, meta.checksum, meta.parent)
+            self._evicted[slot.slot] = Victim(key, meta.size, meta.checksum, meta.parent,
+                                              self._tags.get(key, ""))
 
     def _forget_tag(self, event: StoreEvent) -> None:
         if event.kind is EventKind.REMOVED:

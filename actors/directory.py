@@ -72,7 +72,7 @@ class DirectoryShard:
         self._namespaces: list[str] = [""]  # namespace index -> id; 0 is "unknown"
         self._ns_index: dict[str, int] = {"": 0}
         # key -> packed record (see _pack): one small bytes object per block, sources interned
-        # as uint32 and namespaces as uint16 indices, so a block costs ~200 bytes of index.
+        # and namespaces as uint32 indices, so a block costs ~200 bytes of index.
         self._blocks: dict[bytes, bytes] = {}
         self.resyncs = 0
         self.lookups = 0
@@ -207,7 +207,7 @@ class DirectoryShard:
             idx = self._free_sources.pop()
             self._sources[idx] = source
         else:
-            if len(self._sources) > _MAX_SOURCE:
+            if len(self._sources) > _MAX_INDEX:
                 raise OverflowError(f"directory shard {self.shard_id} follows "
                                     f"{len(self._sources)} sources, its most")
             idx = len(self._sources)
@@ -217,10 +217,12 @@ class DirectoryShard:
 
     def _add(self, idx: int, entry: Entry) -> None:
         ns = self._ns_index.get(entry.namespace)
-        if ns is None and len(self._namespaces) < 0xFFFF:
+        if ns is None:
+            if len(self._namespaces) > _MAX_INDEX:
+                raise OverflowError(f"directory shard {self.shard_id} knows "
+                                    f"{len(self._namespaces)} namespaces, its most")
             ns = self._ns_index[entry.namespace] = len(self._namespaces)
             self._namespaces.append(entry.namespace)
-        ns = ns or 0  # past 65,535 namespaces a shard stops tagging new ones
         record = self._blocks.get(entry.key)
         if record is None:
             self._blocks[entry.key] = _pack(entry.size, entry.checksum, (idx,), ns)
@@ -244,12 +246,13 @@ class DirectoryShard:
             del self._blocks[key]
 
 
-# A block's record: checksum u64, size u32, namespace index u16, then one u32 per source (a
-# shard follows every tier of every node that ever joined and has not left: u16 ran out).
-_HEAD = struct.Struct("<QIH")
+# A block's record: checksum u64, size u32, namespace index u32, then one u32 per source (a
+# shard follows every tier of every node that ever joined and has not left, and every namespace
+# it was told of, one per tenant salt: u16 ran out for both).
+_HEAD = struct.Struct("<QII")
 _SOURCE = "I"
 _SOURCE_BYTES = struct.calcsize(_SOURCE)
-_MAX_SOURCE = (1 << (8 * _SOURCE_BYTES)) - 1
+_MAX_INDEX = (1 << (8 * _SOURCE_BYTES)) - 1
 
 
 def _pack(size: int, csum: int, srcs: tuple[int, ...], ns: int) -> bytes:

@@ -3,8 +3,10 @@
 The tier hands out extents and records commits; the offload agent writes and reads the
 bytes (``actors.agent_nvme``). Protocol, in call order:
 
-1. ``reserve([(key, parent, size)], owner)`` -> an Extent per key (None if already stored
-   or no room). Space is held until commit, abort or the reservation's lease expires.
+1. ``reserve([(key, parent, size[, namespace])], owner)`` -> an Extent per key (None if
+   already stored or no room). Space is held until commit, abort or the reservation's lease
+   expires. The namespace id is kept with the block on disk, so the directory learns it again
+   after this tier or the directory restarts (a namespace drop finds the block).
 2. The agent writes the extent, then ``commit([(lease, size, checksum, chunk_sums)])``; the
    segment data is made durable and the index record journaled before the block is visible.
 3. Compaction (inside a ``reserve`` that needs room) is decided here and its copies made by
@@ -36,6 +38,8 @@ from cmx.tiers import Tier
 __all__ = ["NvmeTierService", "extent_holdings"]
 
 DEFAULT_LEASE_S = 120.0
+# (key, parent, size) or (key, parent, size, namespace id)
+Reserve = tuple[BlockHash, BlockHash | None, int] | tuple[BlockHash, BlockHash | None, int, str]
 
 
 class NvmeTierService:
@@ -71,6 +75,7 @@ class NvmeTierService:
             ),
             self._holdings,
             self.store.event_lock,
+            self._tag,
         )
         self.store.subscribe(self.publisher.on_event)
 
@@ -78,13 +83,13 @@ class NvmeTierService:
         return {"tier": self.tier.value, "node": self.node, "epoch": self.epoch,
                 "root": self.store.root}
 
-    def reserve(
-        self, items: Sequence[tuple[BlockHash, BlockHash | None, int]], owner: str
-    ) -> list[Extent | None]:
+    def reserve(self, items: Sequence[Reserve], owner: str) -> list[Extent | None]:
         self.leases.expire()
         out: list[Extent | None] = []
-        for key, parent, size in items:
-            pending = self.store.reserve_extent(key, parent, size)
+        for item in items:
+            key, parent, size = item[0], item[1], item[2]
+            namespace = item[3] if len(item) == 4 else ""
+            pending = self.store.reserve_extent(key, parent, size, namespace)
             if pending is None:
                 out.append(None)
                 continue
@@ -171,7 +176,10 @@ class NvmeTierService:
         return [key in self.store for key in keys]
 
     def evict(self, keys: Sequence[BlockHash]) -> int:
+        """Delete unpinned blocks, durably (a namespace drop stays dropped across a restart)."""
         gone = self.store.delete_unpinned(keys)
+        if gone:
+            self.store.flush()
         self.publisher.flush()
         return gone
 
@@ -217,6 +225,11 @@ class NvmeTierService:
     def _holdings(self) -> list[Entry]:
         return extent_holdings(self.store)
 
+    def _tag(self, key: bytes) -> str:
+        """The namespace id a just-stored block was reserved with (the store keeps it)."""
+        entry = self.store.entry_of(key)
+        return entry.tag if entry is not None else ""
+
 
 class AgentMover(Mover):
     """Compaction's bytes, moved by the node's agent (its data plane): the tier decides the
@@ -236,5 +249,5 @@ def extent_holdings(store: ExtentBooks) -> list[Entry]:
     for key in store.keys():
         entry = store.entry_of(key)
         if entry is not None:
-            entries.append(Entry(key, True, entry.length, entry.checksum))
+            entries.append(Entry(key, True, entry.length, entry.checksum, entry.tag))
     return entries

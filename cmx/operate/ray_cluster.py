@@ -35,6 +35,9 @@ __all__ = ["ClusterUnreachableError", "current_cluster", "forget_head", "join", 
 
 log = logging.getLogger(__name__)
 
+START_ATTEMPTS = 3  # starts of an embedded cluster tried before its error is raised
+RAYLET_TIMEOUT = "timed out during startup"  # Ray's message when a raylet missed registering
+
 DEFAULT_JOIN_TIMEOUT_S = 30.0
 
 
@@ -103,13 +106,25 @@ def join(address: str, timeout_s: float = DEFAULT_JOIN_TIMEOUT_S, **ray_init: An
     return target
 
 
-def start_own(**ray_init: Any) -> str:
+def start_own(attempts: int = START_ATTEMPTS, **ray_init: Any) -> str:
     """Start a new local Ray cluster for this process (never one already running); returns its
-    GCS address. ``ray.shutdown()`` stops it."""
+    GCS address. ``ray.shutdown()`` stops it.
+
+    Ray gives a new raylet 30 s to register with its GCS, which a loaded machine can miss; such
+    a start is tried again (with a warning), up to ``attempts`` times in all."""
     import ray
 
     ray_init.setdefault("namespace", RAY_NAMESPACE)
-    ray.init(address="local", **ray_init)
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(address="local", **ray_init)
+            break
+        except Exception as exc:  # Ray raises a bare Exception for this timeout
+            if RAYLET_TIMEOUT not in str(exc) or attempt == attempts:
+                raise
+            log.warning("starting a local Ray cluster failed (attempt %d of %d): %s; trying "
+                        "again", attempt, attempts, exc)
+            ray.shutdown()
     return str(ray.get_runtime_context().gcs_address)
 
 

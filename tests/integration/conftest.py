@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -18,16 +18,28 @@ from support import BLOCK
 from cmx.config import ServiceConfig
 
 
+def patiently(start: Callable[[], Any], attempts: int = 3) -> Any:
+    """Start a Ray node: Ray gives a raylet 30 s to register, which a loaded machine can miss,
+    so a timed-out start is tried again."""
+    for attempt in range(attempts):
+        try:
+            return start()
+        except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception on this timeout
+            if "timed out during startup" not in str(exc) or attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[Any]:
     import ray
     from ray.cluster_utils import Cluster
 
-    c = Cluster(
+    c = patiently(lambda: Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 2, "resources": {"head": 1}},
-    )
-    c.add_node(num_cpus=1, resources={"worker": 1})
+    ))
+    patiently(lambda: c.add_node(num_cpus=1, resources={"worker": 1}))
     c.wait_for_nodes()
     # Workers import the test helpers (support.py) by module name, as the driver does.
     here = os.path.dirname(__file__)

@@ -81,10 +81,6 @@ def _moved(node_id: str, within_s: float = 60.0) -> bool:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.xfail(
-    reason="failed in one of two clean-clone suite runs, passed alone and in the other; cause open",
-    strict=False,
-)
 def test_a_dpu_that_joins_after_its_host_takes_its_agent_over(
     cluster: Any, cm: Any, config: Any
 ) -> None:

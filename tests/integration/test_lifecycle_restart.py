@@ -1,6 +1,7 @@
 """A node keeps its disk: data written through to NVMe is found again, byte for byte, after the
 embedded cluster restarts (new Ray node ids); an old store directory nobody claims is listed as
-an orphan and collected by the admin action."""
+an orphan and collected by the admin action; the blocks keep their namespace, so a namespace drop
+after the restart finds them."""
 
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ else:
     out["orphans"] = sorted({o.name for found in list_orphans().values() for o in found})
     out["orphan_dirs"] = nvme().get("orphan_dirs")
     out["collected"] = sorted({o.name for r in collect_orphans().values() for o in r})
+    out["dropped"] = cm.drop_namespace(ns.namespace)  # found by the tag kept on disk
+    out["found_after_drop"] = ns.lookup(tokens).num_tokens
 out["nvme_blocks"] = nvme()["blocks"]
 out["store_id"] = nvme().get("store_id")
 cm.shutdown()
@@ -68,11 +71,14 @@ def test_written_through_blocks_are_found_again_after_the_cluster_restarts(
     second = m.python("PHASE = 2\n" + PHASE, timeout_s=300)
     assert second["node"] != first["node"]  # a new Ray node id ...
     assert second["store_id"] == first["store_id"]  # ... on the same store
-    assert second["nvme_blocks"] == 24
     assert second["found"] == 24 * 16 and second["tiers"] == {"nvme": 24}
     assert second["exact"] is True
     assert second["orphans"] == ["0123456789abcdef"] and second["orphan_dirs"] == 1
     assert second["collected"] == ["0123456789abcdef"] and not old.exists()
+    # The blocks kept their namespace on disk: a drop after the restart finds and drops them.
+    # (24 on NVMe, and the copies the load above made in HBM and DRAM)
+    assert second["dropped"] >= 24 and second["found_after_drop"] == 0
+    assert second["nvme_blocks"] == 0
     assert sorted(p.name for p in (tmp_path / "nvme").iterdir()) == [
         f"node-{first['store_id']}", f"node-{first['store_id']}.claim"]
     shutil.rmtree(m.ray_tmp, ignore_errors=True)

@@ -14,6 +14,7 @@ from cmx.operate.ray_cluster import (
     current_cluster,
     forget_head,
     resolve,
+    start_own,
     wait_for_gcs,
 )
 
@@ -87,3 +88,46 @@ def test_addresses_split_and_local_hosts() -> None:
         split_address("no-port")
     assert is_local("127.0.0.1") and is_local(socket.gethostname())
     assert not is_local("192.0.2.254")  # TEST-NET: no interface here has it
+
+
+def test_an_embedded_start_that_misses_the_raylet_deadline_is_tried_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import ray
+
+    calls: list[str] = []
+
+    def init(address: str, **_: object) -> None:
+        calls.append(address)
+        if calls.count("local") < 3:
+            raise Exception("The current node timed out during startup. This could happen ...")
+
+    class Context:
+        gcs_address = "127.0.0.1:6380"
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: Context())
+    assert start_own() == "127.0.0.1:6380"
+    assert calls == ["local", "shutdown", "local", "shutdown", "local"]
+    calls.clear()
+    with pytest.raises(Exception, match="timed out during startup"):
+        start_own(attempts=2)
+    assert calls == ["local", "shutdown", "local"]
+
+
+def test_an_embedded_start_that_fails_otherwise_is_not_tried_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import ray
+
+    calls: list[str] = []
+
+    def init(address: str, **_: object) -> None:
+        calls.append(address)
+        raise ValueError("bad argument")
+
+    monkeypatch.setattr(ray, "init", init)
+    with pytest.raises(ValueError, match="bad argument"):
+        start_own()
+    assert calls == ["local"]

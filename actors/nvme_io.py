@@ -34,6 +34,7 @@ class Extent:
     size: int  # payload bytes; the extent on disk is align_up(size)
     checksum: int = 0  # of the payload, once committed
     lease: int = 0  # of the pin or reservation that hands it out: end it by this id
+    chunk_sums: bytes = b""  # of a pinned block: XXH3-64 per 128 KiB chunk, for slice reads
 
 
 class NvmeIo:
@@ -52,6 +53,12 @@ class NvmeIo:
         with self._open(ext.path) as fd:
             self.engine.read([(fd, ext.offset, _front(slot, ext.size))])
         self.bytes_read += ext.size
+
+    def read_at(self, path: str, ios: list[tuple[int, np.ndarray]]) -> None:
+        """Read each (file offset, page-aligned buffer) of ``path``, all in flight at once."""
+        with self._open(path) as fd:
+            self.engine.read([(fd, offset, dst) for offset, dst in ios])
+        self.bytes_read += sum(dst.nbytes for _, dst in ios)
 
     def write(self, ext: Extent, slot: np.ndarray) -> None:
         """Write the front of ``slot`` (a page-aligned arena slot) to the extent."""

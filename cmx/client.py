@@ -27,6 +27,7 @@ from cmx.layout import KVLayout
 from cmx.links import RayLink
 from cmx.operate.ray_cluster import DEFAULT_JOIN_TIMEOUT_S, join_or_start
 from cmx.protocol import Copy, Loaded, Priority, actor_name, best_copy, shard_of
+from cmx.selection import IndexSpec, Selection
 from cmx.storage.arena import SharedArena
 from cmx.tiers import Tier
 
@@ -334,10 +335,20 @@ class NamespaceClient:
             blocks.append(BlockLocation(key, best.tier, best.node, tuple(found)))
         return Match(len(blocks) * self.layout.block_tokens, tuple(blocks))
 
-    def load(self, token_ids: object, match: Match | None = None) -> Any:
-        """KV [layers, 2, kv_heads, n, head_dim] of the longest loadable cached prefix."""
+    def load(self, token_ids: object, match: Match | None = None, layers: IndexSpec = None,
+             heads: IndexSpec = None) -> Any:
+        """KV [layers, 2, kv_heads, n, head_dim] of the longest loadable cached prefix.
+
+        ``layers`` / ``heads`` (an index, a range or slice of step 1, consecutive indices):
+        only those, [len(layers), 2, len(heads), n, head_dim], and only their bytes moved
+        (``cmx.client_slices``); SelectionError for a selection outside the layout."""
         import torch
 
+        if layers is not None or heads is not None:
+            from cmx.client_slices import load_selection
+
+            selection = Selection.of(self.layout, layers, heads)
+            return load_selection(self, selection, match or self.lookup(token_ids))
         match = match or self.lookup(token_ids)
         T = self.layout.block_tokens
         out = torch.empty(self.layout.shape(match.num_blocks * T), dtype=self.layout.torch_dtype())

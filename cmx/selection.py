@@ -23,6 +23,7 @@ copy, or is a miss; bytes that fail step 2 make the load stop there (a shorter p
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -82,7 +83,9 @@ class Selection:
             raise LayoutMismatchError(
                 f"selected bytes are {data.nbytes}, the selection is {self.block_bytes(layout)}")
         nl, nh, t, d = len(self.layers), len(self.heads), layout.block_tokens, layout.head_dim
-        flat = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8))
+        with warnings.catch_warnings():  # a read-only array (Ray's) is only ever read here
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8))
         t5 = flat.view(layout.torch_dtype())
         if layout.order is PayloadOrder.LAYER_MAJOR:
             return t5.reshape(nl, 2, nh, t, d)

@@ -137,3 +137,38 @@ def _flip(ext: Extent, at: int) -> None:
         os.pwrite(fd, bytes([b[0] ^ 0xFF]), ext.offset + at)
     finally:
         os.close(fd)
+
+
+def test_a_pool_node_serves_a_selection_from_staging_or_from_its_disk(
+    store: ExtentStore, io: CountingIo
+) -> None:
+    from cmx.actors.pool_slices import pool_selection
+    from cmx.checksum import checksum
+    from cmx.storage.dram import DramStore
+
+    layout = KVLayout(**GEOMETRY, order=PayloadOrder.HEAD_MAJOR)  # type: ignore[arg-type]
+    ext, payload = put_block(store, io, layout)
+    runs = Selection.of(layout, None, 4).runs(layout)
+    want = gather(payload, runs)
+    staging = DramStore(2 * layout.block_bytes, layout.block_bytes)
+    try:
+        io.ranges.clear()
+        (disk,) = pool_selection("pool-a", staging, store, io, [ext.key], runs)
+        assert disk is not None and np.array_equal(disk.data, want)
+        assert disk.checksum == checksum(want)
+        assert sum(n for _, n in io.ranges) == want.nbytes  # only the head's chunks
+
+        r = staging.reserve(ext.key)  # staged: served from memory, disk untouched
+        r.buffer[: payload.nbytes] = payload
+        staging.commit(r, payload.nbytes, checksum(payload))
+        io.ranges.clear()
+        (mem,) = pool_selection("pool-a", staging, store, io, [ext.key], runs)
+        assert mem is not None and np.array_equal(mem.data, want) and not io.ranges
+
+        r = staging.reserve(b"\x01" * 32)  # a staged copy that lies is dropped, never served
+        r.buffer[: payload.nbytes] = payload
+        staging.commit(r, payload.nbytes, checksum(payload) ^ 1)
+        (bad,) = pool_selection("pool-a", staging, store, io, [b"\x01" * 32], runs)
+        assert bad is None and b"\x01" * 32 not in staging
+    finally:
+        staging.close()

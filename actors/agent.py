@@ -39,6 +39,7 @@ from cmx.actors.agent_fetch import RemoteFills, StagedAhead
 from cmx.actors.agent_nvme import Extent, make_nvme_plane
 from cmx.actors.agent_peers import PeerServing
 from cmx.actors.agent_pool import PoolWrites
+from cmx.actors.agent_slices import SliceServing
 from cmx.actors.arena_tier import ArenaInfo, Grant, Pinned
 from cmx.actors.directory import Copy
 from cmx.actors.links import actor_name
@@ -61,7 +62,7 @@ log = logging.getLogger(__name__)
 
 
 
-class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites):
+class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites, SliceServing):
     def __init__(self, node: str, config: ServiceConfig, link: object) -> None:
         self.node = node
         self.config = config

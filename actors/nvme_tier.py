@@ -138,7 +138,7 @@ class NvmeTierService:
                 continue
             lease = self.leases.grant(owner, LeaseKind.PIN, key, self._unpin_later(key))
             out.append(Extent(key, self.store.segment_path(entry.seg), entry.offset,
-                              entry.length, entry.checksum, lease))
+                              entry.length, entry.checksum, lease, entry.chunk_sums))
         return out
 
     def unpin(self, leases: Sequence[int | BlockHash]) -> None:

@@ -30,12 +30,14 @@ from cmx.actors.directory import Entry, Source
 from cmx.actors.events import EventPublisher
 from cmx.actors.leases import Clock, LeaseKind, Leases
 from cmx.actors.nvme_tier import extent_holdings
+from cmx.actors.pool_slices import pool_selection
 from cmx.actors.transport import Move, PeerInfo, Region, TransferError, make_transport
 from cmx.checksum import checksum
 from cmx.errors import BlockStateError, CmxError, StoreFullError, UnavailableError
 from cmx.keys import BlockHash
 from cmx.policies.rendezvous import owners
 from cmx.protocol import Offer, Staged
+from cmx.selection import Runs, SlicedBlock
 from cmx.storage.dram import DramStore, Reservation
 from cmx.storage.nvme.dataplane import Extent, ExtentPlane, PlaneMover
 from cmx.storage.nvme.extents import ExtentBooks, PendingExtent
@@ -137,6 +139,12 @@ class PoolNodeService:
             out.append(Staged(key, Tier.POOL, region, ref.slot, ref.size, ref.checksum or 0,
                               Tier.POOL, lease))
             self.served += 1
+        return out
+
+    def read_selection(self, keys: Sequence[BlockHash], runs: Runs) -> list[SlicedBlock | None]:
+        """The selected bytes of ``keys`` held here, for a partial load (``pool_slices``)."""
+        out = pool_selection(self.node, self.staging, self.store, self.io, keys, runs)
+        self.publisher.flush()
         return out
 
     def unstage(self, staged: Sequence[Staged]) -> None:

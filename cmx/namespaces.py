@@ -23,6 +23,7 @@ from cmx.errors import CmxError, LayoutMismatchError
 from cmx.keys import BlockHash, Namespace, chain_keys
 from cmx.layout import KVLayout
 from cmx.protocol import Copy, Loaded, Priority, actor_name, best_copy
+from cmx.selection import IndexSpec, Selection
 from cmx.storage.arena import SharedArena
 from cmx.stores import StoreHandle, store_into_dram
 from cmx.tiers import Tier
@@ -110,12 +111,22 @@ class NamespaceClient:
             blocks.append(BlockLocation(key, best.tier, best.node, tuple(found)))
         return tuple(blocks)
 
-    def load(self, token_ids: object, match: Match | None = None) -> Any:
+    def load(self, token_ids: object, match: Match | None = None, layers: IndexSpec = None,
+             heads: IndexSpec = None) -> Any:
         """KV [layers, 2, kv_heads, n, head_dim] of the longest loadable cached prefix.
 
         Without ``match``, this node's memory is asked first and the directory only for what
-        it does not hold; with one, the prefix ``match`` shows in this node's memory is."""
+        it does not hold; with one, the prefix ``match`` shows in this node's memory is.
+        ``layers`` / ``heads`` (an index, a range or slice of step 1, consecutive indices):
+        only those, [len(layers), 2, len(heads), n, head_dim], and only their bytes moved
+        (``cmx.client_slices``); SelectionError for a selection outside the layout."""
         import torch
+
+        if layers is not None or heads is not None:
+            from cmx.client_slices import load_selection
+
+            selection = Selection.of(self.layout, layers, heads)
+            return load_selection(self, selection, match or self.lookup(token_ids))
 
         keys = [b.key for b in match.blocks] if match is not None else self.keys(token_ids)
         T = self.layout.block_tokens

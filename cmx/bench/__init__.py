@@ -10,6 +10,7 @@ here. Every figure is a ratio to a baseline measured in the same run (see ``core
     storage  "nvme", "dram": NvmeStore and DramStore bandwidth against fio and memcpy
     slices   "slices": one KV head as 512-byte pieces, served by NvmeStore.read_runs
     service  "transfer", "directory", "pool": the service on a local multi-node Ray cluster
+    heads    "heads": one KV head of eight through the service against a whole load, per tier
     hits     "service": local hits against Ray round trips; the client's checksum of a load
     dpu      "dpu": loads through an agent on the host and one on a DPU over NIXL
     cluster  that cluster
@@ -33,6 +34,7 @@ SUITES: dict[str, str] = {
     "transfer": "cmx.bench.service:run_transfer",
     "directory": "cmx.bench.service:run_directory",
     "pool": "cmx.bench.service:run_pool",
+    "heads": "cmx.bench.heads:run_heads",
     "service": "cmx.bench.hits:run_service",
     "lmcache": "cmx.bench.peer:run_lmcache",
     "prefetch": "cmx.bench.prefetch:run_prefetch",

@@ -52,6 +52,7 @@ class Extent:
     size: int  # payload bytes; the extent on disk is extent_bytes(size)
     checksum: int = 0  # of the payload, once committed
     lease: int = 0  # of the pin or reservation that hands it out: end it by this id
+    chunk_sums: bytes = b""  # of a pinned block: XXH3-64 per 128 KiB chunk, for slice reads
 
     @property
     def length(self) -> int:
@@ -153,6 +154,14 @@ class ExtentPlane:
             c["blocks_read"] += len(extents)
             c["bad_reads"] += len(books.bad)
         return hits
+
+    def read_at(self, path: str, ios: Sequence[tuple[int, np.ndarray]]) -> None:
+        """Read each (file offset, page-aligned buffer) of ``path``, all in flight at once:
+        the chunks of a partial load, checked by the caller against the chunk checksums."""
+        with self._open(path) as fd:
+            self.io.engine.read([(fd, offset, dst) for offset, dst in ios])
+        with self._lock:
+            self._counts["bytes_read"] += sum(dst.nbytes for _, dst in ios)
 
     # -- writes --------------------------------------------------------------------------------
 

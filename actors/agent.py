@@ -107,7 +107,6 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites, SliceServing)
         """
         if not keys:
             return 0
-        start_time = time.perf_counter()
         size = payload.nbytes // len(keys)
         window = max(1, self._arenas[Tier.DRAM][0].num_slots // 2)
         done = 0
@@ -117,7 +116,6 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites, SliceServing)
                 keys[start:stop], parents[start:stop], payload[start * size : stop * size], size,
                 namespace, replicas or self.config.pool_replication,
             )
-        self.latency["store"].observe(time.perf_counter() - start_time)
         return done
 
     def _store_window(
@@ -153,7 +151,9 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites, SliceServing)
     ) -> int:
         """Commit the written slots (grant, size, checksum of each) and place the blocks: NVMe
         with write-through, the pool if admitted. How many were committed (a grant of a DRAM
-        incarnation that since restarted commits nothing)."""
+        incarnation that since restarted commits nothing). Its time is the agent's "store"
+        latency: the writer's copy is the writer's."""
+        start_time = time.perf_counter()
         committed = self._call(Tier.DRAM, "commit", [(g.lease, n, c) for g, n, c in done],
                                namespace)
         stored = [(g.key, n, c) for g, n, c in done]
@@ -167,6 +167,7 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites, SliceServing)
                          dict.fromkeys(keys, namespace))
         self._pool_write([k for k, _, _ in stored if self._admit(k)], parents_of(keys, parents),
                          replicas or self.config.pool_replication)
+        self.latency["store"].observe(time.perf_counter() - start_time)
         return int(committed)
 
     def _copy_in(

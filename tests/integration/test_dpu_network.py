@@ -110,10 +110,10 @@ def test_a_dpu_agent_moves_every_host_byte_through_nixl(tmp_path: Path) -> None:
     assert out["exact_nvme"] is True
     access, block = out["host_access"], out["block"]
     assert access["name"] == "nixl-dpu"
-    # Stores wrote 16 blocks to the host; the DRAM load read 4 and wrote them into HBM; the
-    # demotions read what they wrote to NVMe; the NVMe load read back 4 to verify them.
-    assert access["bytes_written"] >= (16 + 4) * block
-    assert access["bytes_read"] >= (4 + 4 + 4) * block
+    # Stores and the DRAM hit are the client's own copies on the host (its shared memory);
+    # what the DPU agent moved: the demotions read at least b's 4 blocks over NIXL before the
+    # host wrote them to NVMe, and the NVMe load read b's 4 back to verify them.
+    assert access["bytes_read"] >= (4 + 4) * block
     assert out["moved"].get("nvme->hbm", 0) == 4 * block
     assert out["probe"] == {"mapped": [], "attach": "HostAccessForbidden",
                             "open": "HostAccessForbidden"}

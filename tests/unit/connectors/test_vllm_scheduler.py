@@ -216,3 +216,30 @@ def test_namespace_salts(base: str, salt: str | None, expected: str) -> None:
 def test_unknown_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="unknown"):
         ConnectorSettings.from_extra({"gating": False})
+
+
+@pytest.mark.parametrize("params,load,store", [
+    (None, True, True),
+    ({"other_connector": {"x": 1}}, True, True),
+    ({"cmx": {}}, True, True),
+    ({"cmx": {"skip": True}}, False, False),
+    ({"cmx": {"skip": False, "load": True, "store": True}}, True, True),
+    ({"cmx": {"load": False}}, False, True),
+    ({"cmx": {"store": False}}, True, False),
+    ({"cmx": {"skip": "yes"}}, False, False),  # malformed: kept out, never in
+    ({"cmx": {"skipp": True}}, False, False),
+    ({"cmx": True}, False, False),
+])
+def test_a_request_keeps_itself_out_of_the_cache(params: Any, load: bool, store: bool) -> None:
+    s, ns = side(cached=8)
+    s.track("r", PROMPT, None, params)
+    offered = s.matched_tokens("r", 0)
+    assert offered == (8 if load else 0)
+    assert ns.asked == ([16] if load else [])  # a request that loads nothing asks nothing
+    if offered:
+        s.after_alloc("r", offered)
+    meta = s.build_step([new_req("r", [7, 3, 9, 1, 5], offered)], NONE, {"r": 18 - offered},
+                        [])
+    assert [x.block_ids for x in meta.loads] == ([(7, 3)] if load else [])
+    expected = [(9, 1)] if load else [(7, 3, 9, 1)]
+    assert [x.block_ids for x in meta.saves] == (expected if store else [])

@@ -94,6 +94,11 @@ class SchedulerSide:
         self._lookups: dict[str, Future[Any]] = {}
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="cmx-lookup")
         self._lock = threading.Lock()
+        # Reports handed to vLLM this step, by request. vLLM frees a request that finishes in
+        # a step (a one-token completion: its load's step) before it passes the workers'
+        # report of that step on (``update_connector_output``), and sends the report it got
+        # only after both: what the workers say then still reaches it, through this dict.
+        self._finishing: dict[str, dict[str, Any]] = {}
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -160,13 +165,17 @@ class SchedulerSide:
             future.cancel()
         if state is None:
             return None
-        return {k: v for k, v in state.report.items() if not k.startswith("_")}
+        report = {k: v for k, v in state.report.items() if not k.startswith("_")}
+        if report:
+            self._finishing[req_id] = report
+        return report
 
     # -- steps ---------------------------------------------------------------------------------
 
     def build_step(self, new: Sequence[Any], cached: Any, num_scheduled: dict[str, int],
                    finished: Iterable[str]) -> CMXStepMetadata:
         meta = CMXStepMetadata()
+        self._finishing.clear()  # vLLM has sent last step's reports
         for req_id in finished:
             self.finished(req_id)
         for req in new:
@@ -213,26 +222,30 @@ class SchedulerSide:
     def take_report(self, report: CMXWorkerReport) -> None:
         """What the workers did last step: per-request figures, and measurements for the gate."""
         for load in report.loads:
-            state = self.requests.get(load.req_id)
-            if state is not None:
-                state.report["loaded_tokens"] = (state.report.get("loaded_tokens", 0)
-                                                 + load.loaded_tokens)
+            figures = self._report_of(load.req_id)
+            if figures is not None:
+                figures["loaded_tokens"] = figures.get("loaded_tokens", 0) + load.loaded_tokens
                 if load.loaded_tokens < load.asked_tokens:
-                    state.report["load_failed_tokens"] = load.asked_tokens - load.loaded_tokens
+                    figures["load_failed_tokens"] = load.asked_tokens - load.loaded_tokens
             if load.loaded_tokens and load.seconds > 0:
                 self.gate.observe_load(load.sources, load.seconds)
         for req_id, tokens in report.stored.items():
-            state = self.requests.get(req_id)
-            if state is not None:
-                state.report["stored_tokens"] = state.report.get("stored_tokens", 0) + tokens
+            figures = self._report_of(req_id)
+            if figures is not None:
+                figures["stored_tokens"] = figures.get("stored_tokens", 0) + tokens
         for req_id, tokens in report.dropped.items():
-            state = self.requests.get(req_id)
-            if state is not None:
-                state.report["store_dropped_tokens"] = tokens
+            figures = self._report_of(req_id)
+            if figures is not None:
+                figures["store_dropped_tokens"] = tokens
         if len(report.computed) == 1 and report.step_s > 0 and not report.loads:
             start, end = report.computed[0]
             if end - start > 1:  # a prefill chunk, alone in its step: a clean measurement
                 self.gate.observe_prefill(start, end, report.step_s)
+
+    def _report_of(self, req_id: str) -> dict[str, Any] | None:
+        """The report of a running request, or of one that finished this step."""
+        state = self.requests.get(req_id)
+        return state.report if state is not None else self._finishing.get(req_id)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

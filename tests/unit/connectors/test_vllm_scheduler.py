@@ -243,3 +243,21 @@ def test_a_request_keeps_itself_out_of_the_cache(params: Any, load: bool, store:
     assert [x.block_ids for x in meta.loads] == ([(7, 3)] if load else [])
     expected = [(9, 1)] if load else [(7, 3, 9, 1)]
     assert [x.block_ids for x in meta.saves] == (expected if store else [])
+
+
+def test_a_request_that_finishes_in_its_load_step_still_gets_the_workers_figures() -> None:
+    # vLLM frees a one-token request before it passes on the workers' report of that step,
+    # and sends the request's kv_transfer_params after both.
+    s, _ = side(cached=8)
+    s.track("r", PROMPT, None)
+    assert s.matched_tokens("r", 0) == 8
+    s.after_alloc("r", 8)
+    s.build_step([new_req("r", [7, 3, 9, 1, 5], 8)], NONE, {"r": 10}, [])
+    sent = s.finished("r")
+    assert sent is not None and "loaded_tokens" not in sent
+    s.take_report(CMXWorkerReport(loads=[LoadResult("r", 8, 8, 8 * 1024, 0.01, ())],
+                                  stored={"r": 8}))
+    assert sent["loaded_tokens"] == 8 and sent["stored_tokens"] == 8
+    s.build_step([], NONE, {}, [])  # the next step: last step's reports are gone
+    s.take_report(CMXWorkerReport(stored={"r": 4}))
+    assert sent["stored_tokens"] == 8 and s._finishing == {}

@@ -61,6 +61,9 @@ def serve(
              "started if nothing answers there).", show_default=False)] = None,
     prefetch: Annotated[str, typer.Option(
         help="Prefetch policy: best_effort, wait_complete or timeout.")] = "wait_complete",
+    dtype: Annotated[str, typer.Option(
+        help="Weights and KV cache: bfloat16, float16 or float32 (float32: greedy output with "
+             "and without the cache is the same token for token).")] = "bfloat16",
     stop: Annotated[bool, typer.Option("--stop", help="Stop what `cmx serve` started.")] = False,
 ) -> None:
     """Start the OpenAI-compatible application in the background; print its base URL."""
@@ -84,8 +87,12 @@ def serve(
         err.print(f"[red]error:[/] unknown prefetch policy {prefetch!r}; known: "
                   f"{', '.join(sorted(PREFETCH_POLICIES))}")
         raise typer.Exit(code=2)
+    if dtype not in ("bfloat16", "float16", "float32"):
+        err.print(f"[red]error:[/] unknown dtype {dtype!r}; known: bfloat16, float16, float32")
+        raise typer.Exit(code=2)
     options = ServeOptions(model=_model(model), replicas=replicas,  # type: ignore[arg-type]
-                           engine=EngineOptions(prefetch=prefetch))
+                           engine=EngineOptions(prefetch=prefetch,
+                                                dtype=dtype))  # type: ignore[arg-type]
     try:
         with err.status("starting"):
             state, already = launch.start(options, address, port, step=lambda s: err.log(s))

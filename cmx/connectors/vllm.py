@@ -17,7 +17,10 @@ metadata and the workers' reports (``vllm_meta``) are all that passes between th
 only wires vLLM's hooks to the two.
 
 A request's namespace is (model, KV layout, salt): the salt is the connector's ``salt`` with
-the request's ``cache_salt``, so tenants with different cache salts never share a block.
+the request's ``cache_salt``, so tenants with different cache salts never share a block. A
+request keeps out of the cache with ``kv_transfer_params={"cmx": {"skip": True}}`` (or only
+``"load": False`` / ``"store": False``), given as ``SamplingParams(extra_args={
+"kv_transfer_params": ...})`` or in an OpenAI request's body to vLLM's server.
 """
 
 from __future__ import annotations
@@ -139,12 +142,13 @@ class CMXConnector(KVConnectorBase_V1):
 
     def on_new_request(self, request: Request) -> None:
         self._side_scheduler().track(request.request_id, request.prompt_token_ids,
-                                     request.cache_salt)
+                                     request.cache_salt, request.kv_transfer_params)
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         side = self._side_scheduler()
-        side.track(request.request_id, request.prompt_token_ids, request.cache_salt)
+        side.track(request.request_id, request.prompt_token_ids, request.cache_salt,
+                   request.kv_transfer_params)
         return side.matched_tokens(request.request_id, num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,

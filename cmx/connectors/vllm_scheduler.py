@@ -16,6 +16,12 @@ Per request, in vLLM's call order:
 
 A preempted request is resumed with new blocks and asked about again from step 1; what it
 already stored stays stored. Lookup failures are misses.
+
+A request keeps itself out of the cache with its ``kv_transfer_params`` (vLLM's
+``SamplingParams.extra_args["kv_transfer_params"]``): ``{"cmx": {"skip": true}}`` neither
+loads nor stores, ``{"cmx": {"load": false}}`` or ``{"cmx": {"store": false}}`` one of the two.
+A ``"cmx"`` entry that is not one of these is a warning, and the request is kept out of the
+cache (what was meant to stay out never goes in).
 """
 
 from __future__ import annotations
@@ -32,9 +38,31 @@ from cmx.connectors.settings import ConnectorSettings, Namespaces, namespace_sal
 from cmx.connectors.vllm_meta import CMXStepMetadata, CMXWorkerReport, LoadSpec, SaveSpec
 from cmx.policies.breakeven import BreakEven, source_class
 
-__all__ = ["RequestState", "SchedulerSide"]
+__all__ = ["RequestOptions", "RequestState", "SchedulerSide"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """What one request lets the connector do, from its ``kv_transfer_params``."""
+
+    load: bool = True
+    store: bool = True
+
+    @classmethod
+    def of(cls, params: Any) -> RequestOptions:
+        entry = params.get("cmx") if isinstance(params, dict) else None
+        if entry is None:
+            return cls()
+        if isinstance(entry, dict) and set(entry) <= {"skip", "load", "store"} and \
+                all(isinstance(v, bool) for v in entry.values()):
+            skip = entry.get("skip", False)
+            return cls(load=not skip and entry.get("load", True),
+                       store=not skip and entry.get("store", True))
+        log.warning("kv_transfer_params['cmx'] must be a dict of booleans 'skip', 'load', "
+                    "'store', not %.200r: the request is kept out of the cache", entry)
+        return cls(load=False, store=False)
 
 
 @dataclass
@@ -43,6 +71,7 @@ class RequestState:
 
     salt: str
     prompt: tuple[int, ...]
+    options: RequestOptions = field(default_factory=RequestOptions)
     block_ids: list[int] = field(default_factory=list)
     stored_upto: int = -1  # tokens handed to the store; -1: not scheduled yet
     offer: tuple[int, int] | None = None  # (local tokens asked about, tokens offered beyond)
@@ -65,13 +94,21 @@ class SchedulerSide:
         self._lookups: dict[str, Future[Any]] = {}
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="cmx-lookup")
         self._lock = threading.Lock()
+        # Reports handed to vLLM this step, by request. vLLM frees a request that finishes in
+        # a step (a one-token completion: its load's step) before it passes the workers'
+        # report of that step on (``update_connector_output``), and sends the report it got
+        # only after both: what the workers say then still reaches it, through this dict.
+        self._finishing: dict[str, dict[str, Any]] = {}
 
     # -- requests ------------------------------------------------------------------------------
 
-    def track(self, req_id: str, prompt: Sequence[int] | None, cache_salt: str | None) -> None:
+    def track(self, req_id: str, prompt: Sequence[int] | None, cache_salt: str | None,
+              params: Any = None) -> None:
+        """Start knowing a request; ``params`` is its ``kv_transfer_params``."""
         if req_id not in self.requests:
             salt = namespace_salt(self.settings.salt, cache_salt)
-            self.requests[req_id] = RequestState(salt, tuple(prompt or ()))
+            self.requests[req_id] = RequestState(salt, tuple(prompt or ()),
+                                                 RequestOptions.of(params))
 
     def matched_tokens(self, req_id: str, local_tokens: int) -> int | None:
         """Tokens beyond ``local_tokens`` to load; None while the lookup runs."""
@@ -79,7 +116,7 @@ class SchedulerSide:
         if state.offer is not None and state.offer[0] == local_tokens:
             return state.offer[1]  # asked again (the request waited for blocks): same answer
         limit = (len(state.prompt) - 1) // self.block_size * self.block_size
-        if not self.do_load or limit <= local_tokens:
+        if not (self.do_load and state.options.load) or limit <= local_tokens:
             return 0  # one prompt token is always computed, so nothing is left to offer
         future = self._lookups.get(req_id)
         if future is None:
@@ -128,13 +165,17 @@ class SchedulerSide:
             future.cancel()
         if state is None:
             return None
-        return {k: v for k, v in state.report.items() if not k.startswith("_")}
+        report = {k: v for k, v in state.report.items() if not k.startswith("_")}
+        if report:
+            self._finishing[req_id] = report
+        return report
 
     # -- steps ---------------------------------------------------------------------------------
 
     def build_step(self, new: Sequence[Any], cached: Any, num_scheduled: dict[str, int],
                    finished: Iterable[str]) -> CMXStepMetadata:
         meta = CMXStepMetadata()
+        self._finishing.clear()  # vLLM has sent last step's reports
         for req_id in finished:
             self.finished(req_id)
         for req in new:
@@ -172,7 +213,7 @@ class SchedulerSide:
             # Blocks the engine did not compute itself (its own cache, or loaded) are stored.
             state.stored_upto = computed // T * T
         upto = min(computed + scheduled, len(state.prompt)) // T * T
-        if self.do_save and upto > state.stored_upto:
+        if self.do_save and state.options.store and upto > state.stored_upto:
             start = state.stored_upto
             meta.saves.append(SaveSpec(req_id, state.salt, state.prompt[:upto], start, upto,
                                        tuple(state.block_ids[start // T:upto // T])))
@@ -181,26 +222,30 @@ class SchedulerSide:
     def take_report(self, report: CMXWorkerReport) -> None:
         """What the workers did last step: per-request figures, and measurements for the gate."""
         for load in report.loads:
-            state = self.requests.get(load.req_id)
-            if state is not None:
-                state.report["loaded_tokens"] = (state.report.get("loaded_tokens", 0)
-                                                 + load.loaded_tokens)
+            figures = self._report_of(load.req_id)
+            if figures is not None:
+                figures["loaded_tokens"] = figures.get("loaded_tokens", 0) + load.loaded_tokens
                 if load.loaded_tokens < load.asked_tokens:
-                    state.report["load_failed_tokens"] = load.asked_tokens - load.loaded_tokens
+                    figures["load_failed_tokens"] = load.asked_tokens - load.loaded_tokens
             if load.loaded_tokens and load.seconds > 0:
                 self.gate.observe_load(load.sources, load.seconds)
         for req_id, tokens in report.stored.items():
-            state = self.requests.get(req_id)
-            if state is not None:
-                state.report["stored_tokens"] = state.report.get("stored_tokens", 0) + tokens
+            figures = self._report_of(req_id)
+            if figures is not None:
+                figures["stored_tokens"] = figures.get("stored_tokens", 0) + tokens
         for req_id, tokens in report.dropped.items():
-            state = self.requests.get(req_id)
-            if state is not None:
-                state.report["store_dropped_tokens"] = tokens
+            figures = self._report_of(req_id)
+            if figures is not None:
+                figures["store_dropped_tokens"] = tokens
         if len(report.computed) == 1 and report.step_s > 0 and not report.loads:
             start, end = report.computed[0]
             if end - start > 1:  # a prefill chunk, alone in its step: a clean measurement
                 self.gate.observe_prefill(start, end, report.step_s)
+
+    def _report_of(self, req_id: str) -> dict[str, Any] | None:
+        """The report of a running request, or of one that finished this step."""
+        state = self.requests.get(req_id)
+        return state.report if state is not None else self._finishing.get(req_id)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -173,19 +173,23 @@ class WorkerSide:
         """On the loader thread: fetch every load of the step, then write it layer by layer."""
         try:
             loaded = [self._fetch(spec) for spec in step.meta.loads]
-            for layer, cache in enumerate(self.caches):
+            for layer in range(len(self.caches)):
                 with step.lock:
                     if step.cancelled:
                         break
-                    for item in loaded:
-                        if item.blocks:
-                            scatter_layer(cache, self.paged, item.spec.block_ids[:item.blocks],
-                                          item.kv[layer])
-                step.ready[layer].set()
+                    self._write_layer(layer, loaded)
+                step.ready[layer].set()  # its attention may run; later layers still land
             return loaded
         finally:
             for event in step.ready:
                 event.set()
+
+    def _write_layer(self, layer: int, loaded: list[_Loaded]) -> None:
+        """Write one layer of every arrived load into the engine's paged cache."""
+        for item in loaded:
+            if item.blocks:
+                scatter_layer(self.caches[layer], self.paged, item.spec.block_ids[:item.blocks],
+                              item.kv[layer])
 
     def _fetch(self, spec: LoadSpec) -> _Loaded:
         from cmx.client import Match

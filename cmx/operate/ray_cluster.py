@@ -7,12 +7,14 @@ and ``cmx serve``.
 - **Join** (``join(address)``): the cluster at ``address`` (``host:port``, ``ray://host:port``, or
   ``"auto"``: the one Ray's current-cluster file names). Its GCS port must answer within a bound,
   else ``ClusterUnreachableError``: ``ray.init`` itself retries a dead address for minutes.
-- **Token authentication** (``match_ray_auth()``): decided as ``ray start`` decides it. A token
-  on this machine (``~/.ray/auth_token``, written by any earlier ``ray.init()``) and no
-  ``RAY_AUTH_MODE`` mean token mode; then the head ``cmx up`` starts requires the token, and
-  every process that joins it must send it. ``ray.init(address=...)`` alone does not (Ray turns
-  it on only for a cluster it finds by itself), so ``join`` does. A client in token mode still
-  joins a cluster that runs without authentication.
+- **Token authentication** (``match_ray_auth()``): for a head this process starts, decided as
+  ``ray start`` decides it: a token on this machine (``~/.ray/auth_token``, written by any
+  earlier ``ray.init()``) and no ``RAY_AUTH_MODE`` mean token mode, and every process that joins
+  that head must send the token. ``ray.init(address=...)`` alone does not (Ray turns it on only
+  for a cluster it finds by itself), so ``join`` does, but only where the cluster asks for it
+  (``match_ray_auth(address)`` asks its GCS without a token): a joined process in token mode
+  refuses the calls of raylets that send none, and the objects it owns (a store's payload)
+  could then never be read on another node of a cluster that runs without authentication.
 - **Forgetting a head** (``forget_head(address)``): a stopped head's address left in Ray's
   current-cluster file makes the next plain ``ray.init()`` on the machine wait for it; the file is
   removed only while it names that address and nothing answers there.
@@ -45,16 +47,37 @@ class ClusterUnreachableError(UnavailableError):
     """No Ray cluster answered at the address in time (or no address could be found)."""
 
 
-def match_ray_auth() -> bool:
+def match_ray_auth(address: str | None = None) -> bool:
     """Turn on Ray's token authentication in this process (and the processes it starts) where
-    ``ray start`` would: a token exists and ``RAY_AUTH_MODE`` is unset. True if it is on."""
+    it is needed and ``RAY_AUTH_MODE`` does not decide: with ``address``, where the cluster
+    there refuses a call without a token; without, where ``ray start`` would (a token exists).
+    True if it is on."""
     try:
         from ray._private.authentication.authentication_token_setup import (
+            AUTH_MODE_ENV_VAR,
             maybe_enable_token_auth_if_token_available,
         )
     except ImportError:  # a Ray without token authentication
         return False
+    if address is not None and AUTH_MODE_ENV_VAR not in os.environ and \
+            not _needs_token(address):
+        return False
     return bool(maybe_enable_token_auth_if_token_available(warn_if_disabled=False))
+
+
+def _needs_token(address: str) -> bool:
+    """Whether the GCS at ``address`` refuses a call that carries no token (asked once,
+    bounded; an answer other than a refusal means no)."""
+    from ray._raylet import GcsClient  # type: ignore[attr-defined]
+    from ray.exceptions import AuthenticationError
+
+    try:
+        GcsClient(address=address).internal_kv_get(b"cmx-auth-probe", None, timeout=10)
+    except AuthenticationError:
+        return True
+    except Exception as exc:  # noqa: BLE001 - ray.init reports an unreachable cluster itself
+        log.debug("token probe of %s: %s", address, exc)
+    return False
 
 
 def current_cluster() -> str | None:
@@ -96,7 +119,8 @@ def join(address: str, timeout_s: float = DEFAULT_JOIN_TIMEOUT_S, **ray_init: An
 
     target = resolve(address)
     wait_for_gcs(target, timeout_s)
-    match_ray_auth()
+    # A Ray Client (ray://) address has no GCS to ask: decided as ``ray start`` would.
+    match_ray_auth(None if target.startswith("ray://") else target)
     ray_init.setdefault("namespace", RAY_NAMESPACE)
     try:
         ray.init(address=target, **ray_init)

@@ -25,11 +25,17 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
 MODEL_TOKENS = BLOCK_SIZE  # the connector stores full blocks only
 
 
-def generate(llm: Any, prompt: str, salt: str | None = None) -> Any:
+def generate(llm: Any, prompt: str, salt: str | None = None,
+             cmx: dict[str, Any] | None = None) -> Any:
+    """Greedy output of ``prompt``; ``cmx``: the request's ``kv_transfer_params["cmx"]``."""
     item: dict[str, Any] = {"prompt": prompt}
     if salt is not None:
         item["cache_salt"] = salt
-    return llm.generate([item], GREEDY, use_tqdm=False)[0]
+    params = GREEDY
+    if cmx is not None:
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
+                                extra_args={"kv_transfer_params": {"cmx": cmx}})
+    return llm.generate([item], params, use_tqdm=False)[0]
 
 
 def report(out: Any) -> dict[str, Any]:
@@ -136,6 +142,31 @@ def test_two_cache_salts_never_share_a_block(engine: Any, baseline: Any, cm: Any
     again = generate(engine, prompt, salt="tenant-a")
     assert again.num_cached_tokens == full_blocks(a)
     assert list(again.outputs[0].token_ids) == baseline[prompt]
+
+
+def test_a_request_that_opts_out_is_kept_out_of_the_cache(
+    engine: Any, baseline: Any, cm: Any,
+) -> None:
+    prompt = prompts()[4]
+    salt = "opt-out"
+    ns = namespace(cm, engine, salt)
+    skipped = generate(engine, prompt, salt=salt, cmx={"skip": True})
+    assert list(skipped.outputs[0].token_ids) == baseline[prompt]
+    assert report(skipped) == {}  # neither looked up nor stored
+    worker = worker_side()
+    deadline = time.monotonic() + 60
+    while worker._pending:  # a store handed over would be running now
+        assert time.monotonic() < deadline, "a store never finished"
+        time.sleep(0.1)
+    assert ns.lookup(skipped.prompt_token_ids).num_tokens == 0
+
+    stored = generate(engine, prompt, salt=salt)
+    wait_stored(ns, stored.prompt_token_ids, full_blocks(stored))
+    unloaded = generate(engine, prompt, salt=salt, cmx={"load": False})
+    assert unloaded.num_cached_tokens == 0 and "loaded_tokens" not in report(unloaded)
+    assert list(unloaded.outputs[0].token_ids) == baseline[prompt]
+    loaded = generate(engine, prompt, salt=salt)
+    assert loaded.num_cached_tokens == full_blocks(stored) > 0
 
 
 class DropOnLoad(Namespaces):

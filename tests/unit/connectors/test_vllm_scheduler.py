@@ -216,3 +216,48 @@ def test_namespace_salts(base: str, salt: str | None, expected: str) -> None:
 def test_unknown_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="unknown"):
         ConnectorSettings.from_extra({"gating": False})
+
+
+@pytest.mark.parametrize("params,load,store", [
+    (None, True, True),
+    ({"other_connector": {"x": 1}}, True, True),
+    ({"cmx": {}}, True, True),
+    ({"cmx": {"skip": True}}, False, False),
+    ({"cmx": {"skip": False, "load": True, "store": True}}, True, True),
+    ({"cmx": {"load": False}}, False, True),
+    ({"cmx": {"store": False}}, True, False),
+    ({"cmx": {"skip": "yes"}}, False, False),  # malformed: kept out, never in
+    ({"cmx": {"skipp": True}}, False, False),
+    ({"cmx": True}, False, False),
+])
+def test_a_request_keeps_itself_out_of_the_cache(params: Any, load: bool, store: bool) -> None:
+    s, ns = side(cached=8)
+    s.track("r", PROMPT, None, params)
+    offered = s.matched_tokens("r", 0)
+    assert offered == (8 if load else 0)
+    assert ns.asked == ([16] if load else [])  # a request that loads nothing asks nothing
+    if offered:
+        s.after_alloc("r", offered)
+    meta = s.build_step([new_req("r", [7, 3, 9, 1, 5], offered)], NONE, {"r": 18 - offered},
+                        [])
+    assert [x.block_ids for x in meta.loads] == ([(7, 3)] if load else [])
+    expected = [(9, 1)] if load else [(7, 3, 9, 1)]
+    assert [x.block_ids for x in meta.saves] == (expected if store else [])
+
+
+def test_a_request_that_finishes_in_its_load_step_still_gets_the_workers_figures() -> None:
+    # vLLM frees a one-token request before it passes on the workers' report of that step,
+    # and sends the request's kv_transfer_params after both.
+    s, _ = side(cached=8)
+    s.track("r", PROMPT, None)
+    assert s.matched_tokens("r", 0) == 8
+    s.after_alloc("r", 8)
+    s.build_step([new_req("r", [7, 3, 9, 1, 5], 8)], NONE, {"r": 10}, [])
+    sent = s.finished("r")
+    assert sent is not None and "loaded_tokens" not in sent
+    s.take_report(CMXWorkerReport(loads=[LoadResult("r", 8, 8, 8 * 1024, 0.01, ())],
+                                  stored={"r": 8}))
+    assert sent["loaded_tokens"] == 8 and sent["stored_tokens"] == 8
+    s.build_step([], NONE, {}, [])  # the next step: last step's reports are gone
+    s.take_report(CMXWorkerReport(stored={"r": 4}))
+    assert sent["stored_tokens"] == 8 and s._finishing == {}

@@ -50,7 +50,7 @@ def test_a_selection_from_dram_then_hbm_is_the_slice_of_the_stored_kv(cm: Any,
     assert after["dram->selection"] - before["dram->selection"] == 3 * sel_bytes(layout, None, 1)
     assert after["dram->hbm"] == before["dram->hbm"]  # nothing promoted
 
-    assert torch.equal(ns.load(toks), kv)  # the whole load leaves a copy in HBM
+    assert ray.get(ns.prefetch(toks), timeout=60) == 3  # a copy in HBM too
     before = moved(node)
     got = ns.load(toks, layers=range(1, 3), heads=0)
     assert torch.equal(got, kv[1:3, :, 0:1])

@@ -119,11 +119,10 @@ class SliceServing(AgentBase):
     def _slice_memory(self, keys: Sequence[BlockHash], runs: Runs) -> list[SlicedBlock | None]:
         """Selections of blocks in this node's HBM and DRAM arenas, each checked whole first."""
         out: list[SlicedBlock | None] = [None] * len(keys)
-        tiers = (Tier.HBM, Tier.DRAM)
-        answers = self._call_many([(t, "pin", (list(keys), self.owner)) for t in tiers])
+        answers = self._pin_memory(keys, self.owner)
         corrupt: dict[Tier, list[BlockHash]] = {}
         try:
-            for tier, pins in zip(tiers, answers):
+            for tier, pins in answers:
                 for i, p in enumerate(pins):
                     if not isinstance(p, Pinned) or out[i] is not None:
                         continue
@@ -136,7 +135,7 @@ class SliceServing(AgentBase):
                         continue
                     out[i] = SlicedBlock(keys[i], data, checksum(data), tier, self.node)
         finally:
-            for tier, pins in zip(tiers, answers):
+            for tier, pins in answers:
                 self._give_back(tier, unpin=[p.lease for p in pins if p is not None])
         for tier, bad in corrupt.items():  # unpinned first: a pinned copy is not dropped
             log.warning("%d %s copies failed their checksum", len(bad), tier.value)

@@ -1,0 +1,92 @@
+"""Faults at the exact step between two tier calls: one memory tier failing while the other
+pins, for a partial load and for a peer's staging. Nothing may stay pinned, and the copies
+the tier that answered holds are still served."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+from plane import Plane, make_plane
+from scenarios import BLOCK, blocks, check, held, small_config
+
+from cmx.actors.links import LocalLink, actor_name
+from cmx.errors import UnavailableError
+from cmx.tiers import Tier
+
+NODE = f"faults-{uuid.uuid4().hex[:6]}"
+
+
+class StartAllLink(LocalLink):
+    """LocalLink with RayLink's ``call_many``: every call is made, then the first failure is
+    raised (or, with ``return_exceptions``, kept in its place). ``down`` names actors that
+    do not answer."""
+
+    def __init__(self, targets: dict[str, Any]) -> None:
+        super().__init__(targets)
+        self.down: set[str] = set()
+
+    def call(self, name: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        if name in self.down:
+            raise UnavailableError(f"{name} does not answer")
+        return super().call(name, method, *args)
+
+    def call_many(self, calls: Sequence[tuple[str, str, tuple[Any, ...]]],
+                  timeout_s: float | None = None, return_exceptions: bool = False) -> list[Any]:
+        results: list[Any] = []
+        for name, method, args in calls:
+            try:
+                results.append(self.call(name, method, *args))
+            except Exception as exc:  # noqa: BLE001 - kept, raised after every call ran
+                results.append(exc)
+        if not return_exceptions:
+            for r in results:
+                if isinstance(r, Exception):
+                    raise r
+        return results
+
+
+@pytest.fixture
+def plane(tmp_path) -> Iterator[Plane]:
+    p = make_plane(small_config(tmp_path), nodes=(NODE,), link_type=StartAllLink)
+    yield p
+    p.close()
+
+
+def stored(plane: Plane, n: int) -> tuple[list[Any], np.ndarray]:
+    keys, payload = blocks(n, seed=3)
+    agent = plane.agents[NODE]
+    assert agent.store(keys, [None, *keys[:-1]], payload) == n
+    assert held(plane, NODE, Tier.DRAM) == (0, 0)
+    return keys, payload
+
+
+def hbm_down(plane: Plane) -> None:
+    plane.link.down.add(actor_name(Tier.HBM.value, NODE))  # type: ignore[attr-defined]
+
+
+def test_partial_load_with_hbm_down_serves_dram_and_leaves_no_pin(plane: Plane) -> None:
+    keys, payload = stored(plane, 3)
+    hbm_down(plane)
+    runs = ((0, 100), (BLOCK // 2, 300))
+    got = plane.agents[NODE].read_selection(keys, runs)
+    for i, s in enumerate(got):
+        assert s is not None and s.source_tier is Tier.DRAM
+        block = payload[i * BLOCK : (i + 1) * BLOCK]
+        assert bytes(s.data) == bytes(block[0:100]) + bytes(block[BLOCK // 2 : BLOCK // 2 + 300])
+    assert held(plane, NODE, Tier.DRAM) == (0, 0)
+    check(plane)
+
+
+def test_stage_with_hbm_down_stages_from_dram_and_leaves_no_stray_pin(plane: Plane) -> None:
+    keys, payload = stored(plane, 2)
+    hbm_down(plane)
+    staged = plane.agents[NODE].stage(keys, "peer-owner")
+    assert [s is not None and s.tier is Tier.DRAM for s in staged] == [True, True]
+    assert held(plane, NODE, Tier.DRAM) == (2, 0)  # the peer's two pins, nothing more
+    plane.agents[NODE].unstage([s for s in staged if s is not None])
+    assert held(plane, NODE, Tier.DRAM) == (0, 0)
+    check(plane)

@@ -11,10 +11,13 @@ from typing import Any
 import numpy as np
 import pytest
 from plane import Plane, make_plane
-from scenarios import BLOCK, blocks, check, held, small_config
+from scenarios import BLOCK, blocks, check, held, load, small_config
 
 from cmx.actors.links import LocalLink, actor_name
+from cmx.checksum import checksum
 from cmx.errors import UnavailableError
+from cmx.node_plane import NodePlane
+from cmx.protocol import arena_name
 from cmx.tiers import Tier
 
 NODE = f"faults-{uuid.uuid4().hex[:6]}"
@@ -90,3 +93,30 @@ def test_stage_with_hbm_down_stages_from_dram_and_leaves_no_stray_pin(plane: Pla
     plane.agents[NODE].unstage([s for s in staged if s is not None])
     assert held(plane, NODE, Tier.DRAM) == (0, 0)
     check(plane)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a DRAM reservation whose lease expired is granted again at once (arena_tier.reserve), "
+    "while its writer may still be copying; the client's checksum is taken from the shared "
+    "slot after its copy (stores._copy_window), so a late write from the first writer is "
+    "committed under the second key with a matching checksum"))
+def test_a_late_writer_after_its_lease_expired_never_puts_its_bytes_under_another_key(
+    plane: Plane,
+) -> None:
+    agent = plane.agents[NODE]
+    keys, payload = blocks(9, seed=5)
+    first = agent.grant_store(keys[:8], [None] * 8, "client:slow")  # DRAM full
+    plane.clock.advance(plane.config.lease_s + 1)  # the slow writer's leases expire
+    [second] = agent.grant_store(keys[8:], [None], "client:fast")
+    assert second is not None
+    late = next(g for g in first if g is not None and g.slot == second.slot)
+    arena = NodePlane(plane.link, NODE, 5.0).arena(arena_name(Tier.DRAM, NODE, second.epoch))
+    slot = arena.slot_view(second.slot)[:BLOCK]
+    slot[:] = payload[8 * BLOCK : 9 * BLOCK]  # the fast writer's copy
+    i = first.index(late)
+    slot[:] = payload[i * BLOCK : (i + 1) * BLOCK]  # the slow writer's copy lands late
+    # The fast writer's checksum, as a client store takes it: of the slot, after its copy.
+    agent.commit_store(keys[8:], [None], [(second, BLOCK, checksum(slot))])
+    agent.commit_store(keys[:8], [None] * 8, [(late, BLOCK, checksum(slot))])
+    data, _ = load(plane, NODE, keys[8:])
+    assert data.nbytes == 0 or bytes(data) == bytes(payload[8 * BLOCK : 9 * BLOCK])

@@ -4,6 +4,7 @@ the tier that answered holds are still served."""
 
 from __future__ import annotations
 
+import errno
 import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -18,6 +19,7 @@ from cmx.checksum import checksum
 from cmx.errors import UnavailableError
 from cmx.node_plane import NodePlane
 from cmx.protocol import arena_name
+from cmx.storage.nvme.dataplane import Extent, ExtentPlane
 from cmx.tiers import Tier
 
 NODE = f"faults-{uuid.uuid4().hex[:6]}"
@@ -120,3 +122,38 @@ def test_a_late_writer_after_its_lease_expired_never_puts_its_bytes_under_anothe
     agent.commit_store(keys[:8], [None] * 8, [(late, BLOCK, checksum(slot))])
     data, _ = load(plane, NODE, keys[8:])
     assert data.nbytes == 0 or bytes(data) == bytes(payload[8 * BLOCK : 9 * BLOCK])
+
+
+class FullDisk(ExtentPlane):
+    """The agent's NVMe data plane on a disk that fills: the first extent of a batch is
+    written, then ENOSPC."""
+
+    def __init__(self) -> None:
+        super().__init__(engine="threads")
+        self.failed = 0
+
+    def write_many(self, extents: Sequence[Extent], srcs: Sequence[np.ndarray]
+                   ) -> list[tuple[int, bytes]]:
+        super().write_many(extents[:1], srcs[:1])
+        self.failed += 1
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_disk_that_fills_under_a_demotion_drops_the_victims_and_the_store_goes_on(
+    plane: Plane,
+) -> None:
+    agent = plane.agents[NODE]
+    agent.nvme.close()
+    agent.nvme = disk = FullDisk()
+    keys, payload = blocks(12, seed=4)
+    assert agent.store(keys[:8], [None] * 8, payload[: 8 * BLOCK]) == 8  # DRAM full
+    assert agent.store(keys[8:], [None] * 4, payload[8 * BLOCK :]) == 4  # evicts four
+    assert disk.failed >= 1
+    assert agent.dropped["demotion_failed"] == 4
+    nvme = plane.tiers[(NODE, Tier.NVME)]
+    assert nvme.contains(keys) == [False] * 12  # nothing half-written is visible
+    assert held(plane, NODE, Tier.DRAM) == (0, 0)
+    assert int(nvme.stats()["reserved"]) == 0
+    data, _ = load(plane, NODE, keys[8:])
+    assert bytes(data) == bytes(payload[8 * BLOCK :])
+    check(plane)

@@ -11,12 +11,15 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from plane import Plane, make_plane
-from scenarios import BLOCK, blocks, check, held, load, small_config
+from scenarios import BLOCK, LAYOUT, blocks, check, held, load, small_config
 
 from cmx.actors.links import LocalLink, actor_name
 from cmx.checksum import checksum
+from cmx.client import ContextMemory, NamespaceClient
 from cmx.errors import UnavailableError
+from cmx.keys import Namespace
 from cmx.node_plane import NodePlane
 from cmx.protocol import arena_name
 from cmx.storage.nvme.dataplane import Extent, ExtentPlane
@@ -157,3 +160,49 @@ def test_a_disk_that_fills_under_a_demotion_drops_the_victims_and_the_store_goes
     data, _ = load(plane, NODE, keys[8:])
     assert bytes(data) == bytes(payload[8 * BLOCK :])
     check(plane)
+
+
+class HookLink(LocalLink):
+    """LocalLink that runs ``after_unpin`` once, right after the first ``unpin`` tell: the
+    step between a reader's unpin and what it sends next."""
+
+    after_unpin: Any = None
+
+    def tell(self, name: str, method: str, *args: Any) -> None:
+        super().tell(name, method, *args)
+        if method == "unpin" and self.after_unpin is not None:
+            hook, self.after_unpin = self.after_unpin, None
+            hook()
+
+
+def test_a_reader_that_finds_a_copy_corrupt_drops_that_copy_not_its_successor(
+    tmp_path,
+) -> None:
+    plane = make_plane(small_config(tmp_path), nodes=(NODE,), link_type=HookLink)
+    try:
+        cm = ContextMemory(plane.config, NODE, owns_ray=False)
+        cm.link = plane.link  # type: ignore[assignment]
+        cm.plane = NodePlane(plane.link, NODE, 5.0)
+        ns = NamespaceClient(cm, Namespace("m", LAYOUT, "t"))
+        toks = np.random.default_rng(11).integers(0, 50_000, LAYOUT.block_tokens)
+        kv = LAYOUT.random_kv(len(toks), seed=11)
+        [key] = ns.keys(toks)
+        good = torch.cat(LAYOUT.split_blocks(kv)).numpy()
+        agent, dram = plane.agents[NODE], plane.tiers[(NODE, Tier.DRAM)]
+        assert agent.store([key], [None], good) == 1
+        [pin] = dram.pin([key], "test")
+        cm.plane.arena(arena_name(Tier.DRAM, NODE, pin.epoch)).slot_view(pin.slot)[7] ^= 0xFF
+        dram.unpin([pin.lease])
+
+        def replace_with_a_good_copy() -> None:  # evicted (if still there), stored again
+            if dram.contains([key]) == [True]:
+                dram.store.delete(key)
+            assert agent.store([key], [None], good) == 1
+
+        plane.link.after_unpin = replace_with_a_good_copy  # type: ignore[attr-defined]
+        assert ns.load(toks).shape[3] == 0  # the corrupt copy is never used
+        assert dram.contains([key]) == [True]  # its intact successor stays
+        assert torch.equal(ns.load(toks), kv)
+        check(plane)
+    finally:
+        plane.close()

@@ -134,12 +134,13 @@ class SliceServing(AgentBase):
                         corrupt.setdefault(tier, []).append(keys[i])
                         continue
                     out[i] = SlicedBlock(keys[i], data, checksum(data), tier, self.node)
+            # While pinned: the copy read goes at its last unpin, never one stored after it.
+            for tier, bad in corrupt.items():
+                log.warning("%d %s copies failed their checksum", len(bad), tier.value)
+                self._call(tier, "quarantine", bad)
         finally:
             for tier, pins in answers:
                 self._give_back(tier, unpin=[p.lease for p in pins if p is not None])
-        for tier, bad in corrupt.items():  # unpinned first: a pinned copy is not dropped
-            log.warning("%d %s copies failed their checksum", len(bad), tier.value)
-            self._call(tier, "quarantine", bad)
         return out
 
     def _slice_nvme(self, keys: list[BlockHash], runs: Runs) -> list[SlicedBlock | None]:

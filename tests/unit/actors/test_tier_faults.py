@@ -163,16 +163,17 @@ def test_a_disk_that_fills_under_a_demotion_drops_the_victims_and_the_store_goes
 
 
 class HookLink(LocalLink):
-    """LocalLink that runs ``after_unpin`` once, right after the first ``unpin`` tell: the
-    step between a reader's unpin and what it sends next."""
+    """LocalLink that runs ``after_unpin`` once, right after the first ``unpin`` (call or
+    tell): the step between a reader's unpin and what it sends next."""
 
     after_unpin: Any = None
 
-    def tell(self, name: str, method: str, *args: Any) -> None:
-        super().tell(name, method, *args)
+    def call(self, name: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        answer = super().call(name, method, *args)
         if method == "unpin" and self.after_unpin is not None:
             hook, self.after_unpin = self.after_unpin, None
             hook()
+        return answer
 
 
 def test_a_reader_that_finds_a_copy_corrupt_drops_that_copy_not_its_successor(
@@ -203,6 +204,33 @@ def test_a_reader_that_finds_a_copy_corrupt_drops_that_copy_not_its_successor(
         assert ns.load(toks).shape[3] == 0  # the corrupt copy is never used
         assert dram.contains([key]) == [True]  # its intact successor stays
         assert torch.equal(ns.load(toks), kv)
+        check(plane)
+    finally:
+        plane.close()
+
+
+def test_a_partial_load_that_finds_a_copy_corrupt_drops_that_copy_not_its_successor(
+    tmp_path,
+) -> None:
+    plane = make_plane(small_config(tmp_path), nodes=(NODE,), link_type=HookLink)
+    try:
+        keys, payload = blocks(1, seed=12)
+        agent, dram = plane.agents[NODE], plane.tiers[(NODE, Tier.DRAM)]
+        assert agent.store(keys, [None], payload) == 1
+        [pin] = dram.pin(keys, "test")
+        agent._arena(pin.epoch).slot_view(pin.slot)[5] ^= 0xFF
+        dram.unpin([pin.lease])
+
+        def replace_with_a_good_copy() -> None:  # evicted (if still there), stored again
+            if dram.contains(keys) == [True]:
+                dram.store.delete(keys[0])
+            assert agent.store(keys, [None], payload) == 1
+
+        plane.link.after_unpin = replace_with_a_good_copy  # type: ignore[attr-defined]
+        assert agent.read_selection(keys, ((0, 64),)) == [None]  # never the corrupt bytes
+        assert dram.contains(keys) == [True]  # its intact successor stays
+        [s] = agent.read_selection(keys, ((0, 64),))
+        assert s is not None and bytes(s.data) == bytes(payload[:64])
         check(plane)
     finally:
         plane.close()

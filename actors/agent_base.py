@@ -15,12 +15,13 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from cmx.actors.arena_tier import ArenaInfo
+from cmx.actors.arena_tier import ArenaInfo, Pinned
 from cmx.actors.links import actor_name
 from cmx.actors.scheduler import Scheduler
 from cmx.actors.transport import PeerInfo, Region, Transport
 from cmx.config import ServiceConfig
 from cmx.errors import CmxError, UnavailableError
+from cmx.keys import BlockHash
 from cmx.metrics import Histogram
 from cmx.policies.admission import AdmissionPolicy
 from cmx.policies.placement import PlacementPolicy
@@ -67,18 +68,36 @@ class AgentBase:
     def _call(self, tier: Tier, method: str, *args: object) -> Any:
         return self._call_many([(tier, method, args)])[0]
 
-    def _call_many(self, calls: Sequence[tuple[Tier, str, tuple[object, ...]]]) -> list[Any]:
-        """Calls to this node's tiers, all in flight at once; their answers in order."""
+    def _call_many(self, calls: Sequence[tuple[Tier, str, tuple[object, ...]]],
+                   return_exceptions: bool = False) -> list[Any]:
+        """Calls to this node's tiers, all in flight at once; their answers in order (with
+        ``return_exceptions``, a failed call's error in its place)."""
         results = [_empty_answer(method, args) for _, method, args in calls]
         todo = [i for i, r in enumerate(results) if r is _NO_ANSWER]
         if todo:
             answers = self.link.call_many(
                 [(actor_name(calls[i][0].value, self.node), calls[i][1], calls[i][2])
-                 for i in todo])
+                 for i in todo], return_exceptions=return_exceptions)
             for i, answer in zip(todo, answers):
                 self._check_epoch(calls[i][0], answer)
                 results[i] = answer
         return results
+
+    def _pin_memory(self, keys: Sequence[BlockHash], owner: str
+                    ) -> list[tuple[Tier, list[Pinned | None]]]:
+        """Pin ``keys`` in HBM and DRAM at once, for ``owner``. A tier that fails holds
+        nothing for this call, and the other's pins are still handed back: raising would
+        leave them held (until they expire) and lose the copies that tier has."""
+        tiers = (Tier.HBM, Tier.DRAM)
+        answers = self._call_many([(t, "pin", (list(keys), owner)) for t in tiers],
+                                  return_exceptions=True)
+        out = []
+        for tier, answer in zip(tiers, answers):
+            if isinstance(answer, BaseException):
+                log.warning("%s did not pin: %s", tier.value, answer)
+                answer = [None] * len(keys)
+            out.append((tier, answer))
+        return out
 
     def _give_back(self, tier: Tier, unpin: Sequence[int] = (),
                    abort: Sequence[int] = ()) -> None:

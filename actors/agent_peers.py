@@ -33,9 +33,7 @@ class PeerServing(NvmeTransfers):
         start_time = time.perf_counter()
         out: list[Staged | None] = [None] * len(keys)
         # Both memory tiers are asked at once; a block in both is read from HBM.
-        tiers = (Tier.HBM, Tier.DRAM)
-        answers = self._call_many([(tier, "pin", (list(keys), owner)) for tier in tiers])
-        for tier, pins in zip(tiers, answers):
+        for tier, pins in self._pin_memory(keys, owner):
             unused = []  # pins of blocks staged from HBM already, or of an arena gone since
             for i, p in enumerate(pins):
                 if p is None:

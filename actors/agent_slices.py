@@ -119,11 +119,10 @@ class SliceServing(AgentBase):
     def _slice_memory(self, keys: Sequence[BlockHash], runs: Runs) -> list[SlicedBlock | None]:
         """Selections of blocks in this node's HBM and DRAM arenas, each checked whole first."""
         out: list[SlicedBlock | None] = [None] * len(keys)
-        tiers = (Tier.HBM, Tier.DRAM)
-        answers = self._call_many([(t, "pin", (list(keys), self.owner)) for t in tiers])
+        answers = self._pin_memory(keys, self.owner)
         corrupt: dict[Tier, list[BlockHash]] = {}
         try:
-            for tier, pins in zip(tiers, answers):
+            for tier, pins in answers:
                 for i, p in enumerate(pins):
                     if not isinstance(p, Pinned) or out[i] is not None:
                         continue
@@ -135,12 +134,13 @@ class SliceServing(AgentBase):
                         corrupt.setdefault(tier, []).append(keys[i])
                         continue
                     out[i] = SlicedBlock(keys[i], data, checksum(data), tier, self.node)
+            # While pinned: the copy read goes at its last unpin, never one stored after it.
+            for tier, bad in corrupt.items():
+                log.warning("%d %s copies failed their checksum", len(bad), tier.value)
+                self._call(tier, "quarantine", bad)
         finally:
-            for tier, pins in zip(tiers, answers):
+            for tier, pins in answers:
                 self._give_back(tier, unpin=[p.lease for p in pins if p is not None])
-        for tier, bad in corrupt.items():  # unpinned first: a pinned copy is not dropped
-            log.warning("%d %s copies failed their checksum", len(bad), tier.value)
-            self._call(tier, "quarantine", bad)
         return out
 
     def _slice_nvme(self, keys: list[BlockHash], runs: Runs) -> list[SlicedBlock | None]:

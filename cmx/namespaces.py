@@ -151,13 +151,14 @@ class NamespaceClient:
             log.warning("a local block's arena is gone: %s", exc)
             plane.unpin(pins)
             return 0, True  # the agent maps the tier's new incarnation
-        copied = 0
         try:
             copied = copy_payloads(self.layout, payloads, out, 0)
-        finally:
+        except BaseException:
             plane.unpin(pins)
-        if copied < len(pins):
+            raise
+        if copied < len(pins):  # sent while pinned: the copy read goes, not a later one
             plane.quarantine(pins[copied : copied + 1])
+        plane.unpin(pins)
         return copied, copied == len(pins)
 
     def prefetch(self, token_ids: object) -> Any:

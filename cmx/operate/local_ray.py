@@ -7,6 +7,7 @@ Ray process on the machine, other users' clusters included, so ``cmx down`` neve
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -24,6 +25,10 @@ __all__ = ["HeadError", "HeadOptions", "is_local", "is_our_head", "is_running", 
            "split_address", "start_head", "stop_head"]
 
 READY_MARKER = "block forever"  # what `ray start --block` prints once the head is up
+RAYLET_TIMEOUT = "timed out during startup"  # Ray's message when a raylet missed registering
+START_ATTEMPTS = 3  # starts of a local cluster tried before its error is raised
+
+log = logging.getLogger(__name__)
 
 
 class HeadError(CmxError):
@@ -107,9 +112,26 @@ def port_open(host: str, port: int, timeout_s: float = 0.5) -> bool:
 
 def start_head(
     opts: HeadOptions, log_path: str, timeout_s: float = 180.0,
-    tick: Callable[[], None] = lambda: None,
+    tick: Callable[[], None] = lambda: None, attempts: int = START_ATTEMPTS,
 ) -> int:
-    """Start the head in the background and wait until it is up; returns its pid."""
+    """Start the head in the background and wait until it is up; returns its pid.
+
+    Ray gives a new raylet 30 s to register with its GCS, which a loaded machine can miss; such
+    a start is tried again (with a warning), up to ``attempts`` times in all."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return _start_head_once(opts, log_path, timeout_s, tick)
+        except HeadError as exc:
+            if RAYLET_TIMEOUT not in str(exc) or attempt == attempts:
+                raise
+            log.warning("`ray start` missed the raylet's registration (attempt %d of %d); "
+                        "trying again", attempt, attempts)
+    raise AssertionError("unreachable")
+
+
+def _start_head_once(
+    opts: HeadOptions, log_path: str, timeout_s: float, tick: Callable[[], None]
+) -> int:
     os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
     env = dict(os.environ)
     env.setdefault("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")  # `cmx down` stops at once

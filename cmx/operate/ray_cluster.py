@@ -30,15 +30,19 @@ from typing import Any
 
 from cmx.actors.links import RAY_NAMESPACE
 from cmx.errors import UnavailableError
-from cmx.operate.local_ray import is_local, port_open, split_address, stop_head
+from cmx.operate.local_ray import (
+    RAYLET_TIMEOUT,
+    START_ATTEMPTS,
+    is_local,
+    port_open,
+    split_address,
+    stop_head,
+)
 
 __all__ = ["ClusterUnreachableError", "current_cluster", "forget_head", "join", "join_or_start",
            "match_ray_auth", "resolve", "start_own", "stop_local_head", "wait_for_gcs"]
 
 log = logging.getLogger(__name__)
-
-START_ATTEMPTS = 3  # starts of an embedded cluster tried before its error is raised
-RAYLET_TIMEOUT = "timed out during startup"  # Ray's message when a raylet missed registering
 
 DEFAULT_JOIN_TIMEOUT_S = 30.0
 

@@ -69,13 +69,19 @@ def _reconcile() -> dict[str, Any]:
     return dict(ray.get(controller.reconcile.remote(), timeout=240))
 
 
-def _moved(node_id: str, within_s: float = 60.0) -> bool:
-    """Reconcile until the controller reports ``node_id``'s agent moved: Ray may list a node
-    it was just told to remove as alive for a moment, and a reconcile then sees no change."""
+def _placed(node_id: str, on: str, within_s: float = 120.0) -> bool:
+    """Reconcile until ``node_id``'s agent runs on ``on``. The move is read from the agent, not
+    from a reconcile's report: the controller's own loop reconciles every two seconds and may
+    make the move (and report it) before the test's call does; and Ray may list a node it was
+    just told to remove as alive for a moment."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        if node_id in _reconcile()["agents_moved"]:
-            return True
+        _reconcile()
+        try:
+            if _placement(node_id)["placed_on"] == on:
+                return True
+        except Exception:  # noqa: BLE001 - the agent is restarting on its new node
+            pass
         time.sleep(1.0)
     return False
 
@@ -109,7 +115,7 @@ def _dpu_takeover(cluster: Any, config: Any, added: list[Any]) -> None:
         num_cpus=0, labels={config.dpu_label: "bluefield-3", config.host_label: "rack3-h2"})
     added.append(dpu)
     cluster.wait_for_nodes()
-    assert host.node_id in _reconcile()["agents_moved"]
+    assert _placed(host.node_id, dpu.node_id)
     assert _placement(host.node_id) == {"node": host.node_id, "placed_on": dpu.node_id,
                                         "dpu": True}
     toks = np.random.default_rng(5).integers(0, 50_000, 2 * LAYOUT.block_tokens, dtype=np.uint32)
@@ -119,7 +125,7 @@ def _dpu_takeover(cluster: Any, config: Any, added: list[Any]) -> None:
 
     added.remove(dpu)
     cluster.remove_node(dpu)  # the DPU goes: the agent comes back to its host
-    assert _moved(host.node_id)
+    assert _placed(host.node_id, host.node_id)
     assert _placement(host.node_id)["dpu"] is False
     ray.kill(remote)
     added.remove(host)

@@ -131,3 +131,26 @@ def test_an_embedded_start_that_fails_otherwise_is_not_tried_again(
     with pytest.raises(ValueError, match="bad argument"):
         start_own()
     assert calls == ["local"]
+
+
+def test_a_head_start_that_misses_the_raylet_deadline_is_tried_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from cmx.operate import local_ray
+
+    tries: list[int] = []
+
+    def once(*_: object) -> int:
+        tries.append(1)
+        if len(tries) < 3:
+            raise local_ray.HeadError("`ray start` exited with 1:\nException: The current node "
+                                      "timed out during startup.")
+        return 4242
+
+    monkeypatch.setattr(local_ray, "_start_head_once", once)
+    opts = local_ray.HeadOptions(port=1)
+    assert local_ray.start_head(opts, str(tmp_path / "head.log")) == 4242 and len(tries) == 3
+    tries.clear()
+    with pytest.raises(local_ray.HeadError, match="timed out"):
+        local_ray.start_head(opts, str(tmp_path / "head.log"), attempts=2)
+    assert len(tries) == 2

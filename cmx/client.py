@@ -169,9 +169,10 @@ class ContextMemory:
     def drop_namespace(self, namespace: Namespace | str) -> int:
         """Evict every unpinned copy of every block of a namespace; returns copies evicted.
 
-        Blocks are found by the namespace tag the directory keeps. A block that only an NVMe
-        tier held across a restart of that tier and of its directory shard has lost its tag
-        and stays until evicted by capacity.
+        Blocks are found by the namespace tag the directory keeps; an NVMe tier keeps each
+        block's tag on disk and reports it again after a restart. A copy held only in HBM or
+        in the pool across a restart of its directory shard has lost its tag and stays until
+        evicted by capacity.
         """
         ns_id = namespace_id(namespace)  # an id, or the 64-hex digest: blocks carry the id
         by_holder: dict[tuple[Tier, str], list[BlockHash]] = {}

@@ -36,7 +36,7 @@ class Demotion(NvmeTransfers):
                 parents = {g.victim.key: g.victim.parent for g in victims}  # type: ignore[union-attr]
                 tags = {g.victim.key: g.victim.namespace for g in victims}  # type: ignore[union-attr]
                 self._write_nvme(Tier.DRAM, items, parents, tags,
-                                 sources=[self._arena(g.epoch).slot_view(g.slot) for g in victims])
+                                 sources=[self._slot_source(g.epoch, g.slot) for g in victims])
         except (CmxError, OSError) as exc:  # OSError: the NVMe disk failed or filled
             self.dropped["demotion_failed"] += len(victims)
             log.warning("demotion of %d blocks from %s failed: %s", len(victims), tier.value, exc)

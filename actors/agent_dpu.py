@@ -33,7 +33,6 @@ from cmx.actors.scheduler import Priority
 from cmx.actors.service import AgentActor
 from cmx.checksum import checksum
 from cmx.config import ServiceConfig
-from cmx.keys import BlockHash
 from cmx.storage.nvme.chunks import block_sums
 from cmx.storage.nvme.dataplane import Extent
 from cmx.tiers import Tier
@@ -126,65 +125,21 @@ class DpuAgentActor(AgentActor):
 
     # -- DRAM to NVMe --------------------------------------------------------------------------
 
-    def _demote_victims(self, tier: Tier, grants: Sequence[Grant | None]) -> None:
-        if tier is not Tier.DRAM:
-            super()._demote_victims(tier, grants)  # HBM victims: dropped (see the module)
-            return
-        victims = [g for g in grants if g is not None and g.victim is not None
-                   and self._placed_below(g.victim.key)]
-        items = [(g.victim.key, g.victim.size, g.victim.checksum) for g in victims]  # type: ignore[union-attr]
-        parents = {g.victim.key: g.victim.parent for g in victims}  # type: ignore[union-attr]
-        tags = {g.victim.key: g.victim.namespace for g in victims}  # type: ignore[union-attr]
-        try:
-            self._write_nvme(Tier.DRAM, items, parents, tags,
-                             sources=[(self._name(g.epoch), g.slot) for g in victims])  # type: ignore[misc]
-        except Exception as exc:  # noqa: BLE001 - a demotion that fails drops its blocks
-            self.dropped["demotion_failed"] += len(victims)
-            log.warning("demotion of %d blocks from dram failed: %s", len(victims), exc)
+    def _slot_source(self, epoch: str, slot: int) -> tuple[str, int]:
+        """A host slot by name (arena, slot): its bytes are read over NIXL."""
+        return self._name(epoch), slot
 
-    def _write_nvme(
-        self, tier: Tier, items: Sequence[tuple[BlockHash, int, int | None]],
-        parents: dict[BlockHash, BlockHash | None], tags: dict[BlockHash, str],
-        sources: Sequence[Any] | None = None,
-    ) -> None:
-        """As the host agent's, with host slots named (arena, slot): the bytes are checked
-        here after a NIXL read, and the endpoint writes them to the extent on the host."""
-        if not items:
-            return
-        pins: list[Pinned | None] = []
-        if sources is None:
-            pins = self._call(tier, "pin", [k for k, _, _ in items], self.owner)
-            srcs = [(self._name(p.epoch), p.slot) if p is not None else None for p in pins]
-        else:
-            srcs = list(sources)
-        extents: list[Extent | None] = []
-        try:
-            wanted = [(k, parents.get(k), n, tags.get(k, "")) for k, n, _ in items]
-            extents = self._call(Tier.NVME, "reserve", wanted, self.owner)
-            jobs = [(ext, size, csum, self.scheduler.submit(
-                Priority.DEMOTE, functools.partial(self._to_extent, ext, src, size)))
-                for (_, size, csum), ext, src in zip(items, extents, srcs)
-                if ext is not None and src is not None]
-            commits = []
-            for ext, size, csum, fut in jobs:
-                whole, chunk_sums = fut.result()
-                if csum is not None and csum != whole:
-                    log.warning("block %s changed in %s; not demoted", ext.key.hex()[:12],
-                                tier.value)
-                    continue
-                commits.append((ext.lease, size, whole, chunk_sums))
-            done = {c[0] for c in commits}
-            self._give_back(Tier.NVME, abort=[e.lease for e in extents
-                                              if e is not None and e.lease not in done])
-            extents = []
-            self._call(Tier.NVME, "commit", commits)
-            self.moved[f"{tier.value}->nvme"] += sum(c[1] for c in commits)
-            self.moved_via["nvme"] += sum(c[1] for c in commits)
-        finally:
-            self._give_back(Tier.NVME, abort=[e.lease for e in extents if e is not None])
-            self._give_back(tier, unpin=[p.lease for p in pins if p is not None])
+    def _write_extents(self, extents: Sequence[Extent], sources: Sequence[Any]
+                       ) -> list[tuple[int, bytes]]:
+        """Each block's checksums from its bytes read over NIXL; the host endpoint writes it
+        to its extent. HBM victims are not demoted here: mapping the host's HBM arena is
+        forbidden, so those demotions fail and their blocks are dropped."""
+        jobs = [self.scheduler.submit(Priority.DEMOTE,
+                                      functools.partial(self._to_extent, ext, src, ext.size))
+                for ext, src in zip(extents, sources)]
+        return [f.result() for f in jobs]
 
-    def _to_extent(self, ext: Extent, src: tuple[str, int], size: int) -> Any:
+    def _to_extent(self, ext: Extent, src: tuple[str, int], size: int) -> tuple[int, bytes]:
         """The block's checksums from its bytes read over NIXL; then the host writes it."""
         sums = block_sums(self.host.read(src[0], src[1], size))
         self.host.write_extent(ext, *src)

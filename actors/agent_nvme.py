@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -58,7 +59,7 @@ class NvmeTransfers(AgentBase):
     def _write_nvme(
         self, tier: Tier, items: Sequence[tuple[BlockHash, int, int | None]],
         parents: dict[BlockHash, BlockHash | None], tags: dict[BlockHash, str],
-        sources: Sequence[np.ndarray] | None = None,
+        sources: Sequence[Any] | None = None,
     ) -> None:
         """Write blocks to NVMe: from ``sources`` (slots of ``tier``'s arena whose blocks are
         no longer in it), or pinned in ``tier`` by key. All the writes are in flight at once;
@@ -69,8 +70,7 @@ class NvmeTransfers(AgentBase):
         pins: list[Pinned | None] = []
         if sources is None:
             pins = self._call(tier, "pin", [k for k, _, _ in items], self.owner)
-            srcs = [self._arena(p.epoch).slot_view(p.slot) if p is not None else None
-                    for p in pins]
+            srcs = [self._slot_source(p.epoch, p.slot) if p is not None else None for p in pins]
         else:
             srcs = list(sources)
         extents: list[Extent | None] = []
@@ -81,9 +81,7 @@ class NvmeTransfers(AgentBase):
                     if e is not None and src is not None]
             if not todo:  # every block is on NVMe already (write-through), or no room
                 return
-            exts, views = [t[0] for t in todo], [t[2] for t in todo]
-            sums = self.scheduler.submit(
-                Priority.DEMOTE, lambda: self.nvme.write_many(exts, views)).result()
+            sums = self._write_extents([t[0] for t in todo], [t[2] for t in todo])
             commits = []
             for (ext, csum, _), (whole, chunk_sums) in zip(todo, sums):
                 if csum is not None and csum != whole:
@@ -101,3 +99,14 @@ class NvmeTransfers(AgentBase):
         finally:
             self._give_back(Tier.NVME, abort=[e.lease for e in extents if e is not None])
             self._give_back(tier, unpin=[p.lease for p in pins if p is not None])
+
+    def _slot_source(self, epoch: str, slot: int) -> Any:
+        """What an NVMe write reads a memory slot's bytes from: the slot, mapped here."""
+        return self._arena(epoch).slot_view(slot)
+
+    def _write_extents(self, extents: Sequence[Extent], sources: Sequence[Any]
+                       ) -> list[tuple[int, bytes]]:
+        """Write each source's front to its extent, all in flight at once; per block its
+        checksums (block, chunks)."""
+        return self.scheduler.submit(
+            Priority.DEMOTE, lambda: self.nvme.write_many(extents, sources)).result()

@@ -29,12 +29,12 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cmx.actors.directory import Entry, Source
 from cmx.actors.events import EventPublisher
-from cmx.actors.leases import ADMIN, Clock, LeaseKind, Leases
+from cmx.actors.leases import ADMIN, Clock, LeasedPins, LeaseKind, Leases
 from cmx.errors import BlockStateError, StoreFullError
 from cmx.keys import BlockHash
 from cmx.protocol import Pinned, arena_name
@@ -78,7 +78,7 @@ class ArenaInfo:
     epoch: str
 
 
-class ArenaTierService:
+class ArenaTierService(LeasedPins):
     def __init__(
         self,
         tier: Tier,
@@ -225,23 +225,6 @@ class ArenaTierService:
         pins = self.pin([key for key, _ in items], owner)
         grants = iter(self.reserve([item for item, p in zip(items, pins) if p is None], owner))
         return [p if p is not None else next(grants) for p in pins]
-
-    def unpin(self, leases: Sequence[int | BlockHash]) -> None:
-        """End pins by lease, or an admin pin by key (``Leases.end_pins``)."""
-        self.leases.end_pins(leases)
-
-    def release_owner(self, owner: str) -> int:
-        """Give back every pin and reservation ``owner`` holds; how many."""
-        return self.leases.release_owner(owner)
-
-    def expire(self) -> int:
-        return self.leases.expire()
-
-    def _unpin_later(self, key: BlockHash) -> Callable[[int], None]:
-        """The undo of a pin lease of ``key``: unpin it when the lease ends."""
-        def undo(_lease: int) -> None:
-            self._unpin_key(key)
-        return undo
 
     def _unpin_key(self, key: BlockHash) -> None:
         try:

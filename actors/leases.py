@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from cmx.keys import BlockHash
 
-__all__ = ["ADMIN", "Held", "LeaseKind", "LeaseStats", "Leases"]
+__all__ = ["ADMIN", "Held", "LeaseKind", "LeaseStats", "LeasedPins", "Leases"]
 
 Clock = Callable[[], float]
 ADMIN = "admin"  # the owner of pins an operator takes by hand: they expire like any other
@@ -144,3 +144,30 @@ class Leases:
     def __len__(self) -> int:
         with self._lock:
             return len(self._held)
+
+
+class LeasedPins:
+    """A tier whose pins and reservations are ``leases``: the calls that end them, the same
+    in every tier. A tier says how one pin of a key is undone (``_unpin_key``)."""
+
+    leases: Leases
+
+    def unpin(self, leases: Iterable[int | BlockHash]) -> None:
+        """End pins by lease, or an admin pin by key (``Leases.end_pins``)."""
+        self.leases.end_pins(leases)
+
+    def release_owner(self, owner: str) -> int:
+        """Give back every pin and reservation ``owner`` holds; how many."""
+        return self.leases.release_owner(owner)
+
+    def expire(self) -> int:
+        return self.leases.expire()
+
+    def _unpin_later(self, key: BlockHash) -> Callable[[int], None]:
+        """The undo of a pin lease of ``key``: unpin it when the lease ends."""
+        def undo(_lease: int) -> None:
+            self._unpin_key(key)
+        return undo
+
+    def _unpin_key(self, key: BlockHash) -> None:
+        raise NotImplementedError

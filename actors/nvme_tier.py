@@ -22,11 +22,11 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from cmx.actors.directory import Entry, Source
 from cmx.actors.events import EventPublisher
-from cmx.actors.leases import ADMIN, Clock, LeaseKind, Leases
+from cmx.actors.leases import ADMIN, Clock, LeasedPins, LeaseKind, Leases
 from cmx.actors.links import actor_name
 from cmx.errors import BlockStateError
 from cmx.keys import BlockHash
@@ -42,7 +42,7 @@ DEFAULT_LEASE_S = 120.0
 Reserve = tuple[BlockHash, BlockHash | None, int] | tuple[BlockHash, BlockHash | None, int, str]
 
 
-class NvmeTierService:
+class NvmeTierService(LeasedPins):
     def __init__(
         self,
         node: str,
@@ -140,22 +140,6 @@ class NvmeTierService:
             out.append(Extent(key, self.store.segment_path(entry.seg), entry.offset,
                               entry.length, entry.checksum, lease, entry.chunk_sums))
         return out
-
-    def unpin(self, leases: Sequence[int | BlockHash]) -> None:
-        """End pins by lease, or an admin pin by key (``Leases.end_pins``)."""
-        self.leases.end_pins(leases)
-
-    def release_owner(self, owner: str) -> int:
-        return self.leases.release_owner(owner)
-
-    def expire(self) -> int:
-        return self.leases.expire()
-
-    def _unpin_later(self, key: BlockHash) -> Callable[[int], None]:
-        """The undo of a pin lease of ``key``: unpin it when the lease ends."""
-        def undo(_lease: int) -> None:
-            self._unpin_key(key)
-        return undo
 
     def _unpin_key(self, key: BlockHash) -> None:
         try:

@@ -17,6 +17,8 @@ Map of the package (who owns what):
   (``reads`` plans slice I/O; ``chunks``: extents and per-chunk checksums).
 - ``extents``: ExtentBooks, the books alone, as the service's NVMe tier runs them; and
   ``dataplane``: ExtentPlane, the bytes of those books, moved in the node's data plane.
+- ``front``: BooksFront, what NvmeStore and ExtentBooks answer alike (membership, stats,
+  integrity, flush, close).
 - ``files``: FileOps, every file system call (the crash tests' seam), and the directory's
   privacy rule; ``errors``: StoreIOError, StoreDirectoryError.
 """

@@ -26,12 +26,13 @@ from dataclasses import dataclass, field
 
 from cmx.errors import BlockStateError, BlockTooLargeError
 from cmx.keys import BlockHash, check_key
-from cmx.storage.base import EventKind, StoreEvent, StoreStats
+from cmx.storage.base import EventKind, StoreEvent
 from cmx.storage.nvme.books import NvmeBooks, Reservation
 from cmx.storage.nvme.chunks import chunk_count, extent_bytes
 from cmx.storage.nvme.entry import BlockEntry
 from cmx.storage.nvme.extentio import ExtentIo
 from cmx.storage.nvme.files import FileOps
+from cmx.storage.nvme.front import BooksFront
 from cmx.storage.nvme.io import make_io_engine
 from cmx.storage.nvme.records import check_tag
 from cmx.storage.nvme.space import Mover
@@ -53,7 +54,7 @@ class PendingExtent:
     tag: str = ""  # the owner's label (a namespace id), kept with the block
 
 
-class ExtentBooks:
+class ExtentBooks(BooksFront):
     """See the module docstring. ``NvmeStore`` documents the arguments; ``mover`` makes
     compaction's copies (without one, this process's own I/O engine makes them)."""
 
@@ -177,34 +178,3 @@ class ExtentBooks:
                 except BlockStateError:
                     pass
         return gone
-
-    # -- questions -----------------------------------------------------------------------------
-
-    def __contains__(self, key: object) -> bool:
-        with self.books.op(), self.books.lock:
-            return key in self.books.index
-
-    def keys(self) -> list[BlockHash]:
-        with self.books.op(), self.books.lock:
-            return [BlockHash(k) for k in self.books.index]
-
-    def stats(self) -> StoreStats:
-        with self.books.op():
-            return self.books.stats()
-
-    def check_integrity(self) -> None:
-        with self.books.op():
-            self.books.check_integrity()
-
-    # -- durability and closing ----------------------------------------------------------------
-
-    def flush(self) -> None:
-        with self.books.op():
-            self.books.flush()
-
-    def close(self) -> None:
-        """Flush, snapshot the index and release files, engine and directory lock. Idempotent."""
-        try:
-            self.books.close()
-        finally:
-            self.io.close()

@@ -18,20 +18,21 @@ waits for it), to one of them.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from cmx.buffers import Buffer, as_bytes_view
-from cmx.keys import BlockHash, check_key
+from cmx.keys import check_key
 from cmx.policies import EvictionPolicy
-from cmx.storage.base import BlockStore, StoreStats
+from cmx.storage.base import BlockStore
 from cmx.storage.nvme.blockreads import BlockReader
 from cmx.storage.nvme.books import NvmeBooks
 from cmx.storage.nvme.chunks import extent_bytes
 from cmx.storage.nvme.extentio import ExtentIo
 from cmx.storage.nvme.files import FileOps
+from cmx.storage.nvme.front import BooksFront
 from cmx.storage.nvme.io import make_io_engine
 from cmx.storage.nvme.records import check_tag
 from cmx.storage.nvme.slices import RunRequest, SliceReader
@@ -51,7 +52,7 @@ class NvmeLocation:
     checksum: int  # XXH3-64 of the payload
 
 
-class NvmeStore(BlockStore):
+class NvmeStore(BooksFront, BlockStore):
     """Blocks in log-structured segment files under ``root``, one store per directory.
 
     Visibility and durability: a block is readable (``get``, ``in``) once ``put`` returns.
@@ -256,40 +257,6 @@ class NvmeStore(BlockStore):
         with self.books.op(), self.books.lock:
             entry = self.books.index.get(key)
             return None if entry is None else entry.tag
-
-    def __contains__(self, key: object) -> bool:
-        with self.books.op(), self.books.lock:
-            return key in self.books.index
-
-    def __len__(self) -> int:
-        with self.books.op(), self.books.lock:
-            return len(self.books.index)
-
-    def keys(self) -> Iterable[BlockHash]:
-        with self.books.op(), self.books.lock:
-            return [BlockHash(k) for k in self.books.index]
-
-    def stats(self) -> StoreStats:
-        with self.books.op():
-            return self.books.stats()
-
-    def check_integrity(self) -> None:
-        """Raise AssertionError with the numbers if index, segments, files or policy disagree."""
-        with self.books.op():
-            self.books.check_integrity()
-
-    # -- durability and closing ----------------------------------------------------------------
-
-    def flush(self) -> None:
-        with self.books.op():
-            self.books.flush()
-
-    def close(self) -> None:
-        """Flush, snapshot the index and release files, engine and directory lock. Idempotent."""
-        try:
-            self.books.close()
-        finally:
-            self.io.close()
 
     def _teardown(self) -> None:
         """Release everything without a flush or snapshot, as a killed process would."""

@@ -13,11 +13,13 @@ Public calls, each bounded:
 - ``store(keys, parents, payload)``: blocks into this node's DRAM (evicted DRAM blocks demote
   to NVMe first, if NVMe admission lets them in); with write-through placement, admitted
   blocks go to NVMe as well. Returns when committed and visible to lookups.
-- ``load(keys, copies, priority, owner)``: the longest prefix of ``keys`` into this node's HBM
-  arena, each from its fastest copy, checksums verified for NVMe and network reads; the
-  returned slots are pinned (leases of ``owner``) for the caller, who checks each block's
-  checksum, reads them and calls ``release(leases, corrupt)``; a caller that stops waiting
-  calls ``give_up(owner)``. Every copy goes into the arena of its grant's epoch.
+- ``load(keys, copies, priority, owner, namespace)``: the longest prefix of ``keys`` into this
+  node's HBM arena (tagged with the blocks' namespace id, so a namespace drop finds the copy
+  after the directory restarts), each from its fastest copy, checksums verified for NVMe and
+  network reads; the returned slots are pinned (leases of ``owner``) for the caller, who
+  checks each block's checksum, reads them and calls ``release(leases, corrupt)``; a caller
+  that stops waiting calls ``give_up(owner)``. Every copy goes into the arena of its grant's
+  epoch.
 - ``stage(keys, owner)`` / ``unstage(staged)``: for a peer agent: pin blocks in a memory arena
   here (promoting from NVMe if needed) so the peer can read them with one transfer.
 """
@@ -166,7 +168,7 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites, SliceServing)
         self._write_nvme(Tier.DRAM, through, parents_of(keys, parents),
                          dict.fromkeys(keys, namespace))
         self._pool_write([k for k, _, _ in stored if self._admit(k)], parents_of(keys, parents),
-                         replicas or self.config.pool_replication)
+                         replicas or self.config.pool_replication, namespace)
         self.latency["store"].observe(time.perf_counter() - start_time)
         return int(committed)
 
@@ -194,10 +196,11 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites, SliceServing)
 
     def load(
         self, keys: Sequence[BlockHash], copies: Sequence[Sequence[Copy]],
-        priority: Priority = Priority.LOAD, owner: str = "",
+        priority: Priority = Priority.LOAD, owner: str = "", namespace: str = "",
     ) -> LoadResult:
         """The longest prefix of ``keys`` pinned in HBM for ``owner`` (default: this agent);
-        the caller reads the slots and ends the pins with ``release``, or they expire.
+        the caller reads the slots and ends the pins with ``release``, or they expire. The
+        HBM copies made are tagged with ``namespace`` (the blocks' namespace id).
 
         Whatever fails part-way gives back what it was granted: a load never leaves a pin or
         a reservation behind but the returned prefix's."""
@@ -214,7 +217,8 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites, SliceServing)
                 for i, p in hits.items()
             }
             if granted:
-                loaded.update(self._fill_hbm(keys, sources, granted, priority, ahead, owner))
+                loaded.update(self._fill_hbm(keys, sources, granted, priority, ahead, owner,
+                                             namespace))
         except BaseException:
             self._give_back(Tier.HBM, unpin=[p.lease for p in hits.values()],
                             abort=[g.lease for g in granted.values()])
@@ -230,7 +234,7 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites, SliceServing)
         if owner in self._given_up:  # the caller stopped waiting: nobody will release these
             tail, prefix = tail + [b.lease for b in prefix], []
         self._let_go(Tier.HBM, tail)
-        self._pool_later(prefix, copies)
+        self._pool_later(prefix, copies, namespace)
         op = "load" if priority is Priority.LOAD else "prefetch"
         self.latency[op].observe(time.perf_counter() - start_time)
         epoch = next((h.epoch for h in held if h is not None), self._arenas[Tier.HBM][0].epoch)
@@ -265,15 +269,17 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites, SliceServing)
                 kind = "pool" if tier is Tier.POOL else "agent"
                 self.link.tell(actor_name(kind, node), "quarantine_copies", keys, tier)  # type: ignore[attr-defined]
 
-    def prefetch(self, keys: Sequence[BlockHash], copies: Sequence[Sequence[Copy]]) -> int:
+    def prefetch(self, keys: Sequence[BlockHash], copies: Sequence[Sequence[Copy]],
+                 namespace: str = "") -> int:
         """Move a prefix into HBM at prefetch priority and leave it cached there."""
-        loaded = self.load(keys, copies, Priority.PREFETCH).blocks
+        loaded = self.load(keys, copies, Priority.PREFETCH, namespace=namespace).blocks
         self._let_go(Tier.HBM, [b.lease for b in loaded])
         return len(loaded)
 
     def _fill_hbm(
         self, keys: Sequence[BlockHash], sources: Sequence[list[tuple[Tier, str]]],
         granted: dict[int, Grant], priority: Priority, ahead: StagedAhead, owner: str,
+        namespace: str,
     ) -> dict[int, Loaded]:
         """Fill the granted HBM slots, each from its fastest copy; the filled ones pinned."""
         self._demote_victims(Tier.HBM, list(granted.values()))
@@ -296,7 +302,7 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites, SliceServing)
         commits = [(granted[i].lease, b.size, b.checksum) for i, b in filled.items()]
         # A load's caller reads its blocks at once; other nodes learn of the copy a moment
         # later. A prefetch returns once lookups see it.
-        pins = self._call(Tier.HBM, "commit_pinned", commits, "",
+        pins = self._call(Tier.HBM, "commit_pinned", commits, namespace,
                           priority is not Priority.LOAD, owner)
         return {i: replace(b, lease=p.lease) for (i, b), p in zip(filled.items(), pins)
                 if p is not None}

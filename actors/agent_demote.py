@@ -61,7 +61,7 @@ class Demotion(NvmeTransfers):
         )
         try:
             self._demote_victims(Tier.DRAM, grants)
-            commits = []
+            commits: dict[str, list[tuple[int, int, int | None]]] = {}  # by namespace id
             for src, dst in zip(todo, grants):
                 if dst is None:
                     continue
@@ -69,10 +69,11 @@ class Demotion(NvmeTransfers):
                 assert v is not None
                 np.copyto(self._arena(dst.epoch).slot_view(dst.slot)[: v.size],
                           self._arena(src.epoch).slot_view(src.slot)[: v.size])
-                commits.append((dst.lease, v.size, v.checksum))
+                commits.setdefault(v.namespace, []).append((dst.lease, v.size, v.checksum))
                 self.moved["hbm->dram"] += v.size
                 self.moved_via["local"] += v.size
         except BaseException:
             self._give_back(Tier.DRAM, abort=[g.lease for g in grants if g is not None])
             raise
-        self._call(Tier.DRAM, "commit", commits)
+        for namespace, done in commits.items():  # the tag goes down with the block
+            self._call(Tier.DRAM, "commit", done, namespace)

@@ -44,9 +44,10 @@ class PoolWrites(AgentBase):
 
     def _pool_write(
         self, keys: Sequence[BlockHash], parents: dict[BlockHash, BlockHash | None],
-        replicas: int,
+        replicas: int, namespace: str = "",
     ) -> int:
-        """Have each block's pool owners pull it from this node's DRAM; returns copies made."""
+        """Have each block's pool owners pull it from this node's DRAM; returns copies made.
+        The pool nodes keep ``namespace`` (the blocks' namespace id) with them, on disk."""
         members = self._pool_members()
         if not members or not keys:
             return 0
@@ -57,7 +58,8 @@ class PoolWrites(AgentBase):
                 if p is None or p.epoch not in self._epochs:
                     continue
                 region = self._epochs[p.epoch][0].arena
-                offer = Offer(key, parents.get(key), region, p.slot, p.size, p.checksum)
+                offer = Offer(key, parents.get(key), region, p.slot, p.size, p.checksum,
+                              namespace)
                 for owner in owners(key, members, replicas):
                     by_owner.setdefault(owner, []).append(offer)
             made = 0
@@ -78,7 +80,8 @@ class PoolWrites(AgentBase):
         finally:
             self._give_back(Tier.DRAM, unpin=[p.lease for p in pins if p is not None])
 
-    def _pool_later(self, loaded: Sequence[Loaded], copies: Sequence[Sequence[Copy]]) -> None:
+    def _pool_later(self, loaded: Sequence[Loaded], copies: Sequence[Sequence[Copy]],
+                    namespace: str = "") -> None:
         """Blocks reused often enough and not yet pooled go to the pool in the background
         (where there is a pool: the load that called this does not wait to find out)."""
         for b in loaded:
@@ -88,6 +91,6 @@ class PoolWrites(AgentBase):
         if todo:
             self.scheduler.submit(
                 Priority.DEMOTE,
-                lambda: self._pool_write(todo, {}, self.config.pool_replication),
+                lambda: self._pool_write(todo, {}, self.config.pool_replication, namespace),
             )
 

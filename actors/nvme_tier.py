@@ -19,6 +19,7 @@ Pins and reservations are leases (``actors.leases``), taken back when they expir
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import uuid
@@ -35,7 +36,7 @@ from cmx.storage.nvme.extents import ExtentBooks, PendingExtent
 from cmx.storage.nvme.space import ExtentMove, Mover
 from cmx.tiers import Tier
 
-__all__ = ["NvmeTierService", "extent_holdings"]
+__all__ = ["NvmeTierService", "extent_holdings", "extent_tag"]
 
 DEFAULT_LEASE_S = 120.0
 # (key, parent, size) or (key, parent, size, namespace id)
@@ -75,7 +76,7 @@ class NvmeTierService(LeasedPins):
             ),
             self._holdings,
             self.store.event_lock,
-            self._tag,
+            functools.partial(extent_tag, self.store),
         )
         self.store.subscribe(self.publisher.on_event)
 
@@ -209,11 +210,6 @@ class NvmeTierService(LeasedPins):
     def _holdings(self) -> list[Entry]:
         return extent_holdings(self.store)
 
-    def _tag(self, key: bytes) -> str:
-        """The namespace id a just-stored block was reserved with (the store keeps it)."""
-        entry = self.store.entry_of(key)
-        return entry.tag if entry is not None else ""
-
 
 class AgentMover(Mover):
     """Compaction's bytes, moved by the node's agent (its data plane): the tier decides the
@@ -225,6 +221,12 @@ class AgentMover(Mover):
 
     def move(self, moves: Sequence[ExtentMove]) -> list[bool | None]:
         return list(self._link.call(self._agent, "move_extents", extent_pairs(moves)))  # type: ignore[attr-defined]
+
+
+def extent_tag(store: ExtentBooks, key: bytes) -> str:
+    """The namespace id a just-stored block was reserved with (the store keeps it)."""
+    entry = store.entry_of(key)
+    return entry.tag if entry is not None else ""
 
 
 def extent_holdings(store: ExtentBooks) -> list[Entry]:

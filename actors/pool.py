@@ -5,7 +5,9 @@ compaction's through an ``ExtentPlane``), a DRAM staging arena
 registered with its transport, and the same pull protocol as the offload agents:
 
 - ``ingest(source, items)``: pull blocks from the arena of ``source`` (an agent or another
-  pool node that has them pinned) over the transport, verify, write to NVMe, commit, announce.
+  pool node that has them pinned) over the transport, verify, write to NVMe with each block's
+  namespace id (so the directory learns it again after it or this node restarts), commit,
+  announce.
 - ``stage(keys, owner)`` / ``unstage(staged)``: for a reader: pin each block in the staging
   arena (reading it from NVMe and verifying it first), so the reader pulls it with one
   transfer. The pins are leases: a reader that dies holds them only until they expire.
@@ -18,6 +20,7 @@ so a node that comes back with the same label offers what its disk still holds.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -29,7 +32,7 @@ import numpy as np
 from cmx.actors.directory import Entry, Source
 from cmx.actors.events import EventPublisher
 from cmx.actors.leases import Clock, LeaseKind, Leases
-from cmx.actors.nvme_tier import extent_holdings
+from cmx.actors.nvme_tier import extent_holdings, extent_tag
 from cmx.actors.pool_slices import pool_selection
 from cmx.actors.transport import Move, PeerInfo, Region, TransferError, make_transport
 from cmx.checksum import checksum
@@ -41,6 +44,7 @@ from cmx.selection import Runs, SlicedBlock
 from cmx.storage.dram import DramStore, Reservation
 from cmx.storage.nvme.dataplane import Extent, ExtentPlane, PlaneMover
 from cmx.storage.nvme.extents import ExtentBooks, PendingExtent
+from cmx.storage.nvme.records import check_tag
 from cmx.tiers import Tier
 
 __all__ = ["PoolNodeService"]
@@ -82,7 +86,7 @@ class PoolNodeService:
             lambda shard, method, *args: link.call(  # type: ignore[attr-defined]
                 f"cmx:dir:{shard}", method, *args
             ),
-            self._holdings, self.store.event_lock,
+            self._holdings, self.store.event_lock, functools.partial(extent_tag, self.store),
         )
         self.store.subscribe(self.publisher.on_event)
 
@@ -93,6 +97,8 @@ class PoolNodeService:
 
     def ingest(self, source: str, offers: Sequence[Offer]) -> int:
         """Pull ``offers`` from the actor ``source``; returns blocks now stored here."""
+        for o in offers:
+            check_tag(o.namespace)  # before anything is held: a bad tag changes nothing
         todo = [o for o in offers if o.key not in self.store]
         if not todo:
             return 0
@@ -179,7 +185,7 @@ class PoolNodeService:
         for o, r in grants:
             pending = None
             if checksum(r.buffer[: o.size]) == o.checksum:
-                pending = self.store.reserve_extent(o.key, o.parent, o.size)
+                pending = self.store.reserve_extent(o.key, o.parent, o.size, o.namespace)
             if pending is None:
                 self.staging.abort(r)
             else:
@@ -274,10 +280,13 @@ class PoolNodeService:
         return [k in self.store for k in keys]
 
     def evict(self, keys: Sequence[BlockHash]) -> int:
-        """Drop unpinned blocks from this pool node; returns how many left."""
+        """Drop unpinned blocks from this pool node, durably (a namespace drop stays dropped
+        across a restart); returns how many left."""
         for key in keys:
             self._drop_staged(key)
         gone = self.store.delete_unpinned(keys)
+        if gone:
+            self.store.flush()
         self.publisher.flush()
         return gone
 
@@ -299,8 +308,8 @@ class PoolNodeService:
                     staged = [s for s in self.stage(missing[start : start + 16], me)
                               if s is not None]
                     try:
-                        offers = [Offer(s.key, None, s.region, s.slot, s.size, s.checksum)
-                                  for s in staged]
+                        offers = [Offer(s.key, None, s.region, s.slot, s.size, s.checksum,
+                                        extent_tag(self.store, s.key)) for s in staged]
                         pushed += int(self.link.call(target, "ingest", me, offers))  # type: ignore[attr-defined]
                     finally:
                         self.unstage(staged)

@@ -169,7 +169,7 @@ class NamespaceClient:
         blocks = list(match.blocks)[: self._window()]
         return self.cm.link.submit(
             actor_name("agent", self.cm.node_id), "prefetch",
-            [b.key for b in blocks], [list(b.copies) for b in blocks],
+            [b.key for b in blocks], [list(b.copies) for b in blocks], self.namespace.id,
         )
 
     def _window(self) -> int:
@@ -200,7 +200,8 @@ class NamespaceClient:
         owner = f"client:{uuid.uuid4().hex}"
         try:
             ref = self.cm.link.submit(agent, "load", [b.key for b in blocks],
-                                      [list(b.copies) for b in blocks], Priority.LOAD, owner)
+                                      [list(b.copies) for b in blocks], Priority.LOAD, owner,
+                                      self.namespace.id)
             result = ray.get(ref, timeout=self.cm.config.load_timeout_s)
         except Exception as exc:  # noqa: BLE001 - a failed or late load is a miss
             log.warning("load failed: %s", exc)

@@ -105,6 +105,7 @@ class Offer:
     slot: int
     size: int
     checksum: int
+    namespace: str = ""  # its namespace id: the pool node keeps it with the block, on disk
 
 
 @dataclass(frozen=True)

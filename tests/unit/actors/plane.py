@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +37,7 @@ class Plane:
     tiers: dict[tuple[str, Tier], Any]
     clock: FakeClock
 
-    def lookup(self, keys: list[bytes]) -> list[list[Copy]]:
+    def lookup(self, keys: Sequence[bytes]) -> list[list[Copy]]:
         n = len(self.shards)
         return [self.shards[shard_of(k, n)].lookup([k])[0] for k in keys]
 

@@ -1,6 +1,7 @@
-"""A block's namespace id travels with it to NVMe and is kept on disk: after the NVMe tier and the
-directory restart, a namespace drop still finds the block; and the drop's evictions are durable
-as soon as they are made, whatever happens to the tier next."""
+"""A block's namespace id travels with every copy of it: into HBM with a load, down to DRAM with
+a demotion, to NVMe and to the pool, both of which keep it on disk. After the directory (and the
+NVMe tier or the pool node) restart, a namespace drop still finds every copy; and the drop's
+evictions from disk are durable as soon as they are made, whatever happens to the tier next."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ from pathlib import Path
 
 import pytest
 from plane import Plane, make_plane
-from scenarios import blocks, check, small_config
+from scenarios import BLOCK, blocks, check, small_config
 
 from cmx.actors.directory import DirectoryShard
 from cmx.actors.links import actor_name
 from cmx.actors.nvme_tier import NvmeTierService
+from cmx.actors.pool import PoolNodeService
+from cmx.actors.service import Controller
+from cmx.client import ContextMemory
 from cmx.keys import BlockHash
 from cmx.tiers import Tier
 
@@ -86,4 +90,151 @@ def test_a_drops_nvme_evictions_are_durable_before_the_tier_is_closed(tmp_path: 
         assert again.contains(keys) == [True, True, False, False]
         again.check_integrity()
     finally:
+        plane.close()
+
+
+# -- copies in HBM and in the pool -------------------------------------------------------------
+
+
+class PoolMembers(Controller):
+    """The controller's answer to who is in the pool, without the cluster it watches."""
+
+    def __init__(self, members: list[str]) -> None:
+        self.pool = set(members)
+
+
+def start_pool(plane: Plane, node: str, root: str = "") -> PoolNodeService:
+    """The pool node ``node`` on its store directory (what its disk holds comes back)."""
+    cfg = plane.config
+    root = root or f"{cfg.nvme_dir}/pool-{node}"
+    pool = PoolNodeService(node, node, root, 64 * BLOCK, BLOCK,
+                           8 * BLOCK, plane.link, cfg.directory_shards, cfg.transport,
+                           segment_bytes=cfg.nvme_segment_bytes, lease_s=cfg.lease_s,
+                           clock=plane.clock)
+    plane.link._targets[actor_name("pool", node)] = pool  # type: ignore[attr-defined]
+    return pool
+
+
+def drop(plane: Plane) -> int:
+    """``ContextMemory.drop_namespace`` of NS, over the plane's link."""
+    cm = ContextMemory(plane.config, "node-a", owns_ray=False)
+    cm.link = plane.link  # type: ignore[assignment]
+    return cm.drop_namespace(NS)
+
+
+def reannounce(plane: Plane, *more: object) -> None:
+    """Every tier's (and pool node's) next heartbeat: the restarted shards learn it all again."""
+    for tier in [*plane.tiers.values(), *more]:
+        assert tier.heartbeat()  # type: ignore[attr-defined]
+
+
+def held_in(plane: Plane, keys: list[BlockHash]) -> set[Tier]:
+    """The tiers the directory lists copies of ``keys`` in, once every tier's events are in
+    (a load tells the directory of its copies behind its answer)."""
+    for tier in plane.tiers.values():
+        tier.publisher.flush()
+    return {c.tier for copies in plane.lookup(list(keys)) for c in copies}
+
+
+@pytest.mark.parametrize("how", ["load", "prefetch", "load from a peer"])
+def test_a_drop_after_the_directory_restarts_removes_copies_held_only_in_hbm(
+    tmp_path: Path, how: str
+) -> None:
+    plane = make_plane(small_config(tmp_path))
+    try:
+        keys, payload = blocks(2, seed=7)
+        plane.agents["node-a"].store(keys, [None, keys[0]], payload, NS)
+        node = "node-b" if how == "load from a peer" else "node-a"
+        agent = plane.agents[node]
+        if how == "prefetch":
+            assert agent.prefetch(keys, plane.lookup(keys), namespace=NS) == 2
+        else:
+            loaded = agent.load(keys, plane.lookup(keys), namespace=NS).blocks
+            assert len(loaded) == 2
+            agent.release([b.lease for b in loaded])
+        assert plane.tiers[("node-a", Tier.DRAM)].evict(keys) == 2
+        hbm = plane.tiers[(node, Tier.HBM)]
+        assert held_in(plane, keys) == {Tier.HBM} and hbm.contains(keys) == [True, True]
+        restart_directory(plane)
+        reannounce(plane)
+        assert drop(plane) == 2
+        assert hbm.contains(keys) == [False, False]
+        assert held_in(plane, keys) == set()
+        check(plane)
+    finally:
+        plane.close()
+
+
+def test_hbm_copies_demoted_to_dram_keep_their_namespace(tmp_path: Path) -> None:
+    plane = make_plane(small_config(tmp_path))
+    try:
+        keys, payload = blocks(6, seed=8)
+        agent = plane.agents["node-a"]
+        agent.store(keys[:2], [None, keys[0]], payload[: 2 * BLOCK], NS)
+        loaded = agent.load(keys[:2], plane.lookup(keys[:2]), namespace=NS).blocks
+        agent.release([b.lease for b in loaded])
+        dram = plane.tiers[("node-a", Tier.DRAM)]
+        assert dram.evict(keys[:2]) == 2  # only HBM holds them now
+        others = keys[2:]
+        agent.store(others, [None, *others[:-1]], payload[2 * BLOCK :])
+        agent.release([b.lease for b in agent.load(others, plane.lookup(others)).blocks])
+        assert dram.contains(keys[:2]) == [True, True]  # HBM (4 slots) demoted them
+        assert held_in(plane, keys[:2]) == {Tier.DRAM}
+        restart_directory(plane)
+        reannounce(plane)
+        assert drop(plane) == 2
+        assert dram.contains(keys[:2]) == [False, False]
+        check(plane)
+    finally:
+        plane.close()
+
+
+@pytest.mark.parametrize("pool_restarts", [False, True])
+def test_a_drop_after_the_directory_restarts_removes_copies_held_only_in_the_pool(
+    tmp_path: Path, pool_restarts: bool
+) -> None:
+    plane = make_plane(small_config(tmp_path, pool_admission_min_count=1))
+    plane.link._targets["cmx:controller"] = PoolMembers(["pool-1"])  # type: ignore[attr-defined]
+    pool = start_pool(plane, "pool-1")
+    try:
+        keys, payload = blocks(3, seed=9)
+        plane.agents["node-a"].store(keys, [None, *keys[:-1]], payload, NS)
+        assert pool.contains(keys) == [True] * 3
+        assert plane.tiers[("node-a", Tier.DRAM)].evict(keys) == 3
+        assert held_in(plane, keys) == {Tier.POOL}
+        restart_directory(plane)
+        if pool_restarts:  # the tags come back from the pool node's disk
+            pool.close()
+            pool = start_pool(plane, "pool-1")
+        reannounce(plane, pool)
+        assert drop(plane) == 3
+        assert pool.contains(keys) == [False] * 3
+        pool.check_integrity()
+        check(plane)
+    finally:
+        pool.close()
+        plane.close()
+
+
+def test_a_drops_pool_evictions_are_durable_before_the_pool_node_is_closed(
+    tmp_path: Path
+) -> None:
+    plane = make_plane(small_config(tmp_path, pool_admission_min_count=1))
+    plane.link._targets["cmx:controller"] = PoolMembers(["pool-1"])  # type: ignore[attr-defined]
+    pool = start_pool(plane, "pool-1")
+    try:
+        keys, payload = blocks(4, seed=10)
+        plane.agents["node-a"].store(keys, [None, *keys[:-1]], payload, NS)
+        assert pool.evict(keys[2:]) == 2
+        # The files as a crash now leaves them: the node never closes (no snapshot at close).
+        crashed = str(tmp_path / "crashed")
+        shutil.copytree(pool.store.root, crashed)
+        again = start_pool(plane, "pool-1", crashed)
+        try:
+            assert again.contains(keys) == [True, True, False, False]
+            again.check_integrity()
+        finally:
+            again.close()
+    finally:
+        pool.close()
         plane.close()

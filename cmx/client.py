@@ -169,10 +169,11 @@ class ContextMemory:
     def drop_namespace(self, namespace: Namespace | str) -> int:
         """Evict every unpinned copy of every block of a namespace; returns copies evicted.
 
-        Blocks are found by the namespace tag the directory keeps; an NVMe tier keeps each
-        block's tag on disk and reports it again after a restart. A copy held only in HBM or
-        in the pool across a restart of its directory shard has lost its tag and stays until
-        evicted by capacity.
+        Blocks are found by the namespace tag the directory keeps. Every copy a store or a
+        load makes carries its block's tag (HBM, DRAM, NVMe, pool), and each tier reports it
+        again when a restarted directory shard asks; NVMe tiers and pool nodes keep it on
+        disk, so it outlives their own restarts too. docs/RELIABILITY.md names the few copies
+        that carry none.
         """
         ns_id = namespace_id(namespace)  # an id, or the 64-hex digest: blocks carry the id
         by_holder: dict[tuple[Tier, str], list[BlockHash]] = {}

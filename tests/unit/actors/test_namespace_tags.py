@@ -19,6 +19,7 @@ from cmx.actors.pool import PoolNodeService
 from cmx.actors.service import Controller
 from cmx.client import ContextMemory
 from cmx.keys import BlockHash
+from cmx.protocol import Offer
 from cmx.tiers import Tier
 
 NS = "0123456789abcdef"  # a namespace id, as blocks are tagged with
@@ -235,6 +236,32 @@ def test_a_drops_pool_evictions_are_durable_before_the_pool_node_is_closed(
             again.check_integrity()
         finally:
             again.close()
+    finally:
+        pool.close()
+        plane.close()
+
+
+def test_an_offer_with_a_tag_too_long_to_keep_is_refused_before_anything_is_held(
+    tmp_path: Path
+) -> None:
+    plane = make_plane(small_config(tmp_path))
+    pool = start_pool(plane, "pool-1")
+    try:
+        keys, payload = blocks(2, seed=11)
+        source = plane.agents["node-a"]
+        source.store(keys, [None, keys[0]], payload, NS)
+        dram = plane.tiers[("node-a", Tier.DRAM)]
+        pins = dram.pin(keys, source.owner)
+        region = source._arenas[Tier.DRAM][0].arena
+        offers = [Offer(p.key, None, region, p.slot, p.size, p.checksum, tag)
+                  for p, tag in zip(pins, [NS, "x" * 4096]) if p is not None]
+        with pytest.raises(ValueError, match="tag"):
+            pool.ingest(actor_name("agent", "node-a"), offers)
+        dram.unpin([p.lease for p in pins if p is not None])
+        assert pool.contains(keys) == [False, False]
+        assert (pool.stats()["pinned"], pool.stats()["reserved"]) == (0, 0)
+        pool.check_integrity()
+        check(plane)
     finally:
         pool.close()
         plane.close()

@@ -13,7 +13,10 @@ back when it expires, so a holder that fails or dies never keeps a slot.
 2. The agent writes the slot *in the arena of the grant's epoch* (a restarted tier has a new
    arena; the old grant's slot there may hold another block), then ``commit([(lease, size,
    checksum)])`` (visible to lookups once this returns: the directory has applied the event)
-   or ``abort([lease])``. A lease of an earlier incarnation commits nothing.
+   or ``abort([lease])``. A lease of an earlier incarnation commits nothing. A reservation
+   its holder did not end (its lease expired, or its owner was released) may still have a
+   writer copying into it: its slot is fenced, held out of use for another lease period, so
+   that late copy lands in a slot no other block uses (``stats()["fenced_slots"]``).
 3. Readers ``pin(keys, owner)`` -> where each block is (None on a miss), read the slots in
    the arena of the pin's epoch, ``unpin([lease])``.
 
@@ -96,6 +99,8 @@ class ArenaTierService(LeasedPins):
         self.node = node
         self.emulated = emulated
         self.epoch = uuid.uuid4().hex[:8]
+        self._clock = clock
+        self._fences: dict[int, float] = {}  # fenced slot -> when it may be granted again
         self._evicted: dict[int, Victim] = {}  # slot -> block evicted from it, until granted
         _unlink_stale_arenas(arena_name(tier, node, ""))
         reap_orphans()  # arenas of nodes torn down on this host before
@@ -139,6 +144,7 @@ class ArenaTierService(LeasedPins):
         self, items: Sequence[tuple[BlockHash, BlockHash | None]], owner: str
     ) -> list[Grant | None]:
         self.leases.expire()
+        self._lift_fences()
         grants: list[Grant | None] = []
         for key, parent in items:
             try:
@@ -147,7 +153,7 @@ class ArenaTierService(LeasedPins):
                 grants.append(None)
                 continue
             with self._lock:
-                lease = self.leases.grant(owner, LeaseKind.RESERVE, key, self._abort_one)
+                lease = self.leases.grant(owner, LeaseKind.RESERVE, key, self._fence_one)
                 self._reservations[lease] = res
                 victim = self._evicted.pop(res.slot, None)
             grants.append(Grant(key, res.slot, self.epoch, lease, victim))
@@ -190,13 +196,32 @@ class ArenaTierService(LeasedPins):
         return [next(pins) if k is not None else None for k in keys]
 
     def abort(self, leases: Sequence[int]) -> None:
-        self.leases.end(leases)
+        """Give back reservations their holder will not write: the slots are free at once."""
+        for lease in leases:
+            if self.leases.take(lease) is not None:
+                with self._lock:
+                    res = self._reservations.pop(lease, None)
+                if res is not None:
+                    self.store.abort(res)
 
-    def _abort_one(self, lease: int) -> None:
+    def _fence_one(self, lease: int) -> None:
+        """A reservation ended without its holder (expired, or its owner released): its
+        writer may still be copying, so the slot is held out of use for a lease period."""
         with self._lock:
             res = self._reservations.pop(lease, None)
         if res is not None:
-            self.store.abort(res)
+            slot = self.store.fence(res)
+            with self._lock:
+                self._fences[slot] = self._clock() + self.leases.ttl_s
+
+    def _lift_fences(self) -> None:
+        now = self._clock()
+        with self._lock:
+            due = [slot for slot, until in self._fences.items() if until <= now]
+            for slot in due:
+                del self._fences[slot]
+        for slot in due:
+            self.store.unfence(slot)
 
     # -- reads ---------------------------------------------------------------------------------
 
@@ -268,6 +293,7 @@ class ArenaTierService(LeasedPins):
 
     def heartbeat(self) -> bool:
         self.leases.expire()
+        self._lift_fences()
         return self.publisher.flush(heartbeat=True)
 
     def stats(self) -> dict[str, object]:
@@ -287,6 +313,7 @@ class ArenaTierService(LeasedPins):
             "reserve_leases": leases.reserved,
             "expired_leases": leases.expired,
             "released_leases": leases.released,
+            "fenced_slots": len(self._fences),
             "quarantined": self._quarantined,
             "hits": s.hits,
             "misses": s.misses,
@@ -306,6 +333,8 @@ class ArenaTierService(LeasedPins):
                                  f"{s.extra['reserved']} reserved blocks")
         if bool(leases.pinned) != bool(s.pinned):
             raise AssertionError(f"{leases.pinned} pin leases, {s.pinned} pinned blocks")
+        if len(self._fences) != s.extra["fenced"]:
+            raise AssertionError(f"{len(self._fences)} fences, {s.extra['fenced']} fenced slots")
 
     def close(self) -> None:
         self.store.close()

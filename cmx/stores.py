@@ -8,7 +8,10 @@ Protocol, per window of half the DRAM tier (so a store larger than DRAM streams 
 2. The writer copies each block from the engine's layout into its slot's payload order, in
    the arena of the grant's epoch (``arena_name``): one strided copy, no object store. A DRAM
    tier that restarted since has unlinked that arena (the copy fails), or, if it was mapped
-   here before, the copy lands in memory no tier uses and its commit is refused.
+   here before, the copy lands in memory no tier uses and its commit is refused. Each
+   block's checksum is taken of the engine's bytes as they are copied (``copy_block``),
+   never read back from the slot: a writer whose lease ran out may still copy into that
+   slot, and its late bytes must fail the checksum where they are used, not pass it.
 3. ``agent.commit_store(keys, parents, done)``: committed and visible to lookups, then written
    through to NVMe and the pool as placement and admission say. The last window's commit
    goes on behind ``StoreHandle``; an earlier one is waited for, as the next window's grants
@@ -20,13 +23,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from cmx.checksum import checksum
+from cmx.checksum import Checksum, ChecksumStream
 from cmx.keys import BlockHash
 from cmx.layout import KVLayout
 from cmx.protocol import actor_name, arena_name
 from cmx.tiers import Tier
 
-__all__ = ["StoreHandle", "store_into_dram"]
+__all__ = ["StoreHandle", "copy_block", "store_into_dram"]
 
 
 class StoreHandle:
@@ -99,10 +102,34 @@ def _copy_window(
                 continue
             arena = cm.plane.arena(arena_name(Tier.DRAM, cm.node_id, grant.epoch))
             slot = arena.slot_view(grant.slot)[: layout.block_bytes]
-            layout.from_payload(slot).copy_(kv[:, :, :, i * T : (i + 1) * T])
-            done.append((grant, layout.block_bytes, checksum(slot)))
+            csum = copy_block(layout, slot, kv[:, :, :, i * T : (i + 1) * T])
+            done.append((grant, layout.block_bytes, csum))
     except BaseException:
         cm.link.tell(actor_name(Tier.DRAM.value, cm.node_id), "abort",
                      [g.lease for g in grants if g is not None])
         raise
     return done
+
+
+def copy_block(layout: KVLayout, slot: Any, kv: Any) -> Checksum:
+    """Copy one block's KV [L, 2, H, T, D] into ``slot`` in payload order; returns the
+    checksum of ``kv``'s bytes in that order, taken of the source, never of the slot.
+
+    The copy goes one outer slice of the payload at a time (a layer, or a head), each slice
+    hashed from the source right after it is copied, while it is still in the CPU's cache: no
+    second pass over the block."""
+    dst = layout.from_payload(slot)
+    # The dims in the payload's memory order: the slot's view permuted back to contiguous.
+    strides = dst.stride()
+    order = sorted(range(3), key=lambda d: -strides[d]) + [3, 4]
+    dst, src = dst.permute(order), kv.permute(order)
+    stream = ChecksumStream()
+    for i in range(dst.shape[0]):
+        piece = src[i] if src.device.type == "cpu" else src[i].cpu()
+        dst[i].copy_(piece)
+        if piece.is_contiguous():
+            stream.feed(piece)
+            continue
+        for rows in piece.flatten(0, 1):  # [T, D] each, contiguous in an engine's layout
+            stream.feed(rows.contiguous())
+    return stream.value()

@@ -42,9 +42,9 @@ class NvmeTransfers(AgentBase):
             return []
         ok: list[bool] = self.scheduler.submit(
             priority, lambda: self.nvme.read_many(extents, dsts)).result()
-        if bad := [BlockHash(e.key) for e, good in zip(extents, ok) if not good]:
+        if bad := [e for e, good in zip(extents, ok) if not good]:
             log.warning("%d NVMe blocks failed their checksum; quarantined", len(bad))
-            self._call(Tier.NVME, "quarantine", bad)
+            self._call(Tier.NVME, "quarantine_extents", bad)  # these copies, not their keys
         return ok
 
     def move_extents(self, pairs: Sequence[tuple[Extent, Extent]]) -> list[bool | None]:

@@ -21,9 +21,10 @@ back when it expires, so a holder that fails or dies never keeps a slot.
    the arena of the pin's epoch, ``unpin([lease])``.
 
 A load asks ``acquire`` (pin what is here, reserve the rest) and ends with ``commit_pinned``
-(commit, then pin): two round trips where the steps alone take four. ``quarantine`` drops a
-copy a reader found corrupt; a pinned one goes when its last pin does, and is pinned by no one
-meanwhile.
+(commit, then pin): two round trips where the steps alone take four. ``quarantine_pinned``
+drops the copy a reader's pin named, found corrupt (a pin of an earlier incarnation, or of a
+copy since replaced, drops nothing); a pinned one goes when its last pin does, and is pinned
+by no one meanwhile.
 """
 
 from __future__ import annotations
@@ -239,7 +240,7 @@ class ArenaTierService(LeasedPins):
                 out.append(None)
                 continue
             lease = self.leases.grant(owner, LeaseKind.PIN, key, self._unpin_later(key))
-            out.append(Pinned(key, ref.slot, ref.size, csum, self.epoch, lease))
+            out.append(Pinned(key, ref.slot, ref.size, csum, self.epoch, lease, ref.copy))
         return out
 
     def acquire(
@@ -261,7 +262,23 @@ class ArenaTierService(LeasedPins):
             self.publisher.flush()
 
     def quarantine(self, keys: Sequence[BlockHash]) -> int:
-        """Drop copies a reader found corrupt; a pinned one goes at its last unpin."""
+        """Drop the copies of ``keys`` held now, found corrupt; a pinned one goes at its last
+        unpin. A reader that holds pins quarantines by them (``quarantine_pinned``)."""
+        n = self._quarantine(keys)
+        self.publisher.flush()
+        return n
+
+    def quarantine_pinned(self, pins: Sequence[Pinned]) -> int:
+        """Drop the copies these pins named, found corrupt by their reader; a pinned one goes
+        at its last unpin. A pin of an earlier incarnation of this tier, or of a copy since
+        evicted or stored again, names no copy held here: it drops nothing."""
+        with self.store._lock:  # no copy is replaced between the check and the drop
+            n = self._quarantine([p.key for p in pins
+                                  if p.epoch == self.epoch and self._copy_of(p.key) == p.copy])
+        self.publisher.flush()
+        return n
+
+    def _quarantine(self, keys: Sequence[BlockHash]) -> int:
         n = 0
         for key in keys:
             if key not in self.store:
@@ -270,8 +287,11 @@ class ArenaTierService(LeasedPins):
             if not self._drop(key):
                 self._doomed.add(key)
         self._quarantined += n
-        self.publisher.flush()
         return n
+
+    def _copy_of(self, key: BlockHash) -> int | None:
+        ref = self.store.locate(key)
+        return ref.copy if ref is not None else None
 
     def _drop(self, key: BlockHash) -> bool:
         try:

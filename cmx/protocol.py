@@ -73,6 +73,7 @@ class Pinned:
     checksum: int
     epoch: str  # read ``slot`` in the arena of this epoch (``arena_name``)
     lease: int  # unpin by it
+    copy: int = 0  # which copy of the key in that epoch: a quarantine names it, not the key
 
 
 class Priority(enum.IntEnum):

@@ -256,7 +256,8 @@ class DramStore(DramBooks):
             if entry is None:
                 return None
             offset = self._arena.slot_offset(entry.slot)
-            return SlotRef(self._arena.name, entry.slot, offset, entry.size, entry.checksum)
+            return SlotRef(self._arena.name, entry.slot, offset, entry.size, entry.checksum,
+                           entry.reservation)
 
     def checksum_of(self, key: bytes) -> Checksum | None:
         """XXH3-64 of the block, computed on first call and cached; None on a miss."""

@@ -116,6 +116,7 @@ class ArenaTierService(LeasedPins):
         self._reservations: dict[int, Reservation] = {}  # lease -> open reservation
         self._doomed: set[BlockHash] = set()  # quarantined while pinned: dropped at last unpin
         self._quarantined = 0
+        self._refused = 0  # commits of a lease that had ended or was of an earlier incarnation
         self._tags: dict[BlockHash, str] = {}  # namespace id of blocks stored through here
         self._lock = threading.Lock()
         self.publisher = EventPublisher(
@@ -164,7 +165,13 @@ class ArenaTierService(LeasedPins):
                wait: bool = True) -> int:
         """Commit written blocks (by lease) and publish them; returns how many were committed.
         With ``wait``, returns once the directory has them; otherwise they are sent behind."""
-        return sum(k is not None for k in self._commit(items, namespace, wait))
+        return sum(self.commit_each(items, namespace, wait))
+
+    def commit_each(self, items: Sequence[tuple[int, int, int]], namespace: str = "",
+                    wait: bool = True) -> list[bool]:
+        """``commit``, answering per item whether it was committed (False: its lease had
+        ended, or is of an earlier incarnation of this tier)."""
+        return [k is not None for k in self._commit(items, namespace, wait)]
 
     def _commit(self, items: Sequence[tuple[int, int, int]], namespace: str,
                 wait: bool) -> list[BlockHash | None]:
@@ -174,6 +181,7 @@ class ArenaTierService(LeasedPins):
             with self._lock:
                 res = self._reservations.pop(lease, None) if held is not None else None
             if res is None:
+                self._refused += 1
                 keys.append(None)
                 continue
             if namespace:
@@ -334,6 +342,7 @@ class ArenaTierService(LeasedPins):
             "expired_leases": leases.expired,
             "released_leases": leases.released,
             "fenced_slots": len(self._fences),
+            "refused_commits": self._refused,
             "quarantined": self._quarantined,
             "hits": s.hits,
             "misses": s.misses,

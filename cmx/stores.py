@@ -13,9 +13,10 @@ Protocol, per window of half the DRAM tier (so a store larger than DRAM streams 
    never read back from the slot: a writer whose lease ran out may still copy into that
    slot, and its late bytes must fail the checksum where they are used, not pass it.
 3. ``agent.commit_store(keys, parents, done)``: committed and visible to lookups, then written
-   through to NVMe and the pool as placement and admission say. The last window's commit
-   goes on behind ``StoreHandle``; an earlier one is waited for, as the next window's grants
-   may evict its blocks.
+   through to NVMe and the pool as placement and admission say; a ``StoreCommit`` names the
+   blocks refused (a lease that ended, a DRAM tier that restarted, bytes that no longer
+   match). The last window's commit goes on behind ``StoreHandle``; an earlier one is waited
+   for, as the next window's grants may evict its blocks.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 from cmx.checksum import Checksum, ChecksumStream
 from cmx.keys import BlockHash
 from cmx.layout import KVLayout
-from cmx.protocol import actor_name, arena_name
+from cmx.protocol import StoreCommit, actor_name, arena_name
 from cmx.tiers import Tier
 
 __all__ = ["StoreHandle", "copy_block", "store_into_dram"]
@@ -35,19 +36,27 @@ __all__ = ["StoreHandle", "copy_block", "store_into_dram"]
 class StoreHandle:
     """An asynchronous store; ``wait()`` returns once the blocks are committed and visible."""
 
-    def __init__(self, ref: Any, num_blocks: int, timeout_s: float, committed: int = 0) -> None:
+    def __init__(self, ref: Any, num_blocks: int, timeout_s: float,
+                 before: StoreCommit | None = None) -> None:
         self._ref = ref  # the last commit, still under way (None: nothing left to wait for)
         self.num_blocks = num_blocks
         self._timeout_s = timeout_s
-        self._committed = committed  # by the windows before it
+        self._result = before or StoreCommit(0)  # of the windows before it
 
     def wait(self, timeout_s: float | None = None) -> int:
         """Blocks committed by this store (already-present blocks are not stored again)."""
-        if self._ref is None:
-            return self._committed
-        import ray
+        if self._ref is not None:
+            import ray
 
-        return self._committed + int(ray.get(self._ref, timeout=timeout_s or self._timeout_s))
+            last: StoreCommit = ray.get(self._ref, timeout=timeout_s or self._timeout_s)
+            self._result, self._ref = _add(self._result, last), None
+        return self._result.committed
+
+    @property
+    def refused(self) -> tuple[BlockHash, ...]:
+        """Keys of the blocks written but not stored (``StoreCommit.refused``): known once
+        ``wait()`` has returned. A later store of them writes them again."""
+        return self._result.refused
 
     def done(self) -> bool:
         import ray
@@ -66,7 +75,7 @@ def store_into_dram(
     are in DRAM, before they are committed."""
     window = max(1, cm.config.dram_bytes // cm.config.block_bytes // 2)
     T = layout.block_tokens
-    committed = 0
+    result = StoreCommit(0)
     ref = None
     for start in range(0, len(keys), window):
         stop = min(start + window, len(keys))
@@ -75,11 +84,15 @@ def store_into_dram(
                             kv[:, :, :, start * T : stop * T], owner)
         args = (window_keys, window_parents, done, namespace, replication)
         if stop < len(keys):  # the next window's grants may evict these blocks: commit first
-            committed += int(cm.link.call(_agent(cm), "commit_store", *args,
-                                          timeout_s=cm.config.load_timeout_s))
+            result = _add(result, cm.link.call(_agent(cm), "commit_store", *args,
+                                               timeout_s=cm.config.load_timeout_s))
         else:
             ref = cm.link.submit(_agent(cm), "commit_store", *args)
-    return StoreHandle(ref, len(keys), cm.config.load_timeout_s, committed)
+    return StoreHandle(ref, len(keys), cm.config.load_timeout_s, result)
+
+
+def _add(a: StoreCommit, b: StoreCommit) -> StoreCommit:
+    return StoreCommit(a.committed + b.committed, a.refused + b.refused)
 
 
 def _agent(cm: Any) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import errno
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -14,6 +14,7 @@ import pytest
 import torch
 from plane import Plane, make_plane
 from scenarios import BLOCK, LAYOUT, blocks, check, held, load, small_config
+from writers import LateWrite, StoreLink
 
 from cmx.actors.links import LocalLink, actor_name
 from cmx.checksum import checksum
@@ -100,30 +101,6 @@ def test_stage_with_hbm_down_stages_from_dram_and_leaves_no_stray_pin(plane: Pla
     check(plane)
 
 
-class StoreLink(StartAllLink):
-    """StartAllLink whose ``submit`` runs the call now, as a client's store sends its last
-    commit: what the test reads is the tiers, not the answer."""
-
-    def submit(self, name: str, method: str, *args: Any) -> Any:
-        return self.call(name, method, *args)
-
-
-class LateWrite(torch.Tensor):
-    """An engine's KV whose first copy is followed at once by ``late``: another writer's late
-    copy landing on the slot just written."""
-
-    late: Callable[[], None] | None = None
-
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
-                           ) -> Any:
-        out = super().__torch_function__(func, types, args, kwargs or {})
-        if func is torch.Tensor.copy_ and LateWrite.late is not None:
-            late, LateWrite.late = LateWrite.late, None
-            late()
-        return out
-
-
 @pytest.mark.parametrize("tier", [Tier.DRAM, Tier.HBM])
 def test_a_slot_whose_reservation_expired_is_fenced_for_a_lease_period(
     plane: Plane, tier: Tier
@@ -172,8 +149,11 @@ def test_a_late_writer_after_its_lease_expired_never_puts_its_bytes_under_anothe
     for i, g in enumerate(slow):  # the slow writer's copies land late, in its old slots
         assert g is not None
         arena.slot_view(g.slot)[:BLOCK] = payload[i * BLOCK : (i + 1) * BLOCK]
-    agent.commit_store(keys[4:], [None] * 4, done)
-    agent.commit_store(keys[:4], [None] * 4, [(g, BLOCK, 0) for g in slow if g])
+    assert agent.commit_store(keys[4:], [None] * 4, done).committed == 4
+    late = agent.commit_store(keys[:4], [None] * 4, [(g, BLOCK, 0) for g in slow if g])
+    assert late.committed == 0 and late.refused == tuple(keys[:4])  # the writer learns it
+    assert agent.stats()["store_commits"] == {"committed": 4, "refused": 4}
+    assert plane.tiers[(NODE, Tier.DRAM)].stats()["refused_commits"] == 4
     data, _ = load(plane, NODE, keys[4:])
     assert bytes(data) == bytes(payload[4 * BLOCK :])
     check(plane)

@@ -159,6 +159,48 @@ def test_a_late_writer_after_its_lease_expired_never_puts_its_bytes_under_anothe
     check(plane)
 
 
+class AfterAcquire(StartAllLink):
+    """StartAllLink that runs ``hook`` once, right after the first ``acquire``: a load that
+    holds its HBM grants and has not copied yet."""
+
+    hook: Any = None
+
+    def call(self, name: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        answer = super().call(name, method, *args)
+        if method == "acquire" and self.hook is not None:
+            hook, self.hook = self.hook, None
+            hook()
+        return answer
+
+
+def test_a_load_whose_hbm_grants_expired_before_its_copy_never_lands_on_another_load(
+    tmp_path,
+) -> None:
+    plane = make_plane(small_config(tmp_path), nodes=(NODE,), link_type=AfterAcquire)
+    try:
+        agent, hbm = plane.agents[NODE], plane.tiers[(NODE, Tier.HBM)]
+        keys, payload = blocks(4, seed=9)
+        assert agent.store(keys, [None, *keys[:-1]], payload) == 4  # in DRAM, not in HBM
+        later: list[Any] = []
+
+        def another_load_meanwhile() -> None:  # the first load is slow past its leases
+            plane.clock.advance(plane.config.lease_s + 1)
+            later.append(agent.load(keys[2:], plane.lookup(keys[2:])))
+
+        plane.link.hook = another_load_meanwhile  # type: ignore[attr-defined]
+        first = agent.load(keys[:2], plane.lookup(keys[:2]))
+        assert first.blocks == []  # its grants had ended: its commit is refused, a miss
+        [second] = later
+        _, arena = agent._arenas[Tier.HBM]
+        got = b"".join(bytes(arena.slot_view(b.slot)[: b.size]) for b in second.blocks)
+        assert got == bytes(payload[2 * BLOCK :])  # the first load's late copies went elsewhere
+        assert hbm.stats()["fenced_slots"] == 2 and hbm.stats()["refused_commits"] == 2
+        agent.release([b.lease for b in second.blocks])
+        check(plane)
+    finally:
+        plane.close()
+
+
 def test_a_late_copy_over_a_client_store_fails_the_checksum_taken_of_the_engines_bytes(
     tmp_path,
 ) -> None:

@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from cmx.checksum import Checksum, ChecksumStream
 from cmx.keys import BlockHash
 from cmx.layout import KVLayout
@@ -130,19 +132,36 @@ def copy_block(layout: KVLayout, slot: Any, kv: Any) -> Checksum:
 
     The copy goes one outer slice of the payload at a time (a layer, or a head), each slice
     hashed from the source right after it is copied, while it is still in the CPU's cache: no
-    second pass over the block."""
+    second pass over the block. numpy does the moving: torch's threads would meet at a
+    barrier for every slice."""
     dst = layout.from_payload(slot)
     # The dims in the payload's memory order: the slot's view permuted back to contiguous.
     strides = dst.stride()
     order = sorted(range(3), key=lambda d: -strides[d]) + [3, 4]
-    dst, src = dst.permute(order), kv.permute(order)
+    src = kv.permute(order)
+    if src.device.type != "cpu":  # the host copy is the source then: hashed as it is made
+        src = src.cpu()
+    d, s = _numpy(dst.permute(order)), _numpy(src)
     stream = ChecksumStream()
-    for i in range(dst.shape[0]):
-        piece = src[i] if src.device.type == "cpu" else src[i].cpu()
-        dst[i].copy_(piece)
-        if piece.is_contiguous():
+    for i in range(d.shape[0]):
+        np.copyto(d[i], s[i])
+        piece = s[i]
+        if piece.flags.c_contiguous:
             stream.feed(piece)
             continue
-        for rows in piece.flatten(0, 1):  # [T, D] each, contiguous in an engine's layout
-            stream.feed(rows.contiguous())
+        for j in range(piece.shape[0]):
+            for k in range(piece.shape[1]):  # [T, D]: contiguous in an engine's layout
+                stream.feed(np.ascontiguousarray(piece[j, k]))
     return stream.value()
+
+
+_SAME_SIZE_INTS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def _numpy(t: Any) -> np.ndarray:
+    """A numpy view of a CPU tensor, same shape and strides, as ints of its element size
+    (numpy has no bfloat16): for moving and hashing bytes, not for arithmetic."""
+    import torch
+
+    ints = getattr(torch, _SAME_SIZE_INTS[t.element_size()])
+    return t.detach().view(ints).numpy()

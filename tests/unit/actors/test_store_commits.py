@@ -13,7 +13,7 @@ import pytest
 import ray
 from plane import Plane, make_plane
 from scenarios import LAYOUT, check, held, restart_tier, small_config
-from writers import LateWrite, StoreLink
+from writers import StoreLink, during_copy
 
 from cmx.client import ContextMemory, NamespaceClient
 from cmx.keys import Namespace
@@ -31,7 +31,6 @@ def plane(tmp_path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Plane]:
     p = make_plane(small_config(tmp_path, placement="write_through"), nodes=(NODE,),
                    link_type=StoreLink)
     yield p
-    LateWrite.late = None
     p.close()
 
 
@@ -48,13 +47,13 @@ def kv_of(n: int, seed: int) -> tuple[Any, Any]:
 
 
 def test_a_store_whose_dram_restarted_under_it_is_told_every_block_was_refused(
-    plane: Plane,
+    plane: Plane, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ns = client(plane)
     toks, kv = kv_of(2, seed=1)
     fresh: list[Any] = []
-    LateWrite.late = lambda: fresh.append(restart_tier(plane, NODE, Tier.DRAM))
-    handle = ns.store(toks, kv.as_subclass(LateWrite))
+    during_copy(monkeypatch, lambda: fresh.append(restart_tier(plane, NODE, Tier.DRAM)))
+    handle = ns.store(toks, kv)
     assert handle.wait() == 0
     assert handle.refused == tuple(ns.keys(toks))
     assert fresh[0].stats()["refused_commits"] == 2
@@ -64,7 +63,7 @@ def test_a_store_whose_dram_restarted_under_it_is_told_every_block_was_refused(
 
 
 def test_a_block_whose_slot_changed_after_its_copy_is_refused_and_its_copy_dropped(
-    plane: Plane,
+    plane: Plane, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ns = client(plane)
     toks, kv = kv_of(2, seed=2)
@@ -74,8 +73,8 @@ def test_a_block_whose_slot_changed_after_its_copy_is_refused_and_its_copy_dropp
         [res] = [r for r in dram._reservations.values() if r.key == ns.keys(toks)[0]]
         res.buffer[:64] = 0xAB
 
-    LateWrite.late = stray_write
-    handle = ns.store(toks, kv.as_subclass(LateWrite))
+    during_copy(monkeypatch, stray_write)
+    handle = ns.store(toks, kv)
     assert handle.wait() == 1
     assert handle.refused == tuple(ns.keys(toks)[:1])
     assert dram.contains(ns.keys(toks)) == [False, True]  # the bad copy went

@@ -14,7 +14,7 @@ import pytest
 import torch
 from plane import Plane, make_plane
 from scenarios import BLOCK, LAYOUT, blocks, check, held, load, small_config
-from writers import LateWrite, StoreLink
+from writers import StoreLink, during_copy
 
 from cmx.actors.links import LocalLink, actor_name
 from cmx.checksum import checksum
@@ -202,7 +202,7 @@ def test_a_load_whose_hbm_grants_expired_before_its_copy_never_lands_on_another_
 
 
 def test_a_late_copy_over_a_client_store_fails_the_checksum_taken_of_the_engines_bytes(
-    tmp_path,
+    tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     plane = make_plane(small_config(tmp_path), nodes=(NODE,), link_type=StoreLink)
     try:
@@ -224,15 +224,14 @@ def test_a_late_copy_over_a_client_store_fails_the_checksum_taken_of_the_engines
 
         toks = np.random.default_rng(6).integers(0, 50_000, LAYOUT.block_tokens)
         kv = LAYOUT.random_kv(len(toks), seed=6)
-        LateWrite.late = slow_copy_lands
-        ns.store(toks, kv.as_subclass(LateWrite))
-        assert LateWrite.late is None  # the late copy landed
+        landed = during_copy(monkeypatch, slow_copy_lands)
+        ns.store(toks, kv)
+        assert landed()
         got = ns.load(toks)
         assert got.shape[3] == 0 or torch.equal(got, kv)  # a miss, never the late bytes
         assert dram.stats()["quarantined"] == 1
         check(plane)
     finally:
-        LateWrite.late = None
         plane.close()
 
 

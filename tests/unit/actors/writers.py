@@ -1,13 +1,15 @@
 """What the tests of a client's store share: a link that runs a store's last commit at once,
-and an engine's KV that lets a test act right after the first copy of a block."""
+and a way to act while a client copies a block, right after its first piece landed."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-import torch
+import pytest
 
+from cmx.buffers import Buffer
+from cmx.checksum import ChecksumStream
 from cmx.links import LocalLink
 
 
@@ -19,17 +21,18 @@ class StoreLink(LocalLink):
         return self.call(name, method, *args)
 
 
-class LateWrite(torch.Tensor):
-    """An engine's KV whose first copy is followed at once by ``late``: another writer's late
-    copy landing on the slot just written, or a tier restarting under the store."""
+def during_copy(monkeypatch: pytest.MonkeyPatch, act: Callable[[], None]) -> Callable[[], bool]:
+    """Run ``act`` once while a client copies a block into its slot: after the first piece
+    is copied, before it is hashed (``cmx.stores.copy_block`` hashes each piece as it
+    lands). Returns whether it ran."""
+    ran: list[bool] = []
+    feed = ChecksumStream.feed
 
-    late: Callable[[], None] | None = None
+    def feed_after(self: ChecksumStream, data: Buffer) -> None:
+        if not ran:
+            ran.append(True)
+            act()
+        feed(self, data)
 
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
-                           ) -> Any:
-        out = super().__torch_function__(func, types, args, kwargs or {})
-        if func is torch.Tensor.copy_ and LateWrite.late is not None:
-            late, LateWrite.late = LateWrite.late, None
-            late()
-        return out
+    monkeypatch.setattr(ChecksumStream, "feed", feed_after)
+    return lambda: bool(ran)

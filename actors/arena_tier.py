@@ -16,7 +16,8 @@ back when it expires, so a holder that fails or dies never keeps a slot.
    or ``abort([lease])``. A lease of an earlier incarnation commits nothing. A reservation
    its holder did not end (its lease expired, or its owner was released) may still have a
    writer copying into it: its slot is fenced, held out of use for another lease period, so
-   that late copy lands in a slot no other block uses (``stats()["fenced_slots"]``).
+   that late copy lands in a slot no other block uses (``actors.fences``;
+   ``stats()["fenced_slots"]``).
 3. Readers ``pin(keys, owner)`` -> where each block is (None on a miss), read the slots in
    the arena of the pin's epoch, ``unpin([lease])``.
 
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 
 from cmx.actors.directory import Entry, Source
 from cmx.actors.events import EventPublisher
+from cmx.actors.fences import SlotFences
 from cmx.actors.leases import ADMIN, Clock, LeasedPins, LeaseKind, Leases
 from cmx.errors import BlockStateError, StoreFullError
 from cmx.keys import BlockHash
@@ -100,8 +102,6 @@ class ArenaTierService(LeasedPins):
         self.node = node
         self.emulated = emulated
         self.epoch = uuid.uuid4().hex[:8]
-        self._clock = clock
-        self._fences: dict[int, float] = {}  # fenced slot -> when it may be granted again
         self._evicted: dict[int, Victim] = {}  # slot -> block evicted from it, until granted
         _unlink_stale_arenas(arena_name(tier, node, ""))
         reap_orphans()  # arenas of nodes torn down on this host before
@@ -113,6 +113,7 @@ class ArenaTierService(LeasedPins):
             on_evict=self._on_evict,
         )
         self.leases = Leases(lease_s, clock)
+        self.fences = SlotFences(self.store, lease_s, clock)
         self._reservations: dict[int, Reservation] = {}  # lease -> open reservation
         self._doomed: set[BlockHash] = set()  # quarantined while pinned: dropped at last unpin
         self._quarantined = 0
@@ -146,7 +147,7 @@ class ArenaTierService(LeasedPins):
         self, items: Sequence[tuple[BlockHash, BlockHash | None]], owner: str
     ) -> list[Grant | None]:
         self.leases.expire()
-        self._lift_fences()
+        self.fences.lift()
         grants: list[Grant | None] = []
         for key, parent in items:
             try:
@@ -207,30 +208,24 @@ class ArenaTierService(LeasedPins):
     def abort(self, leases: Sequence[int]) -> None:
         """Give back reservations their holder will not write: the slots are free at once."""
         for lease in leases:
-            if self.leases.take(lease) is not None:
-                with self._lock:
-                    res = self._reservations.pop(lease, None)
-                if res is not None:
-                    self.store.abort(res)
+            held = self.leases.take(lease)
+            if held is None:
+                continue
+            if held.kind is not LeaseKind.RESERVE:
+                held.undo(lease)  # a pin: ended as ``unpin`` ends it
+                continue
+            with self._lock:
+                res = self._reservations.pop(lease, None)
+            if res is not None:
+                self.store.abort(res)
 
     def _fence_one(self, lease: int) -> None:
         """A reservation ended without its holder (expired, or its owner released): its
-        writer may still be copying, so the slot is held out of use for a lease period."""
+        writer may still be copying, so the slot is fenced (``actors.fences``)."""
         with self._lock:
             res = self._reservations.pop(lease, None)
         if res is not None:
-            slot = self.store.fence(res)
-            with self._lock:
-                self._fences[slot] = self._clock() + self.leases.ttl_s
-
-    def _lift_fences(self) -> None:
-        now = self._clock()
-        with self._lock:
-            due = [slot for slot, until in self._fences.items() if until <= now]
-            for slot in due:
-                del self._fences[slot]
-        for slot in due:
-            self.store.unfence(slot)
+            self.fences.fence(res)
 
     # -- reads ---------------------------------------------------------------------------------
 
@@ -321,7 +316,7 @@ class ArenaTierService(LeasedPins):
 
     def heartbeat(self) -> bool:
         self.leases.expire()
-        self._lift_fences()
+        self.fences.lift()
         return self.publisher.flush(heartbeat=True)
 
     def stats(self) -> dict[str, object]:
@@ -341,7 +336,7 @@ class ArenaTierService(LeasedPins):
             "reserve_leases": leases.reserved,
             "expired_leases": leases.expired,
             "released_leases": leases.released,
-            "fenced_slots": len(self._fences),
+            "fenced_slots": len(self.fences),
             "refused_commits": self._refused,
             "quarantined": self._quarantined,
             "hits": s.hits,
@@ -362,8 +357,7 @@ class ArenaTierService(LeasedPins):
                                  f"{s.extra['reserved']} reserved blocks")
         if bool(leases.pinned) != bool(s.pinned):
             raise AssertionError(f"{leases.pinned} pin leases, {s.pinned} pinned blocks")
-        if len(self._fences) != s.extra["fenced"]:
-            raise AssertionError(f"{len(self._fences)} fences, {s.extra['fenced']} fenced slots")
+        self.fences.check_integrity()
 
     def close(self) -> None:
         self.store.close()

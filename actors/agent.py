@@ -244,10 +244,11 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites, SliceServing)
 
     def release(self, leases: Sequence[int], corrupt: Sequence[Loaded] = ()) -> None:
         """End the pins of a load's blocks; quarantine the copies the caller found corrupt
-        (the HBM copy it read, and the copy that one was filled from)."""
-        self._call(Tier.HBM, "unpin", list(leases))
+        (the HBM copy it read, and the copy that one was filled from). The quarantine goes
+        first, while the HBM copies are pinned: a copy loaded after the unpin is not it."""
         if corrupt:
             self.quarantine(corrupt)
+        self._call(Tier.HBM, "unpin", list(leases))
 
     def give_up(self, owner: str) -> int:
         """The caller of a load stopped waiting for it: give back what it holds now, and what

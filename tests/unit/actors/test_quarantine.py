@@ -124,3 +124,30 @@ def test_a_partial_nvme_load_quarantines_the_extent_it_read_not_one_written_sinc
     data, _ = load(plane, NODE, keys)
     assert np.array_equal(data, payload[:BLOCK])
     check(plane)
+
+
+def test_a_load_released_with_a_corrupt_block_drops_that_hbm_copy_not_one_loaded_since(
+    plane: Plane,
+) -> None:
+    keys, payload = blocks(1, seed=4)
+    agent, hbm = plane.agents[NODE], plane.tiers[(NODE, Tier.HBM)]
+    assert agent.store(keys, [None], payload) == 1  # DRAM, and NVMe by write-through
+    result = agent.load(keys, plane.lookup(keys))
+    [b] = result.blocks
+    assert b.source_tier is Tier.DRAM
+    agent._arenas[Tier.HBM][1].slot_view(b.slot)[3] ^= 0xFF  # the copy the reader read
+
+    def load_it_again() -> None:  # the corrupt copy gone, a fresh one loaded from NVMe
+        hbm.evict(keys)
+        plane.tiers[(NODE, Tier.DRAM)].evict(keys)
+        again = agent.load(keys, plane.lookup(keys))
+        assert [a.source_tier for a in again.blocks] == [Tier.NVME]
+        agent.release([a.lease for a in again.blocks])
+
+    plane.link.hook_tier = Tier.HBM  # type: ignore[attr-defined]
+    plane.link.after_unpin = load_it_again  # type: ignore[attr-defined]
+    agent.release([b.lease], [b])
+    assert hbm.contains(keys) == [True]  # the copy loaded since stays
+    data, _ = load(plane, NODE, keys)
+    assert np.array_equal(data, payload)
+    check(plane)

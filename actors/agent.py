@@ -54,7 +54,7 @@ from cmx.keys import BlockHash
 from cmx.metrics import Histogram
 from cmx.policies.admission import make_admission
 from cmx.policies.placement import make_placement
-from cmx.protocol import Loaded, LoadResult
+from cmx.protocol import Loaded, LoadResult, StoreCommit
 from cmx.storage.arena import SharedArena
 from cmx.tiers import Tier
 
@@ -82,6 +82,7 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites, SliceServing)
         self.moved: Counter[str] = Counter()  # "src->dst" -> bytes
         self.moved_via: Counter[str] = Counter()  # transport or "local"/"nvme" -> bytes
         self.dropped: Counter[str] = Counter()  # why evicted blocks were not demoted -> blocks
+        self.commits: Counter[str] = Counter()  # a store's blocks "committed" or "refused"
         self.latency = {op: Histogram() for op in ("store", "load", "stage", "prefetch")}
         self.nvme = make_nvme_plane()
         self.pool_admission = make_admission("frequency", min_count=config.pool_admission_min_count)
@@ -130,7 +131,7 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites, SliceServing)
         except BaseException:
             self._give_back(Tier.DRAM, abort=[g.lease for g in grants if g is not None])
             raise
-        return self.commit_store(keys, parents, done, namespace, replicas)
+        return self.commit_store(keys, parents, done, namespace, replicas).committed
 
     def grant_store(
         self, keys: Sequence[BlockHash], parents: Sequence[BlockHash | None], owner: str,
@@ -150,27 +151,33 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites, SliceServing)
     def commit_store(
         self, keys: Sequence[BlockHash], parents: Sequence[BlockHash | None],
         done: Sequence[tuple[Grant, int, int]], namespace: str = "", replicas: int | None = None,
-    ) -> int:
+    ) -> StoreCommit:
         """Commit the written slots (grant, size, checksum of each) and place the blocks: NVMe
-        with write-through, the pool if admitted. How many were committed (a grant of a DRAM
-        incarnation that since restarted commits nothing). Its time is the agent's "store"
+        with write-through, the pool if admitted. A block whose grant's lease ended, or whose
+        DRAM incarnation since restarted, is refused; so is one that write-through finds no
+        longer matching its checksum (that copy is dropped). Its time is the agent's "store"
         latency: the writer's copy is the writer's."""
         start_time = time.perf_counter()
-        committed = self._call(Tier.DRAM, "commit", [(g.lease, n, c) for g, n, c in done],
-                               namespace)
-        stored = [(g.key, n, c) for g, n, c in done]
+        ok: list[bool] = self._call(Tier.DRAM, "commit_each",
+                                    [(g.lease, n, c) for g, n, c in done], namespace)
+        stored = [(g.key, n, c) for (g, n, c), good in zip(done, ok) if good]
+        refused = [g.key for (g, _, _), good in zip(done, ok) if not good]
         self.moved["client->dram"] += sum(n for _, n, _ in stored)
         self.moved_via["local"] += sum(n for _, n, _ in stored)
         for key in keys:
             self.nvme_admission.record(key)
         through = [s for s in stored
                    if Tier.NVME in self.placement_policy.on_store(self.nvme_admission.admit(s[0]))]
-        self._write_nvme(Tier.DRAM, through, parents_of(keys, parents),
-                         dict.fromkeys(keys, namespace))
-        self._pool_write([k for k, _, _ in stored if self._admit(k)], parents_of(keys, parents),
-                         replicas or self.config.pool_replication, namespace)
+        changed = self._write_nvme(Tier.DRAM, through, parents_of(keys, parents),
+                                   dict.fromkeys(keys, namespace))
+        self._pool_write([k for k, _, _ in stored if self._admit(k) and k not in changed],
+                         parents_of(keys, parents), replicas or self.config.pool_replication,
+                         namespace)
+        refused += changed
+        self.commits["committed"] += len(stored) - len(changed)
+        self.commits["refused"] += len(refused)
         self.latency["store"].observe(time.perf_counter() - start_time)
-        return int(committed)
+        return StoreCommit(len(stored) - len(changed), tuple(refused))
 
     def _copy_in(
         self, grants: Sequence[Grant | None], payload: np.ndarray, size: int
@@ -242,10 +249,11 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites, SliceServing)
 
     def release(self, leases: Sequence[int], corrupt: Sequence[Loaded] = ()) -> None:
         """End the pins of a load's blocks; quarantine the copies the caller found corrupt
-        (the HBM copy it read, and the copy that one was filled from)."""
-        self._call(Tier.HBM, "unpin", list(leases))
+        (the HBM copy it read, and the copy that one was filled from). The quarantine goes
+        first, while the HBM copies are pinned: a copy loaded after the unpin is not it."""
         if corrupt:
             self.quarantine(corrupt)
+        self._call(Tier.HBM, "unpin", list(leases))
 
     def give_up(self, owner: str) -> int:
         """The caller of a load stopped waiting for it: give back what it holds now, and what
@@ -370,6 +378,7 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites, SliceServing)
             "moved_bytes": dict(self.moved),
             "moved_via": dict(self.moved_via),
             "dropped_blocks": dict(self.dropped),
+            "store_commits": {k: self.commits[k] for k in ("committed", "refused")},
             "transport_stats": {
                 "reads": self.transport.stats.reads,
                 "bytes": self.transport.stats.bytes_read,

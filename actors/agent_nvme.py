@@ -42,9 +42,9 @@ class NvmeTransfers(AgentBase):
             return []
         ok: list[bool] = self.scheduler.submit(
             priority, lambda: self.nvme.read_many(extents, dsts)).result()
-        if bad := [BlockHash(e.key) for e, good in zip(extents, ok) if not good]:
+        if bad := [e for e, good in zip(extents, ok) if not good]:
             log.warning("%d NVMe blocks failed their checksum; quarantined", len(bad))
-            self._call(Tier.NVME, "quarantine", bad)
+            self._call(Tier.NVME, "quarantine_extents", bad)  # these copies, not their keys
         return ok
 
     def move_extents(self, pairs: Sequence[tuple[Extent, Extent]]) -> list[bool | None]:
@@ -60,13 +60,15 @@ class NvmeTransfers(AgentBase):
         self, tier: Tier, items: Sequence[tuple[BlockHash, int, int | None]],
         parents: dict[BlockHash, BlockHash | None], tags: dict[BlockHash, str],
         sources: Sequence[Any] | None = None,
-    ) -> None:
+    ) -> list[BlockHash]:
         """Write blocks to NVMe: from ``sources`` (slots of ``tier``'s arena whose blocks are
         no longer in it), or pinned in ``tier`` by key. All the writes are in flight at once;
-        a block whose bytes changed under the write (``items``' checksum) is not committed.
-        ``tags``: namespace ids, kept on disk with the blocks."""
+        a block whose bytes do not match ``items``' checksum is not committed, and a copy
+        pinned in ``tier`` is quarantined there. ``tags``: namespace ids, kept on disk with
+        the blocks. Returns the keys of the blocks whose bytes did not match."""
+        changed: list[BlockHash] = []
         if not items:
-            return
+            return changed
         pins: list[Pinned | None] = []
         if sources is None:
             pins = self._call(tier, "pin", [k for k, _, _ in items], self.owner)
@@ -80,13 +82,14 @@ class NvmeTransfers(AgentBase):
             todo = [(e, csum, src) for (_, _, csum), e, src in zip(items, extents, srcs)
                     if e is not None and src is not None]
             if not todo:  # every block is on NVMe already (write-through), or no room
-                return
+                return changed
             sums = self._write_extents([t[0] for t in todo], [t[2] for t in todo])
             commits = []
             for (ext, csum, _), (whole, chunk_sums) in zip(todo, sums):
                 if csum is not None and csum != whole:
                     log.warning("block %s changed in %s; not demoted", ext.key.hex()[:12],
                                 tier.value)
+                    changed.append(BlockHash(ext.key))
                     continue
                 commits.append((ext.lease, ext.size, whole, chunk_sums))
             done = {c[0] for c in commits}
@@ -96,6 +99,9 @@ class NvmeTransfers(AgentBase):
             self._call(Tier.NVME, "commit", commits)
             self.moved[f"{tier.value}->nvme"] += sum(c[1] for c in commits)
             self.moved_via["nvme"] += sum(c[1] for c in commits)
+            if bad := [p for p in pins if p is not None and p.key in changed]:
+                self._call(tier, "quarantine_pinned", bad)  # while pinned: that copy goes
+            return changed
         finally:
             self._give_back(Tier.NVME, abort=[e.lease for e in extents if e is not None])
             self._give_back(tier, unpin=[p.lease for p in pins if p is not None])

@@ -120,7 +120,7 @@ class SliceServing(AgentBase):
         """Selections of blocks in this node's HBM and DRAM arenas, each checked whole first."""
         out: list[SlicedBlock | None] = [None] * len(keys)
         answers = self._pin_memory(keys, self.owner)
-        corrupt: dict[Tier, list[BlockHash]] = {}
+        corrupt: dict[Tier, list[Pinned]] = {}
         try:
             for tier, pins in answers:
                 for i, p in enumerate(pins):
@@ -131,13 +131,13 @@ class SliceServing(AgentBase):
                     payload = self._arena(p.epoch).slot_view(p.slot)[: p.size]
                     data = slice_memory(payload, p.checksum, runs)
                     if data is None:
-                        corrupt.setdefault(tier, []).append(keys[i])
+                        corrupt.setdefault(tier, []).append(p)
                         continue
                     out[i] = SlicedBlock(keys[i], data, checksum(data), tier, self.node)
             # While pinned: the copy read goes at its last unpin, never one stored after it.
             for tier, bad in corrupt.items():
                 log.warning("%d %s copies failed their checksum", len(bad), tier.value)
-                self._call(tier, "quarantine", bad)
+                self._call(tier, "quarantine_pinned", bad)
         finally:
             for tier, pins in answers:
                 self._give_back(tier, unpin=[p.lease for p in pins if p is not None])
@@ -148,15 +148,15 @@ class SliceServing(AgentBase):
         pins: list[Extent | None] = self._call(Tier.NVME, "pin", keys, self.owner)
         reader = ExtentSlices(self.nvme)
         out: list[SlicedBlock | None] = [None] * len(keys)
-        bad: list[BlockHash] = []
+        bad: list[Extent] = []
         try:
-            jobs = [(i, self.scheduler.submit(Priority.LOAD,
-                                              functools.partial(reader.read, p, runs)))
+            jobs = [(i, p, self.scheduler.submit(Priority.LOAD,
+                                                 functools.partial(reader.read, p, runs)))
                     for i, p in enumerate(pins) if p is not None]
-            for i, fut in jobs:
+            for i, p, fut in jobs:
                 data: np.ndarray | None = fut.result()
                 if data is None:
-                    bad.append(keys[i])
+                    bad.append(p)  # the copy read: one written since stays
                     continue
                 out[i] = SlicedBlock(keys[i], data, checksum(data), Tier.NVME, self.node)
                 self.moved_via["nvme"] += data.nbytes
@@ -164,5 +164,5 @@ class SliceServing(AgentBase):
             self._give_back(Tier.NVME, unpin=[p.lease for p in pins if p is not None])
         if bad:
             log.warning("%d NVMe copies failed a chunk checksum", len(bad))
-            self._call(Tier.NVME, "quarantine", bad)
+            self._call(Tier.NVME, "quarantine_extents", bad)
         return out

@@ -13,14 +13,19 @@ back when it expires, so a holder that fails or dies never keeps a slot.
 2. The agent writes the slot *in the arena of the grant's epoch* (a restarted tier has a new
    arena; the old grant's slot there may hold another block), then ``commit([(lease, size,
    checksum)])`` (visible to lookups once this returns: the directory has applied the event)
-   or ``abort([lease])``. A lease of an earlier incarnation commits nothing.
+   or ``abort([lease])``. A lease of an earlier incarnation commits nothing. A reservation
+   its holder did not end (its lease expired, or its owner was released) may still have a
+   writer copying into it: its slot is fenced, held out of use for another lease period, so
+   that late copy lands in a slot no other block uses (``actors.fences``;
+   ``stats()["fenced_slots"]``).
 3. Readers ``pin(keys, owner)`` -> where each block is (None on a miss), read the slots in
    the arena of the pin's epoch, ``unpin([lease])``.
 
 A load asks ``acquire`` (pin what is here, reserve the rest) and ends with ``commit_pinned``
-(commit, then pin): two round trips where the steps alone take four. ``quarantine`` drops a
-copy a reader found corrupt; a pinned one goes when its last pin does, and is pinned by no one
-meanwhile.
+(commit, then pin): two round trips where the steps alone take four. ``quarantine_pinned``
+drops the copy a reader's pin named, found corrupt (a pin of an earlier incarnation, or of a
+copy since replaced, drops nothing); a pinned one goes when its last pin does, and is pinned
+by no one meanwhile.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from dataclasses import dataclass
 
 from cmx.actors.directory import Entry, Source
 from cmx.actors.events import EventPublisher
+from cmx.actors.fences import SlotFences
 from cmx.actors.leases import ADMIN, Clock, LeasedPins, LeaseKind, Leases
 from cmx.errors import BlockStateError, StoreFullError
 from cmx.keys import BlockHash
@@ -107,9 +113,11 @@ class ArenaTierService(LeasedPins):
             on_evict=self._on_evict,
         )
         self.leases = Leases(lease_s, clock)
+        self.fences = SlotFences(self.store, lease_s, clock)
         self._reservations: dict[int, Reservation] = {}  # lease -> open reservation
         self._doomed: set[BlockHash] = set()  # quarantined while pinned: dropped at last unpin
         self._quarantined = 0
+        self._refused = 0  # commits of a lease that had ended or was of an earlier incarnation
         self._tags: dict[BlockHash, str] = {}  # namespace id of blocks stored through here
         self._lock = threading.Lock()
         self.publisher = EventPublisher(
@@ -139,6 +147,7 @@ class ArenaTierService(LeasedPins):
         self, items: Sequence[tuple[BlockHash, BlockHash | None]], owner: str
     ) -> list[Grant | None]:
         self.leases.expire()
+        self.fences.lift()
         grants: list[Grant | None] = []
         for key, parent in items:
             try:
@@ -147,7 +156,7 @@ class ArenaTierService(LeasedPins):
                 grants.append(None)
                 continue
             with self._lock:
-                lease = self.leases.grant(owner, LeaseKind.RESERVE, key, self._abort_one)
+                lease = self.leases.grant(owner, LeaseKind.RESERVE, key, self._fence_one)
                 self._reservations[lease] = res
                 victim = self._evicted.pop(res.slot, None)
             grants.append(Grant(key, res.slot, self.epoch, lease, victim))
@@ -157,7 +166,13 @@ class ArenaTierService(LeasedPins):
                wait: bool = True) -> int:
         """Commit written blocks (by lease) and publish them; returns how many were committed.
         With ``wait``, returns once the directory has them; otherwise they are sent behind."""
-        return sum(k is not None for k in self._commit(items, namespace, wait))
+        return sum(self.commit_each(items, namespace, wait))
+
+    def commit_each(self, items: Sequence[tuple[int, int, int]], namespace: str = "",
+                    wait: bool = True) -> list[bool]:
+        """``commit``, answering per item whether it was committed (False: its lease had
+        ended, or is of an earlier incarnation of this tier)."""
+        return [k is not None for k in self._commit(items, namespace, wait)]
 
     def _commit(self, items: Sequence[tuple[int, int, int]], namespace: str,
                 wait: bool) -> list[BlockHash | None]:
@@ -167,6 +182,7 @@ class ArenaTierService(LeasedPins):
             with self._lock:
                 res = self._reservations.pop(lease, None) if held is not None else None
             if res is None:
+                self._refused += 1
                 keys.append(None)
                 continue
             if namespace:
@@ -190,13 +206,26 @@ class ArenaTierService(LeasedPins):
         return [next(pins) if k is not None else None for k in keys]
 
     def abort(self, leases: Sequence[int]) -> None:
-        self.leases.end(leases)
+        """Give back reservations their holder will not write: the slots are free at once."""
+        for lease in leases:
+            held = self.leases.take(lease)
+            if held is None:
+                continue
+            if held.kind is not LeaseKind.RESERVE:
+                held.undo(lease)  # a pin: ended as ``unpin`` ends it
+                continue
+            with self._lock:
+                res = self._reservations.pop(lease, None)
+            if res is not None:
+                self.store.abort(res)
 
-    def _abort_one(self, lease: int) -> None:
+    def _fence_one(self, lease: int) -> None:
+        """A reservation ended without its holder (expired, or its owner released): its
+        writer may still be copying, so the slot is fenced (``actors.fences``)."""
         with self._lock:
             res = self._reservations.pop(lease, None)
         if res is not None:
-            self.store.abort(res)
+            self.fences.fence(res)
 
     # -- reads ---------------------------------------------------------------------------------
 
@@ -214,7 +243,7 @@ class ArenaTierService(LeasedPins):
                 out.append(None)
                 continue
             lease = self.leases.grant(owner, LeaseKind.PIN, key, self._unpin_later(key))
-            out.append(Pinned(key, ref.slot, ref.size, csum, self.epoch, lease))
+            out.append(Pinned(key, ref.slot, ref.size, csum, self.epoch, lease, ref.copy))
         return out
 
     def acquire(
@@ -236,7 +265,23 @@ class ArenaTierService(LeasedPins):
             self.publisher.flush()
 
     def quarantine(self, keys: Sequence[BlockHash]) -> int:
-        """Drop copies a reader found corrupt; a pinned one goes at its last unpin."""
+        """Drop the copies of ``keys`` held now, found corrupt; a pinned one goes at its last
+        unpin. A reader that holds pins quarantines by them (``quarantine_pinned``)."""
+        n = self._quarantine(keys)
+        self.publisher.flush()
+        return n
+
+    def quarantine_pinned(self, pins: Sequence[Pinned]) -> int:
+        """Drop the copies these pins named, found corrupt by their reader; a pinned one goes
+        at its last unpin. A pin of an earlier incarnation of this tier, or of a copy since
+        evicted or stored again, names no copy held here: it drops nothing."""
+        with self.store._lock:  # no copy is replaced between the check and the drop
+            n = self._quarantine([p.key for p in pins
+                                  if p.epoch == self.epoch and self._copy_of(p.key) == p.copy])
+        self.publisher.flush()
+        return n
+
+    def _quarantine(self, keys: Sequence[BlockHash]) -> int:
         n = 0
         for key in keys:
             if key not in self.store:
@@ -245,8 +290,11 @@ class ArenaTierService(LeasedPins):
             if not self._drop(key):
                 self._doomed.add(key)
         self._quarantined += n
-        self.publisher.flush()
         return n
+
+    def _copy_of(self, key: BlockHash) -> int | None:
+        ref = self.store.locate(key)
+        return ref.copy if ref is not None else None
 
     def _drop(self, key: BlockHash) -> bool:
         try:
@@ -268,6 +316,7 @@ class ArenaTierService(LeasedPins):
 
     def heartbeat(self) -> bool:
         self.leases.expire()
+        self.fences.lift()
         return self.publisher.flush(heartbeat=True)
 
     def stats(self) -> dict[str, object]:
@@ -287,6 +336,8 @@ class ArenaTierService(LeasedPins):
             "reserve_leases": leases.reserved,
             "expired_leases": leases.expired,
             "released_leases": leases.released,
+            "fenced_slots": len(self.fences),
+            "refused_commits": self._refused,
             "quarantined": self._quarantined,
             "hits": s.hits,
             "misses": s.misses,
@@ -306,6 +357,7 @@ class ArenaTierService(LeasedPins):
                                  f"{s.extra['reserved']} reserved blocks")
         if bool(leases.pinned) != bool(s.pinned):
             raise AssertionError(f"{leases.pinned} pin leases, {s.pinned} pinned blocks")
+        self.fences.check_integrity()
 
     def close(self) -> None:
         self.store.close()

@@ -12,7 +12,8 @@ bytes (``actors.agent_nvme``). Protocol, in call order:
 3. Compaction (inside a ``reserve`` that needs room) is decided here and its copies made by
    the agent (``AgentMover``: ``move_extents``), so the tier never carries payload bytes.
 4. Readers ``pin(keys, owner)`` -> Extents (None on a miss), read and verify, then
-   ``unpin([lease])``. A reader that finds a bad checksum calls ``quarantine(keys)``.
+   ``unpin([lease])``. A reader that finds a bad checksum calls ``quarantine_extents`` with
+   the extents it read: a copy of the key written since, elsewhere, stays.
 
 Pins and reservations are leases (``actors.leases``), taken back when they expire.
 """
@@ -153,6 +154,16 @@ class NvmeTierService(LeasedPins):
         for key in keys:
             if self.store.quarantine(key):
                 self.leases.forget_key(key)
+                n += 1
+        self.publisher.flush()
+        return n
+
+    def quarantine_extents(self, extents: Sequence[Extent]) -> int:
+        """Drop the copies at these extents, found corrupt by their reader."""
+        n = 0
+        for ext in extents:
+            if self.store.quarantine(ext.key, (ext.path, ext.offset)):
+                self.leases.forget_key(BlockHash(ext.key))
                 n += 1
         self.publisher.flush()
         return n

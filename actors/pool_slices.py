@@ -64,7 +64,7 @@ def _from_nvme(store: ExtentBooks, io: ExtentPlane, key: BlockHash,
                runs: Runs) -> np.ndarray | None:
     if not store.pin(key):
         return None
-    bad = False
+    bad: tuple[str, int] | None = None  # where the copy read lies, if it failed
     try:
         entry = store.entry_of(key)
         if entry is None:
@@ -72,10 +72,10 @@ def _from_nvme(store: ExtentBooks, io: ExtentPlane, key: BlockHash,
         ext = Extent(key, store.segment_path(entry.seg), entry.offset, entry.length,
                      entry.checksum, 0, entry.chunk_sums)
         data = ExtentSlices(io).read(ext, runs)
-        bad = data is None
+        bad = (ext.path, ext.offset) if data is None else None
         return data
     finally:
         if key in store:
             store.unpin(key)
-        if bad:
-            store.quarantine(key)
+        if bad is not None:
+            store.quarantine(key, bad)  # that copy: one written since stays

@@ -98,9 +98,10 @@ class NodePlane:
             self.link.tell(actor_name(tier.value, self.node), "unpin", leases)
 
     def quarantine(self, pins: Sequence[LocalPin]) -> None:
-        """Drop copies the reader found corrupt (each goes when its last pin does)."""
-        for tier, keys in _by_tier(pins, lambda p: p.pin.key).items():
-            self.link.tell(actor_name(tier.value, self.node), "quarantine", keys)
+        """Drop the copies these pins named, found corrupt (each goes when its last pin
+        does); a copy stored since, or in a tier that restarted, stays."""
+        for tier, named in _by_tier(pins, lambda p: p.pin).items():
+            self.link.tell(actor_name(tier.value, self.node), "quarantine_pinned", named)
 
     def arena(self, name: str) -> SharedArena:
         """The arena ``name`` mapped here; the oldest mapping goes past ``KEEP_ARENAS`` (a read

@@ -21,6 +21,7 @@ from cmx.tiers import Tier
 
 __all__ = [
     "RAY_NAMESPACE", "Copy", "LoadResult", "Loaded", "Offer", "Pinned", "Priority", "Staged",
+    "StoreCommit",
     "actor_name", "arena_name", "best_copy", "shard_of",
 ]
 
@@ -73,6 +74,7 @@ class Pinned:
     checksum: int
     epoch: str  # read ``slot`` in the arena of this epoch (``arena_name``)
     lease: int  # unpin by it
+    copy: int = 0  # which copy of the key in that epoch: a quarantine names it, not the key
 
 
 class Priority(enum.IntEnum):
@@ -120,6 +122,16 @@ class Loaded:
     via: str  # "local", "nvme", or the transport's name
     checksum: int = 0  # of the payload: the reader checks it before using the bytes
     lease: int = 0  # of the HBM pin: end it with ``release``
+
+
+@dataclass(frozen=True)
+class StoreCommit:
+    """What the commit of a store's written blocks did."""
+
+    committed: int  # blocks now stored and visible to lookups
+    # Blocks written but not stored: their grant's lease had ended, their tier had restarted,
+    # or their bytes no longer matched the writer's checksum (that copy is then dropped).
+    refused: tuple[BlockHash, ...] = ()
 
 
 @dataclass(frozen=True)

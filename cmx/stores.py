@@ -8,11 +8,15 @@ Protocol, per window of half the DRAM tier (so a store larger than DRAM streams 
 2. The writer copies each block from the engine's layout into its slot's payload order, in
    the arena of the grant's epoch (``arena_name``): one strided copy, no object store. A DRAM
    tier that restarted since has unlinked that arena (the copy fails), or, if it was mapped
-   here before, the copy lands in memory no tier uses and its commit is refused.
+   here before, the copy lands in memory no tier uses and its commit is refused. Each
+   block's checksum is taken of the engine's bytes as they are copied (``copy_block``),
+   never read back from the slot: a writer whose lease ran out may still copy into that
+   slot, and its late bytes must fail the checksum where they are used, not pass it.
 3. ``agent.commit_store(keys, parents, done)``: committed and visible to lookups, then written
-   through to NVMe and the pool as placement and admission say. The last window's commit
-   goes on behind ``StoreHandle``; an earlier one is waited for, as the next window's grants
-   may evict its blocks.
+   through to NVMe and the pool as placement and admission say; a ``StoreCommit`` names the
+   blocks refused (a lease that ended, a DRAM tier that restarted, bytes that no longer
+   match). The last window's commit goes on behind ``StoreHandle``; an earlier one is waited
+   for, as the next window's grants may evict its blocks.
 """
 
 from __future__ import annotations
@@ -20,31 +24,41 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from cmx.checksum import checksum
+import numpy as np
+
+from cmx.checksum import Checksum, ChecksumStream
 from cmx.keys import BlockHash
 from cmx.layout import KVLayout
-from cmx.protocol import actor_name, arena_name
+from cmx.protocol import StoreCommit, actor_name, arena_name
 from cmx.tiers import Tier
 
-__all__ = ["StoreHandle", "store_into_dram"]
+__all__ = ["StoreHandle", "copy_block", "store_into_dram"]
 
 
 class StoreHandle:
     """An asynchronous store; ``wait()`` returns once the blocks are committed and visible."""
 
-    def __init__(self, ref: Any, num_blocks: int, timeout_s: float, committed: int = 0) -> None:
+    def __init__(self, ref: Any, num_blocks: int, timeout_s: float,
+                 before: StoreCommit | None = None) -> None:
         self._ref = ref  # the last commit, still under way (None: nothing left to wait for)
         self.num_blocks = num_blocks
         self._timeout_s = timeout_s
-        self._committed = committed  # by the windows before it
+        self._result = before or StoreCommit(0)  # of the windows before it
 
     def wait(self, timeout_s: float | None = None) -> int:
         """Blocks committed by this store (already-present blocks are not stored again)."""
-        if self._ref is None:
-            return self._committed
-        import ray
+        if self._ref is not None:
+            import ray
 
-        return self._committed + int(ray.get(self._ref, timeout=timeout_s or self._timeout_s))
+            last: StoreCommit = ray.get(self._ref, timeout=timeout_s or self._timeout_s)
+            self._result, self._ref = _add(self._result, last), None
+        return self._result.committed
+
+    @property
+    def refused(self) -> tuple[BlockHash, ...]:
+        """Keys of the blocks written but not stored (``StoreCommit.refused``): known once
+        ``wait()`` has returned. A later store of them writes them again."""
+        return self._result.refused
 
     def done(self) -> bool:
         import ray
@@ -63,7 +77,7 @@ def store_into_dram(
     are in DRAM, before they are committed."""
     window = max(1, cm.config.dram_bytes // cm.config.block_bytes // 2)
     T = layout.block_tokens
-    committed = 0
+    result = StoreCommit(0)
     ref = None
     for start in range(0, len(keys), window):
         stop = min(start + window, len(keys))
@@ -72,11 +86,15 @@ def store_into_dram(
                             kv[:, :, :, start * T : stop * T], owner)
         args = (window_keys, window_parents, done, namespace, replication)
         if stop < len(keys):  # the next window's grants may evict these blocks: commit first
-            committed += int(cm.link.call(_agent(cm), "commit_store", *args,
-                                          timeout_s=cm.config.load_timeout_s))
+            result = _add(result, cm.link.call(_agent(cm), "commit_store", *args,
+                                               timeout_s=cm.config.load_timeout_s))
         else:
             ref = cm.link.submit(_agent(cm), "commit_store", *args)
-    return StoreHandle(ref, len(keys), cm.config.load_timeout_s, committed)
+    return StoreHandle(ref, len(keys), cm.config.load_timeout_s, result)
+
+
+def _add(a: StoreCommit, b: StoreCommit) -> StoreCommit:
+    return StoreCommit(a.committed + b.committed, a.refused + b.refused)
 
 
 def _agent(cm: Any) -> str:
@@ -99,10 +117,51 @@ def _copy_window(
                 continue
             arena = cm.plane.arena(arena_name(Tier.DRAM, cm.node_id, grant.epoch))
             slot = arena.slot_view(grant.slot)[: layout.block_bytes]
-            layout.from_payload(slot).copy_(kv[:, :, :, i * T : (i + 1) * T])
-            done.append((grant, layout.block_bytes, checksum(slot)))
+            csum = copy_block(layout, slot, kv[:, :, :, i * T : (i + 1) * T])
+            done.append((grant, layout.block_bytes, csum))
     except BaseException:
         cm.link.tell(actor_name(Tier.DRAM.value, cm.node_id), "abort",
                      [g.lease for g in grants if g is not None])
         raise
     return done
+
+
+def copy_block(layout: KVLayout, slot: Any, kv: Any) -> Checksum:
+    """Copy one block's KV [L, 2, H, T, D] into ``slot`` in payload order; returns the
+    checksum of ``kv``'s bytes in that order, taken of the source, never of the slot.
+
+    The copy goes one outer slice of the payload at a time (a layer, or a head), each slice
+    hashed from the source right after it is copied, while it is still in the CPU's cache: no
+    second pass over the block. numpy does the moving: torch's threads would meet at a
+    barrier for every slice."""
+    dst = layout.from_payload(slot)
+    # The dims in the payload's memory order: the slot's view permuted back to contiguous.
+    strides = dst.stride()
+    order = sorted(range(3), key=lambda d: -strides[d]) + [3, 4]
+    src = kv.permute(order)
+    if src.device.type != "cpu":  # the host copy is the source then: hashed as it is made
+        src = src.cpu()
+    d, s = _numpy(dst.permute(order)), _numpy(src)
+    stream = ChecksumStream()
+    for i in range(d.shape[0]):
+        np.copyto(d[i], s[i])
+        piece = s[i]
+        if piece.flags.c_contiguous:
+            stream.feed(piece)
+            continue
+        for j in range(piece.shape[0]):
+            for k in range(piece.shape[1]):  # [T, D]: contiguous in an engine's layout
+                stream.feed(np.ascontiguousarray(piece[j, k]))
+    return stream.value()
+
+
+_SAME_SIZE_INTS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def _numpy(t: Any) -> np.ndarray:
+    """A numpy view of a CPU tensor, same shape and strides, as ints of its element size
+    (numpy has no bfloat16): for moving and hashing bytes, not for arithmetic."""
+    import torch
+
+    ints = getattr(torch, _SAME_SIZE_INTS[t.element_size()])
+    return t.detach().view(ints).numpy()

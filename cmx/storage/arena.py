@@ -54,6 +54,7 @@ class SlotRef:
     offset: int  # byte offset of the slot in the arena's ``buffer``
     size: int  # payload bytes, at most the slot size
     checksum: int | None = None  # XXH3-64 of the payload where known
+    copy: int = 0  # names this copy of the block apart from any later one of the same key
 
 
 class SlotAllocator:

@@ -12,6 +12,9 @@ Protocol (see ``cmx.storage.base`` for the common part), in call order:
 - ``get`` copies a block out. ``view`` hands out the slot itself without a copy: only while the
   caller holds a pin (``pin`` ... ``view`` ... ``unpin``); after ``unpin`` the slot may be
   reused for another block at any time and the view then shows that block's bytes.
+- ``fence`` ends a reservation whose writer may still be writing (its lease ran out): the key
+  is free at once, its slot stays out of use until ``unfence``, so a late write lands where
+  no other block lies.
 - ``locate`` gives (arena name, slot, offset, size) so the node's offload agent can reach the
   bytes from its own process (``cmx.storage.arena.read_slot``); it too must be under a pin.
 - Checksums are lazy: ``put``/``commit`` take one if the caller has it; ``checksum_of``
@@ -82,6 +85,7 @@ class DramStore(DramBooks):
         self._block_bytes = block_bytes
         self._slots = SlotAllocator(self._arena.num_slots)
         self._index: dict[BlockHash, DramEntry] = {}  # committed and reserved blocks
+        self._fenced: set[int] = set()  # slots of ended reservations, held out of use
         self._on_evict = on_evict
         self._lock = threading.RLock()
         self._closed = False
@@ -158,6 +162,26 @@ class DramStore(DramBooks):
             self._slots.release(entry.slot)
             self._reserved -= 1
 
+    def fence(self, reservation: Reservation) -> int:
+        """End a reservation whose writer may still write: the key is free, the slot is held
+        out of use until ``unfence(slot)``; returns the slot."""
+        with self._lock:
+            self._check_open()
+            entry = self._open_entry(reservation)
+            del self._index[reservation.key]
+            self._fenced.add(entry.slot)
+            self._reserved -= 1
+            return entry.slot
+
+    def unfence(self, slot: int) -> None:
+        """Give a fenced slot back to use."""
+        with self._lock:
+            self._check_open()
+            if slot not in self._fenced:
+                raise BlockStateError(f"slot {slot} is not fenced")
+            self._fenced.discard(slot)
+            self._slots.release(slot)
+
     def put(self, key: bytes, data: Buffer, parent: bytes | None = None, *,
             checksum: int | None = None) -> bool:
         """Store ``data`` (at most block_bytes, C-contiguous); False if already there."""
@@ -232,7 +256,8 @@ class DramStore(DramBooks):
             if entry is None:
                 return None
             offset = self._arena.slot_offset(entry.slot)
-            return SlotRef(self._arena.name, entry.slot, offset, entry.size, entry.checksum)
+            return SlotRef(self._arena.name, entry.slot, offset, entry.size, entry.checksum,
+                           entry.reservation)
 
     def checksum_of(self, key: bytes) -> Checksum | None:
         """XXH3-64 of the block, computed on first call and cached; None on a miss."""
@@ -352,7 +377,7 @@ class DramStore(DramBooks):
             return
         raise StoreFullError(
             f"no slot can be freed: {self._slots.capacity} slots, {self._pinned} blocks pinned, "
-            f"{self._reserved} reserved"
+            f"{self._reserved} reserved, {len(self._fenced)} fenced"
         )
 
     def _evictable(self, key: bytes) -> bool:

@@ -35,6 +35,7 @@ class DramBooks(BlockStore):
     _block_bytes: int
     _slots: SlotAllocator
     _index: dict[BlockHash, DramEntry]  # committed and reserved blocks
+    _fenced: set[int]  # slots held out of use after a reservation ended under its writer
     _policy: EvictionPolicy
     _lock: threading.RLock
     _committed: int
@@ -78,6 +79,7 @@ class DramBooks(BlockStore):
                     "slots": self._slots.capacity,
                     "free_slots": self._slots.free,
                     "reserved": self._reserved,
+                    "fenced": len(self._fenced),
                     "eviction": self._policy.name,
                     "evict_hook_errors": self._hook_errors,
                 },
@@ -87,15 +89,19 @@ class DramBooks(BlockStore):
         with self._lock:
             self._check_open()
             self._slots.check_integrity()
-            if len(self._index) != self._slots.used:
+            if len(self._index) + len(self._fenced) != self._slots.used:
                 raise AssertionError(
-                    f"index holds {len(self._index)} blocks, {self._slots.used} slots in use"
+                    f"index holds {len(self._index)} blocks + {len(self._fenced)} fenced slots, "
+                    f"{self._slots.used} slots in use"
                 )
-            slots: set[int] = set()
+            if stray := [s for s in self._fenced if not self._slots.is_used(s)]:
+                raise AssertionError(f"fenced slots {stray} are free")
+            slots: set[int] = set(self._fenced)
             committed = reserved = pinned = used = 0
             for key, entry in self._index.items():
                 if entry.slot in slots or not self._slots.is_used(entry.slot):
-                    raise AssertionError(f"slot {entry.slot} of {key.hex()[:12]} is shared or free")
+                    raise AssertionError(
+                        f"slot {entry.slot} of {key.hex()[:12]} is shared, fenced or free")
                 slots.add(entry.slot)
                 if not 0 <= entry.size <= self._block_bytes or entry.pins < 0:
                     raise AssertionError(f"{key.hex()[:12]}: size {entry.size} pins {entry.pins}")

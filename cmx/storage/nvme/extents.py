@@ -159,11 +159,15 @@ class ExtentBooks(BooksFront):
 
     # -- removals ------------------------------------------------------------------------------
 
-    def quarantine(self, key: bytes) -> bool:
-        """Drop a block whose bytes failed a reader's checksum; True if it was there."""
+    def quarantine(self, key: bytes, at: tuple[str, int] | None = None) -> bool:
+        """Drop a block whose bytes failed a reader's checksum; True if it was there. With
+        ``at`` (segment path, offset: where the reader found it), only that copy: a copy of
+        the key written since, elsewhere in the log, stays."""
         with self.books.op(), self.books.lock:
             entry = self.books.index.get(key)
             if entry is None:
+                return False
+            if at is not None and (self.books.segs.path(entry.seg), entry.offset) != at:
                 return False
             self.books.quarantine(entry)
             return True

@@ -203,6 +203,7 @@ def test_a_store_granted_by_a_dram_that_restarted_commits_nothing(plane: Plane) 
         slot = arena.slot_view(g.slot)[: LAYOUT.block_bytes]
         LAYOUT.from_payload(slot).copy_(kv2[:, :, :, i * T : (i + 1) * T])
         done.append((g, LAYOUT.block_bytes, 0))
-    assert agent.commit_store(keys, [None, keys[0]], done) == 0
+    result = agent.commit_store(keys, [None, keys[0]], done)
+    assert result.committed == 0 and result.refused == tuple(keys)
     assert fresh.contains(keys) == [False, False]
     assert held(plane, NODE, Tier.DRAM) == (0, 0)

@@ -4,7 +4,7 @@ verified, and a corrupt chunk is never returned."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -172,3 +172,46 @@ def test_a_pool_node_serves_a_selection_from_staging_or_from_its_disk(
         assert bad is None and b"\x01" * 32 not in staging
     finally:
         staging.close()
+
+
+class HookBooks(ExtentBooks):
+    """ExtentBooks that runs ``after_unpin`` once, right after the first ``unpin``: the step
+    between a reader's unpin and its quarantine."""
+
+    after_unpin: Callable[[], None] | None = None
+
+    def unpin(self, key: bytes) -> None:
+        super().unpin(key)
+        if self.after_unpin is not None:
+            hook, self.after_unpin = self.after_unpin, None
+            hook()
+
+
+def test_a_pool_node_that_finds_a_copy_corrupt_drops_that_copy_not_one_written_since(
+    tmp_path: Path, io: CountingIo
+) -> None:
+    from cmx.actors.pool_slices import pool_selection
+    from cmx.storage.dram import DramStore
+
+    store = HookBooks(str(tmp_path / "nvme"), capacity_bytes=64 << 20, block_bytes=4 << 20,
+                      segment_bytes=16 << 20)
+    staging = DramStore(2 << 20, 1 << 20)
+    try:
+        layout = KVLayout(**GEOMETRY, order=PayloadOrder.HEAD_MAJOR)  # type: ignore[arg-type]
+        ext, payload = put_block(store, io, layout)
+        runs = Selection.of(layout, None, 2).runs(layout)
+        _flip(ext, runs[0][0] + 1000)
+
+        def write_a_good_copy() -> None:  # the corrupt one gone, the key written again
+            assert store.delete_unpinned([ext.key]) == 1
+            put_block(store, io, layout)
+
+        store.after_unpin = write_a_good_copy
+        assert pool_selection("pool-a", staging, store, io, [ext.key], runs) == [None]
+        assert ext.key in store  # the copy written since stays
+        (good,) = pool_selection("pool-a", staging, store, io, [ext.key], runs)
+        assert good is not None and np.array_equal(good.data, gather(payload, runs))
+        store.check_integrity()
+    finally:
+        staging.close()
+        store.close()

@@ -14,6 +14,7 @@ import pytest
 import torch
 from plane import Plane, make_plane
 from scenarios import BLOCK, LAYOUT, blocks, check, held, load, small_config
+from writers import StoreLink, during_copy
 
 from cmx.actors.links import LocalLink, actor_name
 from cmx.checksum import checksum
@@ -100,31 +101,138 @@ def test_stage_with_hbm_down_stages_from_dram_and_leaves_no_stray_pin(plane: Pla
     check(plane)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a DRAM reservation whose lease expired is granted again at once (arena_tier.reserve), "
-    "while its writer may still be copying; the client's checksum is taken from the shared "
-    "slot after its copy (stores._copy_window), so a late write from the first writer is "
-    "committed under the second key with a matching checksum"))
+@pytest.mark.parametrize("tier", [Tier.DRAM, Tier.HBM])
+def test_a_slot_whose_reservation_expired_is_fenced_for_a_lease_period(
+    plane: Plane, tier: Tier
+) -> None:
+    svc = plane.tiers[(NODE, tier)]
+    n = svc.info().num_slots
+    keys, _ = blocks(n + 1, seed=7)
+    slow = svc.reserve([(k, None) for k in keys[:n]], "agent:slow")  # every slot
+    plane.clock.advance(plane.config.lease_s + 1)  # the slow writer's leases expire
+    assert svc.reserve([(keys[n], None)], "agent:fast") == [None]  # every slot is fenced
+    assert svc.stats()["fenced_slots"] == n
+    svc.check_integrity()
+    assert svc.commit([(g.lease, BLOCK, 0) for g in slow if g is not None]) == 0
+    plane.clock.advance(plane.config.lease_s)  # the fence is lifted
+    [fast] = svc.reserve([(keys[n], None)], "agent:fast")
+    assert fast is not None and svc.stats()["fenced_slots"] == 0
+    svc.abort([fast.lease])
+    assert svc.stats()["fenced_slots"] == 0  # a holder's abort frees the slot at once
+    check(plane)
+
+
+def test_a_slot_whose_owner_was_released_is_fenced_too(plane: Plane) -> None:
+    hbm = plane.tiers[(NODE, Tier.HBM)]
+    keys, _ = blocks(2, seed=8)
+    hbm.reserve([(keys[0], None)], "client:gone")  # its load may still be filling the slot
+    assert hbm.release_owner("client:gone") == 1
+    assert hbm.stats()["fenced_slots"] == 1
+    check(plane)
+
+
 def test_a_late_writer_after_its_lease_expired_never_puts_its_bytes_under_another_key(
     plane: Plane,
 ) -> None:
     agent = plane.agents[NODE]
-    keys, payload = blocks(9, seed=5)
-    first = agent.grant_store(keys[:8], [None] * 8, "client:slow")  # DRAM full
+    keys, payload = blocks(8, seed=5)
+    slow = agent.grant_store(keys[:4], [None] * 4, "client:slow")
     plane.clock.advance(plane.config.lease_s + 1)  # the slow writer's leases expire
-    [second] = agent.grant_store(keys[8:], [None], "client:fast")
-    assert second is not None
-    late = next(g for g in first if g is not None and g.slot == second.slot)
-    arena = NodePlane(plane.link, NODE, 5.0).arena(arena_name(Tier.DRAM, NODE, second.epoch))
-    slot = arena.slot_view(second.slot)[:BLOCK]
-    slot[:] = payload[8 * BLOCK : 9 * BLOCK]  # the fast writer's copy
-    i = first.index(late)
-    slot[:] = payload[i * BLOCK : (i + 1) * BLOCK]  # the slow writer's copy lands late
-    # The fast writer's checksum, as a client store takes it: of the slot, after its copy.
-    agent.commit_store(keys[8:], [None], [(second, BLOCK, checksum(slot))])
-    agent.commit_store(keys[:8], [None] * 8, [(late, BLOCK, checksum(slot))])
-    data, _ = load(plane, NODE, keys[8:])
-    assert data.nbytes == 0 or bytes(data) == bytes(payload[8 * BLOCK : 9 * BLOCK])
+    fast = agent.grant_store(keys[4:], [None] * 4, "client:fast")
+    assert not {g.slot for g in slow if g} & {g.slot for g in fast if g}  # fenced, not reused
+    arena = agent._arena(agent._arenas[Tier.DRAM][0].epoch)
+    done = []
+    for i, g in enumerate(fast, start=4):
+        assert g is not None
+        arena.slot_view(g.slot)[:BLOCK] = src = payload[i * BLOCK : (i + 1) * BLOCK]
+        done.append((g, BLOCK, checksum(src)))
+    for i, g in enumerate(slow):  # the slow writer's copies land late, in its old slots
+        assert g is not None
+        arena.slot_view(g.slot)[:BLOCK] = payload[i * BLOCK : (i + 1) * BLOCK]
+    assert agent.commit_store(keys[4:], [None] * 4, done).committed == 4
+    late = agent.commit_store(keys[:4], [None] * 4, [(g, BLOCK, 0) for g in slow if g])
+    assert late.committed == 0 and late.refused == tuple(keys[:4])  # the writer learns it
+    assert agent.stats()["store_commits"] == {"committed": 4, "refused": 4}
+    assert plane.tiers[(NODE, Tier.DRAM)].stats()["refused_commits"] == 4
+    data, _ = load(plane, NODE, keys[4:])
+    assert bytes(data) == bytes(payload[4 * BLOCK :])
+    check(plane)
+
+
+class AfterAcquire(StartAllLink):
+    """StartAllLink that runs ``hook`` once, right after the first ``acquire``: a load that
+    holds its HBM grants and has not copied yet."""
+
+    hook: Any = None
+
+    def call(self, name: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        answer = super().call(name, method, *args)
+        if method == "acquire" and self.hook is not None:
+            hook, self.hook = self.hook, None
+            hook()
+        return answer
+
+
+def test_a_load_whose_hbm_grants_expired_before_its_copy_never_lands_on_another_load(
+    tmp_path,
+) -> None:
+    plane = make_plane(small_config(tmp_path), nodes=(NODE,), link_type=AfterAcquire)
+    try:
+        agent, hbm = plane.agents[NODE], plane.tiers[(NODE, Tier.HBM)]
+        keys, payload = blocks(4, seed=9)
+        assert agent.store(keys, [None, *keys[:-1]], payload) == 4  # in DRAM, not in HBM
+        later: list[Any] = []
+
+        def another_load_meanwhile() -> None:  # the first load is slow past its leases
+            plane.clock.advance(plane.config.lease_s + 1)
+            later.append(agent.load(keys[2:], plane.lookup(keys[2:])))
+
+        plane.link.hook = another_load_meanwhile  # type: ignore[attr-defined]
+        first = agent.load(keys[:2], plane.lookup(keys[:2]))
+        assert first.blocks == []  # its grants had ended: its commit is refused, a miss
+        [second] = later
+        _, arena = agent._arenas[Tier.HBM]
+        got = b"".join(bytes(arena.slot_view(b.slot)[: b.size]) for b in second.blocks)
+        assert got == bytes(payload[2 * BLOCK :])  # the first load's late copies went elsewhere
+        assert hbm.stats()["fenced_slots"] == 2 and hbm.stats()["refused_commits"] == 2
+        agent.release([b.lease for b in second.blocks])
+        check(plane)
+    finally:
+        plane.close()
+
+
+def test_a_late_copy_over_a_client_store_fails_the_checksum_taken_of_the_engines_bytes(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plane = make_plane(small_config(tmp_path), nodes=(NODE,), link_type=StoreLink)
+    try:
+        cm = ContextMemory(plane.config, NODE, owns_ray=False)
+        cm.link = plane.link  # type: ignore[assignment]
+        cm.plane = NodePlane(plane.link, NODE, 5.0)
+        ns = NamespaceClient(cm, Namespace("m", LAYOUT, "t"))
+        agent, dram = plane.agents[NODE], plane.tiers[(NODE, Tier.DRAM)]
+        keys, payload = blocks(8, seed=6)
+        slow = agent.grant_store(keys, [None] * 8, "client:slow")  # DRAM full
+        plane.clock.advance(plane.config.lease_s + 1)
+        dram.heartbeat()  # the slow writer's leases expire; their slots are fenced
+        plane.clock.advance(plane.config.lease_s)  # and the fences run out: a very slow writer
+
+        def slow_copy_lands() -> None:  # in the slot the fast writer just copied into
+            [res] = dram._reservations.values()
+            i, g = next((i, g) for i, g in enumerate(slow) if g and g.slot == res.slot)
+            agent._arena(g.epoch).slot_view(g.slot)[:BLOCK] = payload[i * BLOCK : (i + 1) * BLOCK]
+
+        toks = np.random.default_rng(6).integers(0, 50_000, LAYOUT.block_tokens)
+        kv = LAYOUT.random_kv(len(toks), seed=6)
+        landed = during_copy(monkeypatch, slow_copy_lands)
+        ns.store(toks, kv)
+        assert landed()
+        got = ns.load(toks)
+        assert got.shape[3] == 0 or torch.equal(got, kv)  # a miss, never the late bytes
+        assert dram.stats()["quarantined"] == 1
+        check(plane)
+    finally:
+        plane.close()
 
 
 class FullDisk(ExtentPlane):

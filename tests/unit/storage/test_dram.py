@@ -105,6 +105,27 @@ def test_abort_frees_the_slot_and_leaves_no_trace(make_store: MakeStore) -> None
     store.check_integrity()
 
 
+def test_a_fenced_slot_frees_its_key_but_stays_out_of_use_until_unfenced(
+    make_store: MakeStore,
+) -> None:
+    store = make_store(slots=2)
+    store.put(key(1), payload(1))
+    res = store.reserve(key(0))
+    slot = store.fence(res)
+    assert store.stats().extra["fenced"] == 1 and store.stats().extra["reserved"] == 0
+    store.check_integrity()
+    with pytest.raises(BlockStateError):
+        store.commit(res)  # its writer's commit finds nothing open
+    again = store.reserve(key(0))  # the key is free at once; the slot is not
+    assert again.slot != slot  # the stored block was evicted for it instead
+    store.abort(again)
+    store.unfence(slot)
+    with pytest.raises(BlockStateError):
+        store.unfence(slot)
+    assert store.stats().extra["fenced"] == 0 and store.stats().extra["free_slots"] == 2
+    store.check_integrity()
+
+
 def test_a_reservation_closes_once(make_store: MakeStore) -> None:
     store = make_store()
     res = store.reserve(key(1))
@@ -219,7 +240,7 @@ def test_stats_count_what_happened(make_store: MakeStore) -> None:
         1, 1, 2, 1, 100, 100)
     assert s.capacity_bytes == 2 * 5000 and s.used_bytes == 100
     assert s.extra == {"arena": store.arena.name, "slot_bytes": 8192, "slots": 2,
-                       "free_slots": 1, "reserved": 0, "eviction": "lru",
+                       "free_slots": 1, "reserved": 0, "fenced": 0, "eviction": "lru",
                        "evict_hook_errors": 0}
     store.unpin(key(1))
     store.check_integrity()

@@ -1,0 +1,41 @@
+"""A client's store copies each block once into its slot; the checksum it commits is of the
+engine's bytes, in the slot's payload order, whatever the engine tensor's strides."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cmx.checksum import checksum
+from cmx.layout import KVLayout, PayloadOrder
+from cmx.stores import copy_block
+
+
+@pytest.mark.parametrize("order", list(PayloadOrder))
+@pytest.mark.parametrize("strides", ["window", "contiguous", "token_minor"])
+def test_copy_block_writes_the_payload_and_checksums_the_source_in_its_order(
+    order: PayloadOrder, strides: str
+) -> None:
+    layout = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="bfloat16",
+                      block_tokens=4, order=order)
+    kv = layout.random_kv(3 * layout.block_tokens, seed=1)
+    src = kv[:, :, :, 4:8]  # a block in the middle of the engine's window: strided
+    if strides == "contiguous":
+        src = src.contiguous()
+    elif strides == "token_minor":
+        src = src.transpose(3, 4).contiguous().transpose(3, 4)
+    slot = np.zeros(layout.block_bytes, np.uint8)
+    csum = copy_block(layout, slot, src)
+    assert torch.equal(layout.from_payload(slot), src)
+    assert csum == checksum(slot)
+
+
+def test_copy_block_checksums_the_source_not_what_the_slot_holds_after() -> None:
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", block_tokens=4)
+    kv = layout.random_kv(4, seed=2)
+    slot = np.zeros(layout.block_bytes, np.uint8)
+    csum = copy_block(layout, slot, kv)
+    slot[0] ^= 0xFF  # a late writer's byte lands
+    assert csum != checksum(slot)
+    assert csum == checksum(layout.to_payload(kv).contiguous())

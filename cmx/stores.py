@@ -10,14 +10,17 @@ Protocol, per window of half the DRAM tier (so a store larger than DRAM streams 
    tier that restarted since has unlinked that arena (the copy fails), or, if it was mapped
    here before, the copy lands in memory no tier uses and its commit is refused.
 3. ``agent.commit_store(keys, parents, done)``: committed and visible to lookups, then written
-   through to NVMe and the pool as placement and admission say. The last window's commit
-   goes on behind ``StoreHandle``; an earlier one is waited for, as the next window's grants
-   may evict its blocks.
+   through to NVMe and the pool as placement and admission say. It runs while the writer
+   copies the next window; it is waited for before the next window's commit is sent (so
+   before the grants after that, which may evict its blocks), and the last window's goes
+   on behind ``StoreHandle``.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from cmx.checksum import checksum
@@ -26,31 +29,47 @@ from cmx.layout import KVLayout
 from cmx.protocol import actor_name, arena_name
 from cmx.tiers import Tier
 
-__all__ = ["StoreHandle", "store_into_dram"]
+__all__ = ["StoreHandle", "StoreTimes", "store_into_dram"]
+
+
+@dataclass(frozen=True)
+class StoreTimes:
+    """Where a store's time went on the writer's side, in seconds."""
+
+    grant_and_copy_s: float  # asking for DRAM slots, copying the KV into them, checksums
+    commit_wait_s: float  # waiting for an earlier window's commit (and its write-through)
 
 
 class StoreHandle:
     """An asynchronous store; ``wait()`` returns once the blocks are committed and visible."""
 
-    def __init__(self, ref: Any, num_blocks: int, timeout_s: float, committed: int = 0) -> None:
+    def __init__(self, ref: Any, num_blocks: int, timeout_s: float, committed: int = 0,
+                 link: Any = None, times: StoreTimes = StoreTimes(0.0, 0.0)) -> None:
         self._ref = ref  # the last commit, still under way (None: nothing left to wait for)
         self.num_blocks = num_blocks
         self._timeout_s = timeout_s
         self._committed = committed  # by the windows before it
+        self._link = link  # what started the commit (None: a Ray ObjectRef)
+        self.times = times  # the writer's side, up to the last commit's start
 
     def wait(self, timeout_s: float | None = None) -> int:
         """Blocks committed by this store (already-present blocks are not stored again)."""
         if self._ref is None:
             return self._committed
+        if self._link is not None:
+            return self._committed + int(self._link.result(self._ref,
+                                                           timeout_s or self._timeout_s))
         import ray
 
         return self._committed + int(ray.get(self._ref, timeout=timeout_s or self._timeout_s))
 
     def done(self) -> bool:
-        import ray
-
         if self._ref is None:
             return True
+        if self._link is not None:
+            return bool(self._link.ready(self._ref))
+        import ray
+
         ready, _ = ray.wait([self._ref], timeout=0)
         return bool(ready)
 
@@ -60,23 +79,31 @@ def store_into_dram(
     kv: Any, namespace: str, owner: str, replication: int | None,
 ) -> StoreHandle:
     """Store ``keys`` whose KV [L, 2, H, len(keys)*T, D] is ``kv``; returns once the bytes
-    are in DRAM, before they are committed."""
+    are in DRAM, before they are committed.
+
+    Window k is copied while window k-1 commits (and is written through to NVMe): one commit
+    in flight at most, waited for before window k's own, so window k+1's grants, which may
+    evict window k-1's blocks, come after that commit has placed them."""
     window = max(1, cm.config.dram_bytes // cm.config.block_bytes // 2)
     T = layout.block_tokens
     committed = 0
     ref = None
+    copying = waiting = 0.0
     for start in range(0, len(keys), window):
         stop = min(start + window, len(keys))
         window_keys, window_parents = list(keys[start:stop]), list(parents[start:stop])
+        t0 = time.perf_counter()
         done = _copy_window(cm, layout, window_keys, window_parents,
                             kv[:, :, :, start * T : stop * T], owner)
-        args = (window_keys, window_parents, done, namespace, replication)
-        if stop < len(keys):  # the next window's grants may evict these blocks: commit first
-            committed += int(cm.link.call(_agent(cm), "commit_store", *args,
-                                          timeout_s=cm.config.load_timeout_s))
-        else:
-            ref = cm.link.submit(_agent(cm), "commit_store", *args)
-    return StoreHandle(ref, len(keys), cm.config.load_timeout_s, committed)
+        t1 = time.perf_counter()
+        if ref is not None:
+            committed += int(cm.link.result(ref, cm.config.load_timeout_s))
+        waiting += time.perf_counter() - t1
+        copying += t1 - t0
+        ref = cm.link.submit(_agent(cm), "commit_store", window_keys, window_parents, done,
+                             namespace, replication)
+    return StoreHandle(ref, len(keys), cm.config.load_timeout_s, committed, cm.link,
+                       StoreTimes(copying, waiting))
 
 
 def _agent(cm: Any) -> str:

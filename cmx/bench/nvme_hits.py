@@ -15,6 +15,7 @@ from __future__ import annotations
 import subprocess
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,20 +69,60 @@ def _fio_run(ctx: BenchContext, path: Path, rw: str, bs: int, nbytes: int, fsync
     return float(job[rw]["bw_bytes"])
 
 
-def _store(cm: Any, layout: KVLayout, nbytes: int, kv: Any) -> tuple[Any, Any, float]:
-    """Store a fresh prefix of ``nbytes``; (namespace, token ids, seconds)."""
+@dataclass(frozen=True)
+class StoreSplit:
+    """Where a store of the prefix went, in seconds: the writer's side (``StoreTimes`` of
+    each call, and its final wait) and the agent's (sums of its latency histograms)."""
+
+    total_s: float
+    grant_and_copy_s: float  # writer: grants, copy into DRAM slots, checksums
+    commit_wait_s: float  # writer: waiting for an earlier window's commit, or the last
+    agent_grant_s: float  # agent: DRAM reservations and what they evict, demoted
+    agent_commit_s: float  # agent: commit_store, write-through included
+    nvme_write_s: float  # agent: the NVMe writes' bytes, within commit_store
+    nvme_books_s: float  # agent: the NVMe tier's reserve and commit (flush) around them
+
+    def describe(self, nbytes: int) -> str:
+        return (f"store {self.total_s:.2f} s: writer's grants + copy into slots "
+                f"{self.grant_and_copy_s:.2f} s, waiting for commits {self.commit_wait_s:.2f} s; "
+                f"agent's grants {self.agent_grant_s:.2f} s, commits {self.agent_commit_s:.2f} s "
+                f"(NVMe writes {self.nvme_write_s:.2f} s = {nbytes / self.nvme_write_s / GB:.2f} "
+                f"GB/s, NVMe reserve + commit with flush {self.nvme_books_s:.2f} s)"
+                if self.nvme_write_s > 0 else f"store {self.total_s:.2f} s")
+
+
+def _agent_sums(cm: Any) -> dict[str, float]:
+    from cmx.actors.links import actor_name
+
+    hist = cm.link.call(actor_name("agent", cm.node_id), "stats")["latency_s"]
+    return {op: float(h["sum"]) for op, h in hist.items()}
+
+
+def _store(cm: Any, layout: KVLayout, nbytes: int, kv: Any) -> tuple[Any, Any, StoreSplit]:
+    """Store a fresh prefix of ``nbytes``; (namespace, token ids, where its time went)."""
     import numpy as np
 
     ns = cm.namespace("bench-nvme", layout, uuid.uuid4().hex[:8])
     blocks = nbytes // layout.block_bytes
     T, per_call = layout.block_tokens, CHUNK // layout.block_bytes
     toks = np.random.default_rng(blocks).integers(0, 100_000, blocks * T)
+    before = _agent_sums(cm)
+    copying = waiting = 0.0
     t0 = time.perf_counter()
     for first in range(0, blocks, per_call):
         n = min(per_call, blocks - first)
-        if ns.store(toks[: (first + n) * T], kv[:, :, :, : n * T], start=first * T).wait() != n:
+        handle = ns.store(toks[: (first + n) * T], kv[:, :, :, : n * T], start=first * T)
+        t1 = time.perf_counter()
+        if handle.wait() != n:
             raise AssertionError(f"stored fewer than {n} blocks")
-    return ns, toks, time.perf_counter() - t0
+        waiting += handle.times.commit_wait_s + time.perf_counter() - t1
+        copying += handle.times.grant_and_copy_s
+    total = time.perf_counter() - t0
+    after = _agent_sums(cm)
+    d = {op: after.get(op, 0.0) - before.get(op, 0.0) for op in after}
+    return ns, toks, StoreSplit(total, copying, waiting, d.get("grant_store", 0.0),
+                                d.get("store", 0.0), d.get("nvme_write", 0.0),
+                                d.get("nvme_books", 0.0))
 
 
 def _only_on_nvme(cm: Any, ns: Any, toks: Any) -> None:
@@ -156,12 +197,14 @@ def _figures_of(ctx: BenchContext, block_bytes: int, block_tokens: int) -> list[
     with bench_cluster(config) as bc:
         for nbytes in PREFIXES:
             loads, agent, stores, fio_r, fio_w = [], [], [], [], []
+            splits: list[StoreSplit] = []
             for rep in range(ctx.config.reps):
                 ctx.log(f"service: {nbytes // MiB} MiB prefix of {block_bytes // MiB} MiB "
                         f"blocks on NVMe, rep {rep + 1}/{ctx.config.reps}")
                 fio_w.append(fio_same_bytes(ctx, "write", block_bytes, nbytes) / GB)
-                ns, toks, dt = _store(bc.cm, layout, nbytes, kv)
-                stores.append(nbytes / dt / GB)
+                ns, toks, split = _store(bc.cm, layout, nbytes, kv)
+                stores.append(nbytes / split.total_s / GB)
+                splits.append(split)
                 fio_r.append(fio_same_bytes(ctx, "read", block_bytes, nbytes) / GB)
                 _only_on_nvme(bc.cm, ns, toks)
                 ctx.drop_cache()
@@ -171,7 +214,8 @@ def _figures_of(ctx: BenchContext, block_bytes: int, block_tokens: int) -> list[
                 agent.append(nbytes / _agent_seconds(bc.cm, ns, toks) / GB)
                 ctx.log(f"service: load {loads[-1]:.2f} GB/s, agent alone {agent[-1]:.2f}, "
                         f"fio read {fio_r[-1]:.2f}")
-                ctx.log(f"service: store {stores[-1]:.2f} GB/s, fio write {fio_w[-1]:.2f}")
+                ctx.log(f"service: store {stores[-1]:.2f} GB/s, fio write {fio_w[-1]:.2f}; "
+                        f"{split.describe(nbytes)}")
             what = f"{nbytes // MiB} MiB prefix of {block_bytes // MiB} MiB blocks"
             figures += [
                 Figure("service", f"ContextMemory.load, {what}, on local NVMe only", "GB/s",
@@ -182,6 +226,7 @@ def _figures_of(ctx: BenchContext, block_bytes: int, block_tokens: int) -> list[
                 Figure("service", f"ContextMemory store, write-through, {what}", "GB/s",
                        tuple(stores), f"fio write, same bytes into a new file + fsync, bs "
                        f"{block_bytes // MiB} MiB QD16 O_DIRECT", tuple(fio_w),
-                       Goal(">=", GOAL), note="store calls of at most 512 MiB"),
+                       Goal(">=", GOAL), note="store calls of at most 512 MiB; " + "; ".join(
+                           f"rep {i + 1}: {sp.describe(nbytes)}" for i, sp in enumerate(splits))),
             ]
     return figures

@@ -1,0 +1,136 @@
+"""Loads through this node's agent, window by window, the next window read while this one is
+copied out.
+
+Protocol, per window of half the HBM tier (two windows in flight at most, so a load holds
+at most the whole tier, and the client's memory stays the caller's tensor):
+
+1. ``agent.load(keys, copies, priority, owner)``: the window's blocks pinned in this node's
+   HBM for ``owner``, a lease of its own per window. As soon as window k has answered whole,
+   window k+1 is asked for, and the agent reads it (NVMe, a peer, the pool) while the client
+   copies window k out of the HBM arena, each block verified as it is copied
+   (``cmx.copy_out``).
+2. ``agent.release(leases, corrupt)`` after each window's copy, one way.
+3. The load ends at the first window that fails, comes back corrupt or comes back short of a
+   miss; the window asked for ahead of it is given up (``agent.give_up(owner)``: what it
+   holds now and what it pins later go back). A window asked for while the one before it was
+   still pinned may come back short only because HBM had no room for both: its rest is asked
+   for once more with nothing else held.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from cmx.config import ServiceConfig
+from cmx.copy_out import copy_verified
+from cmx.errors import CmxError
+from cmx.protocol import Loaded, LoadResult, Priority, actor_name
+
+if TYPE_CHECKING:
+    from cmx.namespaces import BlockLocation, NamespaceClient
+
+__all__ = ["load_through_agent", "window_blocks"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Asked:
+    """A window asked of the agent and not yet copied out."""
+
+    start: int  # index of its first block in the load
+    size: int  # blocks asked for
+    owner: str  # the lease owner of its pins
+    ref: Any  # the agent's answer, to come
+    overlapped: bool  # asked while the window before it was still pinned
+
+
+def load_through_agent(ns: NamespaceClient, blocks: Sequence[BlockLocation], out: Any,
+                       first: int) -> int:
+    """Load ``blocks`` through this node's agent into ``out`` from block ``first``; how many
+    leading blocks arrived whole."""
+    window = window_blocks(ns.cm.config)
+    ahead = _ask(ns, blocks, 0, window, overlapped=False)
+    done = 0
+    while ahead is not None:
+        asked, ahead = ahead, None
+        result = _answer(ns, asked)
+        if result is None:
+            break
+        got = len(result.blocks)
+        if got == asked.size and asked.start + got < len(blocks):
+            ahead = _ask(ns, blocks, asked.start + got, window, overlapped=True)
+        try:
+            intact = _copy_out(ns, result, out, first + asked.start)
+        except BaseException:
+            _give_up(ns, ahead)
+            raise
+        done += intact
+        if intact < got:  # a corrupt block: nothing after it is used
+            _give_up(ns, ahead)
+            break
+        if got < asked.size and asked.overlapped:  # maybe only no room beside the last one
+            ahead = _ask(ns, blocks, asked.start + got, window, overlapped=False)
+    return done
+
+
+def window_blocks(config: ServiceConfig) -> int:
+    """Blocks per agent call: half the HBM tier, so that two windows fit in it."""
+    return max(1, config.hbm_bytes // config.block_bytes // 2)
+
+
+def _agent(ns: NamespaceClient) -> str:
+    return actor_name("agent", ns.cm.node_id)
+
+
+def _ask(ns: NamespaceClient, blocks: Sequence[BlockLocation], start: int, window: int,
+         overlapped: bool) -> _Asked | None:
+    chunk = blocks[start : start + window]
+    if not chunk:
+        return None
+    owner = f"client:{uuid.uuid4().hex}"
+    try:
+        ref = ns.cm.link.submit(_agent(ns), "load", [b.key for b in chunk],
+                                [list(b.copies) for b in chunk], Priority.LOAD, owner)
+    except CmxError as exc:  # the agent is not running: a miss from here on
+        log.warning("load not sent: %s", exc)
+        return None
+    return _Asked(start, len(chunk), owner, ref, overlapped)
+
+
+def _answer(ns: NamespaceClient, asked: _Asked) -> LoadResult | None:
+    """The agent's answer to ``asked``; None (its pins given up) if it failed or was late."""
+    try:
+        result: LoadResult = ns.cm.link.result(asked.ref, ns.cm.config.load_timeout_s)
+    except Exception as exc:  # noqa: BLE001 - a failed or late load is a miss
+        log.warning("load failed: %s", exc)
+        _give_up(ns, asked)
+        return None
+    return result
+
+
+def _give_up(ns: NamespaceClient, asked: _Asked | None) -> None:
+    if asked is not None:
+        ns.cm.link.tell(_agent(ns), "give_up", asked.owner)
+
+
+def _copy_out(ns: NamespaceClient, result: LoadResult, out: Any, first: int) -> int:
+    """Copy a window's blocks out of the HBM arena, verified; its pins released after, one
+    way, with the corrupt copy if any. How many were whole."""
+    if not result.blocks:
+        return 0
+    intact = 0
+    corrupt: list[Loaded] = []
+    try:
+        arena = ns.cm.plane.arena(result.arena)
+        intact, corrupt = copy_verified(ns.layout, arena, result.blocks, out, first,
+                                        ns.verify)
+    except (CmxError, OSError, ValueError) as exc:  # the HBM tier restarted: arena gone
+        log.warning("load's arena %s is gone: %s", result.arena, exc)
+    finally:
+        ns.cm.link.tell(_agent(ns), "release", [b.lease for b in result.blocks], corrupt)
+    return intact

@@ -14,7 +14,7 @@ at most the whole tier, and the client's memory stays the caller's tensor):
    miss; the window asked for ahead of it is given up (``agent.give_up(owner)``: what it
    holds now and what it pins later go back). A window asked for while the one before it was
    still pinned may come back short only because HBM had no room for both: its rest is asked
-   for once more with nothing else held.
+   for once more with nothing else held (the release before it waited for).
 """
 
 from __future__ import annotations
@@ -64,8 +64,9 @@ def load_through_agent(ns: NamespaceClient, blocks: Sequence[BlockLocation], out
         got = len(result.blocks)
         if got == asked.size and asked.start + got < len(blocks):
             ahead = _ask(ns, blocks, asked.start + got, window, overlapped=True)
+        retry = got < asked.size and asked.overlapped  # maybe only no room beside the last
         try:
-            intact = _copy_out(ns, result, out, first + asked.start)
+            intact = _copy_out(ns, result, out, first + asked.start, settle=retry)
         except BaseException:
             _give_up(ns, ahead)
             raise
@@ -73,7 +74,7 @@ def load_through_agent(ns: NamespaceClient, blocks: Sequence[BlockLocation], out
         if intact < got:  # a corrupt block: nothing after it is used
             _give_up(ns, ahead)
             break
-        if got < asked.size and asked.overlapped:  # maybe only no room beside the last one
+        if retry:
             ahead = _ask(ns, blocks, asked.start + got, window, overlapped=False)
     return done
 
@@ -118,9 +119,12 @@ def _give_up(ns: NamespaceClient, asked: _Asked | None) -> None:
         ns.cm.link.tell(_agent(ns), "give_up", asked.owner)
 
 
-def _copy_out(ns: NamespaceClient, result: LoadResult, out: Any, first: int) -> int:
-    """Copy a window's blocks out of the HBM arena, verified; its pins released after, one
-    way, with the corrupt copy if any. How many were whole."""
+def _copy_out(ns: NamespaceClient, result: LoadResult, out: Any, first: int,
+              settle: bool = False) -> int:
+    """Copy a window's blocks out of the HBM arena, verified; its pins released after, with
+    the corrupt copy if any: one way, or with ``settle`` waited for, so that a window asked
+    for next finds their slots free (an agent serves calls concurrently: a call merely sent
+    after a one-way release may run before it). How many were whole."""
     if not result.blocks:
         return 0
     intact = 0
@@ -132,5 +136,17 @@ def _copy_out(ns: NamespaceClient, result: LoadResult, out: Any, first: int) -> 
     except (CmxError, OSError, ValueError) as exc:  # the HBM tier restarted: arena gone
         log.warning("load's arena %s is gone: %s", result.arena, exc)
     finally:
-        ns.cm.link.tell(_agent(ns), "release", [b.lease for b in result.blocks], corrupt)
+        _release(ns, [b.lease for b in result.blocks], corrupt, settle)
     return intact
+
+
+def _release(ns: NamespaceClient, leases: list[int], corrupt: list[Loaded], settle: bool
+             ) -> None:
+    if not settle:
+        ns.cm.link.tell(_agent(ns), "release", leases, corrupt)
+        return
+    try:
+        ns.cm.link.call(_agent(ns), "release", leases, corrupt,
+                        timeout_s=ns.cm.config.call_timeout_s)
+    except CmxError as exc:  # the pins expire as leases; the next window may come back short
+        log.warning("release not confirmed: %s", exc)

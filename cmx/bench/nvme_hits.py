@@ -75,6 +75,7 @@ class StoreSplit:
     each call, and its final wait) and the agent's (sums of its latency histograms)."""
 
     total_s: float
+    writer_cpu_s: float  # CPU seconds of the writer's process over the store
     grant_and_copy_s: float  # writer: grants, copy into DRAM slots, checksums
     commit_wait_s: float  # writer: waiting for an earlier window's commit, or the last
     agent_grant_s: float  # agent: DRAM reservations and what they evict, demoted
@@ -83,7 +84,8 @@ class StoreSplit:
     nvme_books_s: float  # agent: the NVMe tier's reserve and commit (flush) around them
 
     def describe(self, nbytes: int) -> str:
-        return (f"store {self.total_s:.2f} s: writer's grants + copy into slots "
+        return (f"store {self.total_s:.2f} s (writer's CPU {self.writer_cpu_s:.2f} s): "
+                f"writer's grants + copy into slots "
                 f"{self.grant_and_copy_s:.2f} s, waiting for commits {self.commit_wait_s:.2f} s; "
                 f"agent's grants {self.agent_grant_s:.2f} s, commits {self.agent_commit_s:.2f} s "
                 f"(NVMe writes {self.nvme_write_s:.2f} s = {nbytes / self.nvme_write_s / GB:.2f} "
@@ -108,7 +110,7 @@ def _store(cm: Any, layout: KVLayout, nbytes: int, kv: Any) -> tuple[Any, Any, S
     toks = np.random.default_rng(blocks).integers(0, 100_000, blocks * T)
     before = _agent_sums(cm)
     copying = waiting = 0.0
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     for first in range(0, blocks, per_call):
         n = min(per_call, blocks - first)
         handle = ns.store(toks[: (first + n) * T], kv[:, :, :, : n * T], start=first * T)
@@ -117,10 +119,10 @@ def _store(cm: Any, layout: KVLayout, nbytes: int, kv: Any) -> tuple[Any, Any, S
             raise AssertionError(f"stored fewer than {n} blocks")
         waiting += handle.times.commit_wait_s + time.perf_counter() - t1
         copying += handle.times.grant_and_copy_s
-    total = time.perf_counter() - t0
+    total, cpu = time.perf_counter() - t0, time.process_time() - c0
     after = _agent_sums(cm)
     d = {op: after.get(op, 0.0) - before.get(op, 0.0) for op in after}
-    return ns, toks, StoreSplit(total, copying, waiting, d.get("grant_store", 0.0),
+    return ns, toks, StoreSplit(total, cpu, copying, waiting, d.get("grant_store", 0.0),
                                 d.get("store", 0.0), d.get("nvme_write", 0.0),
                                 d.get("nvme_books", 0.0))
 
@@ -137,13 +139,15 @@ def _only_on_nvme(cm: Any, ns: Any, toks: Any) -> None:
         raise AssertionError("the prefix is not on this node's NVMe tier alone")
 
 
-def _load_seconds(cm: Any, ns: Any, toks: Any) -> float:
-    t0 = time.perf_counter()
+def _load_seconds(cm: Any, ns: Any, toks: Any) -> tuple[float, float]:
+    """Seconds of one load, and the CPU seconds this (the client's) process spent in it: its
+    copy out and checks, which a machine busy with other work stretches in wall time."""
+    c0, t0 = time.process_time(), time.perf_counter()
     got = ns.load(toks)
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     if got.shape[3] != len(toks):
         raise AssertionError(f"loaded {got.shape[3]} of {len(toks)} tokens")
-    return dt
+    return dt, cpu
 
 
 def _agent_seconds(cm: Any, ns: Any, toks: Any) -> float:
@@ -198,6 +202,7 @@ def _figures_of(ctx: BenchContext, block_bytes: int, block_tokens: int) -> list[
         for nbytes in PREFIXES:
             loads, agent, stores, fio_r, fio_w = [], [], [], [], []
             splits: list[StoreSplit] = []
+            client_cpu: list[float] = []
             for rep in range(ctx.config.reps):
                 ctx.log(f"service: {nbytes // MiB} MiB prefix of {block_bytes // MiB} MiB "
                         f"blocks on NVMe, rep {rep + 1}/{ctx.config.reps}")
@@ -208,12 +213,14 @@ def _figures_of(ctx: BenchContext, block_bytes: int, block_tokens: int) -> list[
                 fio_r.append(fio_same_bytes(ctx, "read", block_bytes, nbytes) / GB)
                 _only_on_nvme(bc.cm, ns, toks)
                 ctx.drop_cache()
-                loads.append(nbytes / _load_seconds(bc.cm, ns, toks) / GB)
+                wall, cpu = _load_seconds(bc.cm, ns, toks)
+                loads.append(nbytes / wall / GB)
+                client_cpu.append(cpu)
                 _only_on_nvme(bc.cm, ns, toks)
                 ctx.drop_cache()
                 agent.append(nbytes / _agent_seconds(bc.cm, ns, toks) / GB)
-                ctx.log(f"service: load {loads[-1]:.2f} GB/s, agent alone {agent[-1]:.2f}, "
-                        f"fio read {fio_r[-1]:.2f}")
+                ctx.log(f"service: load {loads[-1]:.2f} GB/s (client CPU {client_cpu[-1]:.2f} s), "
+                        f"agent alone {agent[-1]:.2f}, fio read {fio_r[-1]:.2f}")
                 ctx.log(f"service: store {stores[-1]:.2f} GB/s, fio write {fio_w[-1]:.2f}; "
                         f"{split.describe(nbytes)}")
             what = f"{nbytes // MiB} MiB prefix of {block_bytes // MiB} MiB blocks"
@@ -222,7 +229,9 @@ def _figures_of(ctx: BenchContext, block_bytes: int, block_tokens: int) -> list[
                        tuple(loads), f"fio read, same bytes, bs {block_bytes // MiB} MiB "
                        f"QD16 O_DIRECT", tuple(fio_r), Goal(">=", GOAL),
                        note=f"the agent's part alone (into HBM, before the client's "
-                            f"checksum and copy out): {median(agent):.2f} GB/s"),
+                            f"checksum and copy out): {median(agent):.2f} GB/s; the client's "
+                            f"CPU time per load (copy out, checks, calls): "
+                            f"{median(client_cpu):.2f} s"),
                 Figure("service", f"ContextMemory store, write-through, {what}", "GB/s",
                        tuple(stores), f"fio write, same bytes into a new file + fsync, bs "
                        f"{block_bytes // MiB} MiB QD16 O_DIRECT", tuple(fio_w),

@@ -9,12 +9,15 @@ at most the whole tier, and the client's memory stays the caller's tensor):
    window k+1 is asked for, and the agent reads it (NVMe, a peer, the pool) while the client
    copies window k out of the HBM arena, each block verified as it is copied
    (``cmx.copy_out``).
-2. ``agent.release(leases, corrupt)`` after each window's copy, one way.
+2. ``agent.release(leases, corrupt)`` after each window's copy, sent at once and waited for
+   only before the window after next is asked for (by then long done): an agent serves
+   calls concurrently, and a window asked for after a release merely sent could find the
+   slots of three windows taken.
 3. The load ends at the first window that fails, comes back corrupt or comes back short of a
    miss; the window asked for ahead of it is given up (``agent.give_up(owner)``: what it
    holds now and what it pins later go back). A window asked for while the one before it was
    still pinned may come back short only because HBM had no room for both: its rest is asked
-   for once more with nothing else held (the release before it waited for).
+   for once more with nothing else held.
 """
 
 from __future__ import annotations
@@ -55,18 +58,20 @@ def load_through_agent(ns: NamespaceClient, blocks: Sequence[BlockLocation], out
     leading blocks arrived whole."""
     window = window_blocks(ns.cm.config)
     ahead = _ask(ns, blocks, 0, window, overlapped=False)
+    releasing: Any = None  # the release of the window before, under way
     done = 0
     while ahead is not None:
         asked, ahead = ahead, None
         result = _answer(ns, asked)
+        _settle(ns, releasing)  # that window's slots are free before the next is asked
+        releasing = None
         if result is None:
             break
         got = len(result.blocks)
         if got == asked.size and asked.start + got < len(blocks):
             ahead = _ask(ns, blocks, asked.start + got, window, overlapped=True)
-        retry = got < asked.size and asked.overlapped  # maybe only no room beside the last
         try:
-            intact = _copy_out(ns, result, out, first + asked.start, settle=retry)
+            intact, releasing = _copy_out(ns, result, out, first + asked.start)
         except BaseException:
             _give_up(ns, ahead)
             raise
@@ -74,7 +79,9 @@ def load_through_agent(ns: NamespaceClient, blocks: Sequence[BlockLocation], out
         if intact < got:  # a corrupt block: nothing after it is used
             _give_up(ns, ahead)
             break
-        if retry:
+        if got < asked.size and asked.overlapped:  # maybe only no room beside the last one
+            _settle(ns, releasing)
+            releasing = None
             ahead = _ask(ns, blocks, asked.start + got, window, overlapped=False)
     return done
 
@@ -119,14 +126,12 @@ def _give_up(ns: NamespaceClient, asked: _Asked | None) -> None:
         ns.cm.link.tell(_agent(ns), "give_up", asked.owner)
 
 
-def _copy_out(ns: NamespaceClient, result: LoadResult, out: Any, first: int,
-              settle: bool = False) -> int:
+def _copy_out(ns: NamespaceClient, result: LoadResult, out: Any, first: int
+              ) -> tuple[int, Any]:
     """Copy a window's blocks out of the HBM arena, verified; its pins released after, with
-    the corrupt copy if any: one way, or with ``settle`` waited for, so that a window asked
-    for next finds their slots free (an agent serves calls concurrently: a call merely sent
-    after a one-way release may run before it). How many were whole."""
+    the corrupt copy if any. (How many were whole, the release under way.)"""
     if not result.blocks:
-        return 0
+        return 0, None
     intact = 0
     corrupt: list[Loaded] = []
     try:
@@ -136,17 +141,21 @@ def _copy_out(ns: NamespaceClient, result: LoadResult, out: Any, first: int,
     except (CmxError, OSError, ValueError) as exc:  # the HBM tier restarted: arena gone
         log.warning("load's arena %s is gone: %s", result.arena, exc)
     finally:
-        _release(ns, [b.lease for b in result.blocks], corrupt, settle)
-    return intact
+        try:
+            releasing = ns.cm.link.submit(_agent(ns), "release",
+                                          [b.lease for b in result.blocks], corrupt)
+        except CmxError as exc:  # the agent is gone: the pins expire as leases
+            log.warning("release not sent: %s", exc)
+            releasing = None
+    return intact, releasing
 
 
-def _release(ns: NamespaceClient, leases: list[int], corrupt: list[Loaded], settle: bool
-             ) -> None:
-    if not settle:
-        ns.cm.link.tell(_agent(ns), "release", leases, corrupt)
+def _settle(ns: NamespaceClient, releasing: Any) -> None:
+    """Wait for a window's release (an agent serves calls concurrently: a window asked for
+    after a release merely sent may be granted slots before that release has run)."""
+    if releasing is None:
         return
     try:
-        ns.cm.link.call(_agent(ns), "release", leases, corrupt,
-                        timeout_s=ns.cm.config.call_timeout_s)
-    except CmxError as exc:  # the pins expire as leases; the next window may come back short
+        ns.cm.link.result(releasing, ns.cm.config.call_timeout_s)
+    except Exception as exc:  # noqa: BLE001 - the pins expire as leases
         log.warning("release not confirmed: %s", exc)

@@ -28,7 +28,9 @@ from cmx.layout import KVLayout, PayloadOrder
 from cmx.protocol import Loaded
 from cmx.storage.arena import SharedArena
 
-__all__ = ["PIECE_BYTES", "copy_block", "copy_payloads", "copy_verified", "empty_kv"]
+__all__ = [
+    "PIECE_BYTES", "copy_block", "copy_payloads", "copy_verified", "empty_kv", "kv_array",
+]
 
 log = logging.getLogger(__name__)
 
@@ -53,23 +55,36 @@ def empty_kv(layout: KVLayout, tokens: int) -> Any:
     return raw.view(layout.torch_dtype()).reshape(layout.shape(tokens))
 
 
-def copy_block(layout: KVLayout, payload: np.ndarray, dst: Any, want: int | None) -> bool:
-    """Copy one block's payload into ``dst`` (its [L, 2, H, T, D] place in a KV tensor), piece
-    by piece, each hashed right after it was copied; whether its checksum is ``want``
-    (``None``: not checked, True)."""
-    src = layout.from_payload(payload)
-    # The payload's outermost dimension, as it appears in the [L, 2, H, T, D] view.
-    outer, count = (0, layout.num_layers) if layout.order is PayloadOrder.LAYER_MAJOR \
-        else (2, layout.num_kv_heads)
+def copy_block(layout: KVLayout, payload: np.ndarray, dst: np.ndarray, want: int | None) -> bool:
+    """Copy one block's payload into ``dst`` (its [L, 2, H, T, D] place in a KV tensor, as
+    ``kv_array`` gives it), piece by piece, each hashed right after it was copied; whether
+    its checksum is ``want`` (``None``: not checked, True)."""
+    src = payload.view(dst.dtype).reshape(layout.payload_shape)
+    if layout.order is PayloadOrder.LAYER_MAJOR:
+        outer, count = 0, layout.num_layers  # the payload's outermost dimension, in dst
+    else:
+        src, outer, count = src.transpose(1, 2, 0, 3, 4), 2, layout.num_kv_heads
     unit = layout.block_bytes // count
     step = max(1, PIECE_BYTES // unit)
     stream = ChecksumStream() if want is not None else None
+    index: list[slice] = [slice(None)] * 5
     for a in range(0, count, step):
         n = min(step, count - a)
-        dst.narrow(outer, a, n).copy_(src.narrow(outer, a, n))
+        index[outer] = slice(a, a + n)
+        np.copyto(dst[tuple(index)], src[tuple(index)])
         if stream is not None:
             stream.feed(payload[a * unit : (a + n) * unit])
     return stream is None or stream.value() == want
+
+
+def kv_array(kv: Any) -> np.ndarray:
+    """A numpy view of a CPU KV tensor, its elements as integers of their size: numpy copies
+    them on the calling thread, where torch's ``copy_`` would wake its OpenMP threads for
+    every piece (here they spun for 4-50x the CPU time of the copy itself on a busy machine)."""
+    import torch
+
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[kv.element_size()]
+    return kv.view(ints).numpy()
 
 
 def copy_payloads(layout: KVLayout, payloads: Sequence[tuple[BlockHash, np.ndarray, int]],
@@ -78,10 +93,11 @@ def copy_payloads(layout: KVLayout, payloads: Sequence[tuple[BlockHash, np.ndarr
     checked as it is copied; stops at the first that fails. How many were copied whole.
     ``verify=False`` skips the checks: only to measure what they cost."""
     T = layout.block_tokens
+    dst = kv_array(out)
     for i, (key, payload, want) in enumerate(payloads):
-        dst = out[:, :, :, (first + i) * T : (first + i + 1) * T]
-        if not copy_block(layout, payload, dst, want if verify else None):
-            dst.zero_()  # its bytes landed before the check failed: none of them stay
+        place = dst[:, :, :, (first + i) * T : (first + i + 1) * T]
+        if not copy_block(layout, payload, place, want if verify else None):
+            place.fill(0)  # its bytes landed before the check failed: none of them stay
             log.warning("block %s failed its checksum where it was used", key.hex()[:12])
             return i
     return len(payloads)

@@ -16,8 +16,8 @@ at most the whole tier, and the client's memory stays the caller's tensor):
 3. The load ends at the first window that fails, comes back corrupt or comes back short of a
    miss; the window asked for ahead of it is given up (``agent.give_up(owner)``: what it
    holds now and what it pins later go back). A window asked for while the one before it was
-   still pinned may come back short only because HBM had no room for both: its rest is asked
-   for once more with nothing else held.
+   still pinned that fails or comes back short (HBM may have had no room for both) is asked
+   for once more, its rest, with nothing else held: as a load without overlap would ask.
 """
 
 from __future__ import annotations
@@ -66,7 +66,9 @@ def load_through_agent(ns: NamespaceClient, blocks: Sequence[BlockLocation], out
         _settle(ns, releasing)  # that window's slots are free before the next is asked
         releasing = None
         if result is None:
-            break
+            if asked.overlapped:  # asked again alone, as a load without overlap would be
+                ahead = _ask(ns, blocks, asked.start, window, overlapped=False)
+            continue
         got = len(result.blocks)
         if got == asked.size and asked.start + got < len(blocks):
             ahead = _ask(ns, blocks, asked.start + got, window, overlapped=True)
@@ -80,6 +82,8 @@ def load_through_agent(ns: NamespaceClient, blocks: Sequence[BlockLocation], out
             _give_up(ns, ahead)
             break
         if got < asked.size and asked.overlapped:  # maybe only no room beside the last one
+            log.warning("a window of %d blocks asked beside the one before it brought %d; "
+                        "asking for the rest alone", asked.size, got)
             _settle(ns, releasing)
             releasing = None
             ahead = _ask(ns, blocks, asked.start + got, window, overlapped=False)

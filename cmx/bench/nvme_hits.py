@@ -146,7 +146,10 @@ def _load_seconds(cm: Any, ns: Any, toks: Any) -> tuple[float, float]:
     got = ns.load(toks)
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     if got.shape[3] != len(toks):
-        raise AssertionError(f"loaded {got.shape[3]} of {len(toks)} tokens")
+        tiers = cm.stats()["nodes"][cm.node_id]["tiers"]
+        held = {t: {k: tiers[t].get(k) for k in ("blocks", "pinned", "reserved",
+                                                  "expired_leases")} for t in tiers}
+        raise AssertionError(f"loaded {got.shape[3]} of {len(toks)} tokens; tiers then: {held}")
     return dt, cpu
 
 

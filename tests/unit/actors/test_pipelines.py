@@ -148,13 +148,15 @@ def test_the_next_window_is_asked_for_before_this_one_is_released(plane: Plane) 
 
 def test_a_window_whose_answer_fails_mid_pipeline_gives_back_every_pin(plane: Plane) -> None:
     """The second window's load ran (its blocks pinned for the client) but its answer never
-    came: the load returns the first window alone, exact, and nothing stays pinned."""
+    came, neither when asked beside the first nor alone again: the load returns the first
+    window alone, exact, and nothing stays pinned."""
     ns, toks, kv = on_nvme_only(plane, BLOCKS, seed=2)
     link: ScriptedLink = plane.link  # type: ignore[assignment]
-    link.on_load[1] = lambda answer: type(answer)(None, UnavailableError("no answer in time"))
+    for n in (1, 2):
+        link.on_load[n] = lambda answer: type(answer)(None, UnavailableError("no answer"))
     got = ns.load(toks)
     assert same_bits(got, kv[:, :, :, : 2 * T])
-    assert "load 2" not in link.events  # nothing asked after the failed window
+    assert "load 3" not in link.events  # nothing asked after the window that failed alone
     assert nothing_held(plane)
     check(plane)
 
@@ -177,6 +179,16 @@ def test_a_corrupt_window_gives_back_the_window_asked_ahead(plane: Plane) -> Non
     assert "load 1" in link.events and "give_up" in link.events
     assert nothing_held(plane)
     assert hbm.stats()["quarantined"] == 1
+    check(plane)
+
+
+def test_a_window_that_fails_beside_the_last_is_asked_again_alone(plane: Plane) -> None:
+    ns, toks, kv = on_nvme_only(plane, BLOCKS, seed=6)
+    link: ScriptedLink = plane.link  # type: ignore[assignment]
+    link.on_load[1] = lambda answer: type(answer)(None, UnavailableError("no answer"))
+    got = ns.load(toks)
+    assert same_bits(got, kv)
+    assert nothing_held(plane)
     check(plane)
 
 

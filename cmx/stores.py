@@ -10,10 +10,9 @@ Protocol, per window of half the DRAM tier (so a store larger than DRAM streams 
    tier that restarted since has unlinked that arena (the copy fails), or, if it was mapped
    here before, the copy lands in memory no tier uses and its commit is refused.
 3. ``agent.commit_store(keys, parents, done)``: committed and visible to lookups, then written
-   through to NVMe and the pool as placement and admission say. It runs while the writer
-   copies the next window; it is waited for before the next window's commit is sent (so
-   before the grants after that, which may evict its blocks), and the last window's goes
-   on behind ``StoreHandle``.
+   through to NVMe and the pool as placement and admission say. The last window's commit
+   goes on behind ``StoreHandle``; an earlier one is waited for, as the next window's grants
+   may evict its blocks.
 """
 
 from __future__ import annotations
@@ -81,9 +80,10 @@ def store_into_dram(
     """Store ``keys`` whose KV [L, 2, H, len(keys)*T, D] is ``kv``; returns once the bytes
     are in DRAM, before they are committed.
 
-    Window k is copied while window k-1 commits (and is written through to NVMe): one commit
-    in flight at most, waited for before window k's own, so window k+1's grants, which may
-    evict window k-1's blocks, come after that commit has placed them."""
+    Each window's commit (and its write-through to NVMe) is waited for before the next
+    window's grants: those may evict its blocks, and a block evicted between its commit and
+    its write-through reached NVMe only if its demotion admitted it (copying window k while
+    window k-1 committed lost 128 of 1,024 write-through blocks so)."""
     window = max(1, cm.config.dram_bytes // cm.config.block_bytes // 2)
     T = layout.block_tokens
     committed = 0
@@ -96,12 +96,13 @@ def store_into_dram(
         done = _copy_window(cm, layout, window_keys, window_parents,
                             kv[:, :, :, start * T : stop * T], owner)
         t1 = time.perf_counter()
-        if ref is not None:
-            committed += int(cm.link.result(ref, cm.config.load_timeout_s))
-        waiting += time.perf_counter() - t1
         copying += t1 - t0
         ref = cm.link.submit(_agent(cm), "commit_store", window_keys, window_parents, done,
                              namespace, replication)
+        if stop < len(keys):
+            committed += int(cm.link.result(ref, cm.config.load_timeout_s))
+            ref = None
+            waiting += time.perf_counter() - t1
     return StoreHandle(ref, len(keys), cm.config.load_timeout_s, committed, cm.link,
                        StoreTimes(copying, waiting))
 

@@ -1,7 +1,6 @@
-"""Stores and loads that stream through a tier window by window, two windows under way at
-once. A store copies window k while window k-1 commits and is written through to NVMe; a
-prefix this node holds only on NVMe loads through its agent with the next window asked for
-while this one is copied out. The bytes come back exact, and a window that fails or comes
+"""Stores and loads that stream through a tier window by window. A store larger than DRAM
+commits (and writes through) each window before the next; a prefix this node holds only on
+NVMe loads through its agent with the next window asked for while this one is copied out. The bytes come back exact, and a window that fails or comes
 back corrupt ends the load with every pin of every window given back."""
 
 from __future__ import annotations
@@ -122,8 +121,8 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def test_a_store_larger_than_dram_commits_window_by_window_exact(plane: Plane) -> None:
-    """20 blocks through a DRAM of 8 (windows of 4): each window copied while the one
-    before it commits; every block reaches NVMe (write-through) and loads back exact."""
+    """20 blocks through a DRAM of 8 (windows of 4): every block reaches NVMe
+    (write-through) and loads back exact."""
     ns, toks, kv = on_nvme_only(plane, 20, seed=5)
     link: ScriptedLink = plane.link  # type: ignore[assignment]
     assert ns.lookup(toks).num_blocks == 20

@@ -8,15 +8,16 @@ the block from memory. A block whose checksum fails is not used: its place in th
 zeroed (its bytes landed before the check could fail), the copy stops there and reports how
 many blocks before it were whole, and the caller returns only those.
 
-``empty_kv`` allocates the tensor a load fills on transparent huge pages where the kernel
-offers them (``madvise``): here a fresh 64 MiB tensor took 18-20 ms to fill on 4 KiB pages
-(each page faulted in on first touch) and 4-6 ms on 2 MiB pages.
+``empty_kv`` allocates the tensor a load fills, on 4 KiB pages. Transparent huge pages were
+tried and measured here: a 2 GiB tensor was touched in 0.10 s of CPU when the kernel had
+freed huge pages at hand, but in 4.9 s when it had to find fresh ones (the client spent
+4.8-5.0 s of CPU on each 2 GiB load in ``cmx bench service`` with them), against
+0.72-0.77 s on 4 KiB pages every time.
 """
 
 from __future__ import annotations
 
 import logging
-import mmap
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,24 +36,13 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 PIECE_BYTES = 512 << 10  # half of one core's L2 here: the piece is hashed before it leaves it
-HUGE_MIN_BYTES = 4 << 20  # smaller tensors come from torch's own allocator
 
 
 def empty_kv(layout: KVLayout, tokens: int) -> Any:
-    """An uninitialised [layers, 2, kv_heads, tokens, head_dim] tensor; a large one on
-    transparent huge pages where the kernel allows it (freed with the tensor)."""
+    """An uninitialised [layers, 2, kv_heads, tokens, head_dim] tensor."""
     import torch
 
-    nbytes = tokens * layout.token_bytes
-    if nbytes < HUGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.empty(layout.shape(tokens), dtype=layout.torch_dtype())
-    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        mm.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:  # THP off ("never"): 4 KiB pages, as torch.empty would give
-        pass
-    raw = torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
-    return raw.view(layout.torch_dtype()).reshape(layout.shape(tokens))
+    return torch.empty(layout.shape(tokens), dtype=layout.torch_dtype())
 
 
 def copy_block(layout: KVLayout, payload: np.ndarray, dst: np.ndarray, want: int | None) -> bool:

@@ -1,8 +1,9 @@
 """Loads through this node's agent, window by window, the next window read while this one is
 copied out.
 
-Protocol, per window of half the HBM tier (two windows in flight at most, so a load holds
-at most the whole tier, and the client's memory stays the caller's tensor):
+Protocol, per window of half the HBM tier or ``WINDOW_BYTES``, whichever is less (two windows
+in flight at most, so a load holds at most the whole tier, and the client's memory stays the
+caller's tensor):
 
 1. ``agent.load(keys, copies, priority, owner)``: the window's blocks pinned in this node's
    HBM for ``owner``, a lease of its own per window. As soon as window k has answered whole,
@@ -36,9 +37,14 @@ from cmx.protocol import Loaded, LoadResult, Priority, actor_name
 if TYPE_CHECKING:
     from cmx.namespaces import BlockLocation, NamespaceClient
 
-__all__ = ["load_through_agent", "window_blocks"]
+__all__ = ["WINDOW_BYTES", "load_through_agent", "window_blocks"]
 
 log = logging.getLogger(__name__)
+
+# At most this much per window, so that even a prefix of a few windows' worth overlaps its
+# reads with its copy out (a window of half a 1 GiB HBM tier held a whole 512 MiB prefix,
+# read first and copied out after); a window still keeps the disk's queue full.
+WINDOW_BYTES = 128 << 20
 
 
 @dataclass(frozen=True)
@@ -56,7 +62,7 @@ def load_through_agent(ns: NamespaceClient, blocks: Sequence[BlockLocation], out
                        first: int) -> int:
     """Load ``blocks`` through this node's agent into ``out`` from block ``first``; how many
     leading blocks arrived whole."""
-    window = window_blocks(ns.cm.config)
+    window = min(window_blocks(ns.cm.config), max(1, WINDOW_BYTES // ns.cm.config.block_bytes))
     ahead = _ask(ns, blocks, 0, window, overlapped=False)
     releasing: Any = None  # the release of the window before, under way
     done = 0

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cmx.agent_loads import WINDOW_BYTES, window_blocks
 from cmx.bench.cluster import bench_cluster
 from cmx.bench.core import GB, BenchContext, Figure, GiB, Goal, MiB, median
 from cmx.bench.raw import fio_engine, fio_path
@@ -155,7 +156,7 @@ def _load_seconds(cm: Any, ns: Any, toks: Any) -> tuple[float, float]:
 
 def _agent_seconds(cm: Any, ns: Any, toks: Any) -> float:
     """Seconds the agent takes to load the prefix into HBM, window by window as the client
-    asks (half the HBM tier per call), without the client's checksum and copy out."""
+    asks (``cmx.agent_loads``' windows), without the client's checksum and copy out."""
     import ray
 
     from cmx.actors.links import RAY_NAMESPACE, actor_name
@@ -163,7 +164,7 @@ def _agent_seconds(cm: Any, ns: Any, toks: Any) -> float:
     agent = ray.get_actor(actor_name("agent", cm.node_id), namespace=RAY_NAMESPACE)
     hbm = ray.get_actor(actor_name("hbm", cm.node_id), namespace=RAY_NAMESPACE)
     blocks = list(ns.lookup(toks).blocks)
-    window = max(1, cm.config.hbm_bytes // cm.config.block_bytes // 2)
+    window = min(window_blocks(cm.config), max(1, WINDOW_BYTES // cm.config.block_bytes))
     took = 0.0
     for start in range(0, len(blocks), window):
         chunk = blocks[start : start + window]

@@ -1,7 +1,8 @@
 """Stores and loads that stream through a tier window by window. A store larger than DRAM
 commits (and writes through) each window before the next; a prefix this node holds only on
-NVMe loads through its agent with the next window asked for while this one is copied out. The bytes come back exact, and a window that fails or comes
-back corrupt ends the load with every pin of every window given back."""
+NVMe loads through its agent with the next window asked for while this one is copied out.
+The bytes come back exact, and a window that fails or comes back corrupt ends the load with
+every pin of every window given back."""
 
 from __future__ import annotations
 

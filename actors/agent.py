@@ -83,7 +83,10 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites, SliceServing)
         self.moved_via: Counter[str] = Counter()  # transport or "local"/"nvme" -> bytes
         self.dropped: Counter[str] = Counter()  # why evicted blocks were not demoted -> blocks
         self.commits: Counter[str] = Counter()  # a store's blocks "committed" or "refused"
-        self.latency = {op: Histogram() for op in ("store", "load", "stage", "prefetch")}
+        # "nvme_write": the bytes of a batch of NVMe writes; "nvme_books": the tier's reserve
+        # and commit around them (the commit flushes: durable before announced).
+        self.latency = {op: Histogram() for op in ("store", "load", "stage", "prefetch",
+                                                   "grant_store", "nvme_write", "nvme_books")}
         self.nvme = make_nvme_plane()
         self.pool_admission = make_admission("frequency", min_count=config.pool_admission_min_count)
         self.placement_policy = make_placement(config.placement)
@@ -139,6 +142,7 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites, SliceServing)
         """DRAM slots for ``keys`` (None: already stored, or no room), reserved for ``owner``,
         their evicted blocks already demoted: a writer on this node copies each block into
         its slot, in the arena of the grant's epoch, then calls ``commit_store``."""
+        start_time = time.perf_counter()
         grants: list[Grant | None] = self._call(
             Tier.DRAM, "reserve", list(zip(keys, parents)), owner)
         try:
@@ -146,6 +150,7 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites, SliceServing)
         except BaseException:
             self._give_back(Tier.DRAM, abort=[g.lease for g in grants if g is not None])
             raise
+        self.latency["grant_store"].observe(time.perf_counter() - start_time)
         return grants
 
     def commit_store(

@@ -10,6 +10,7 @@ tier's compaction copies go through here as well (``move_extents``).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -77,13 +78,16 @@ class NvmeTransfers(AgentBase):
             srcs = list(sources)
         extents: list[Extent | None] = []
         try:
+            t0 = time.perf_counter()
             wanted = [(k, parents.get(k), n, tags.get(k, "")) for k, n, _ in items]
             extents = self._call(Tier.NVME, "reserve", wanted, self.owner)
             todo = [(e, csum, src) for (_, _, csum), e, src in zip(items, extents, srcs)
                     if e is not None and src is not None]
             if not todo:  # every block is on NVMe already (write-through), or no room
                 return changed
+            t1 = time.perf_counter()
             sums = self._write_extents([t[0] for t in todo], [t[2] for t in todo])
+            t2 = time.perf_counter()
             commits = []
             for (ext, csum, _), (whole, chunk_sums) in zip(todo, sums):
                 if csum is not None and csum != whole:
@@ -97,6 +101,8 @@ class NvmeTransfers(AgentBase):
                                               if e is not None and e.lease not in done])
             extents = []
             self._call(Tier.NVME, "commit", commits)
+            self.latency["nvme_write"].observe(t2 - t1)
+            self.latency["nvme_books"].observe(t1 - t0 + time.perf_counter() - t2)
             self.moved[f"{tier.value}->nvme"] += sum(c[1] for c in commits)
             self.moved_via["nvme"] += sum(c[1] for c in commits)
             if bad := [p for p in pins if p is not None and p.key in changed]:

@@ -210,8 +210,6 @@ class ContextMemory:
     def copies(self, keys: Sequence[BlockHash]) -> list[list[Copy]]:
         """Every committed copy of each key (empty: a miss, or a shard that did not answer);
         one batched call per shard, all in flight together."""
-        import ray
-
         n = self.config.directory_shards
         by_shard: dict[int, list[int]] = {}
         for i, key in enumerate(keys):
@@ -226,7 +224,7 @@ class ContextMemory:
         out: list[list[Copy]] = [[] for _ in keys]
         for shard, ref in refs.items():
             try:
-                answer = ray.get(ref, timeout=self.config.call_timeout_s)
+                answer = self.link.result(ref, self.config.call_timeout_s)
             except Exception as exc:  # noqa: BLE001 - an unreachable shard answers misses
                 log.warning("directory shard %d did not answer: %s", shard, exc)
                 continue

@@ -2,8 +2,9 @@
 
 Plain classes take a link object instead of Ray handles, so unit tests pass in local objects
 (``LocalLink``) and the service passes ``RayLink``. Both have ``call`` (one call, waited for),
-``call_many`` (several calls in flight at once, each waited for) and ``tell`` (a call nobody
-waits for: releasing pins a peer holds for us).
+``call_many`` (several calls in flight at once, each waited for), ``submit`` and ``result``
+(a call started now and waited for later) and ``tell`` (a call nobody waits for: releasing
+pins a peer holds for us).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from cmx.errors import UnavailableError
@@ -21,6 +23,14 @@ __all__ = ["RAY_NAMESPACE", "LocalLink", "RayLink", "actor_name"]
 Call = tuple[str, str, tuple[Any, ...]]  # (actor name, method, arguments)
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Answered:
+    """A call ``LocalLink.submit`` already ran: its answer, or its failure."""
+
+    value: Any
+    error: Exception | None
 
 
 class LocalLink:
@@ -46,6 +56,23 @@ class LocalLink:
                     raise
                 results.append(exc)
         return results
+
+    def submit(self, name: str, method: str, *args: Any) -> _Answered:
+        """Run the call now; ``result`` hands over its answer (or raises its failure)."""
+        if name not in self._targets:
+            raise UnavailableError(f"{name} is not running")
+        try:
+            return _Answered(self.call(name, method, *args), None)
+        except Exception as exc:  # noqa: BLE001 - raised where the answer is asked for
+            return _Answered(None, exc)
+
+    def result(self, ref: _Answered, timeout_s: float | None = None) -> Any:
+        if ref.error is not None:
+            raise ref.error
+        return ref.value
+
+    def ready(self, ref: _Answered) -> bool:
+        return True
 
     def tell(self, name: str, method: str, *args: Any) -> None:
         try:
@@ -76,6 +103,31 @@ class RayLink:
     def submit(self, name: str, method: str, *args: Any) -> Any:
         """Start a call; returns its ObjectRef."""
         return getattr(self.handle(name), method).remote(*args)
+
+    def result(self, ref: Any, timeout_s: float | None = None) -> Any:
+        """The answer of a call ``submit`` started, waited for at most ``timeout_s``; the
+        call's own failure is raised as it was raised there."""
+        import ray
+        from ray.exceptions import (
+            ActorUnavailableError,
+            GetTimeoutError,
+            RayActorError,
+            RayTaskError,
+        )
+
+        try:
+            return ray.get(ref, timeout=timeout_s or self.timeout_s)
+        except (GetTimeoutError, RayActorError, ActorUnavailableError) as exc:
+            raise UnavailableError(f"a call did not answer: {exc}") from None
+        except RayTaskError as exc:
+            raise exc.as_instanceof_cause() from None
+
+    def ready(self, ref: Any) -> bool:
+        """Whether the call ``submit`` started has answered."""
+        import ray
+
+        done, _ = ray.wait([ref], timeout=0)
+        return bool(done)
 
     def call(self, name: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         return self.call_many([(name, method, args)], timeout_s)[0]

@@ -16,15 +16,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from cmx.checksum import checksum
+from cmx.agent_loads import load_through_agent, window_blocks
+from cmx.copy_out import copy_payloads, copy_verified, empty_kv
 from cmx.errors import CmxError, LayoutMismatchError
 from cmx.keys import BlockHash, Namespace, chain_keys
-from cmx.layout import KVLayout
-from cmx.protocol import Copy, Loaded, Priority, actor_name, best_copy
+from cmx.protocol import Copy, actor_name, best_copy
 from cmx.selection import IndexSpec, Selection
-from cmx.storage.arena import SharedArena
 from cmx.stores import StoreHandle, store_into_dram
 from cmx.tiers import Tier
 
@@ -67,6 +64,9 @@ class NamespaceClient:
         self.namespace = namespace
         self.layout = namespace.layout
         self.replication = replication
+        # Every block is checked as it is copied out; only a benchmark of what checking
+        # costs turns this off.
+        self.verify = True
 
     def keys(self, token_ids: object) -> list[BlockHash]:
         return chain_keys(self.namespace.digest, token_ids, self.layout.block_tokens)
@@ -120,8 +120,6 @@ class NamespaceClient:
         ``layers`` / ``heads`` (an index, a range or slice of step 1, consecutive indices):
         only those, [len(layers), 2, len(heads), n, head_dim], and only their bytes moved
         (``cmx.client_slices``); SelectionError for a selection outside the layout."""
-        import torch
-
         if layers is not None or heads is not None:
             from cmx.client_slices import load_selection
 
@@ -130,12 +128,12 @@ class NamespaceClient:
 
         keys = [b.key for b in match.blocks] if match is not None else self.keys(token_ids)
         T = self.layout.block_tokens
-        out = torch.empty(self.layout.shape(len(keys) * T), dtype=self.layout.torch_dtype())
+        out = empty_kv(self.layout, len(keys) * T)
         here = len(keys) if match is None else _held_here(match, self.cm.node_id)
         loaded, whole = self._load_local(keys[:here], out)
         if whole and loaded < len(keys):
             rest = match.blocks[loaded:] if match is not None else self._locate(keys[loaded:])
-            loaded += self._load_through_agent(list(rest), out, loaded)
+            loaded += load_through_agent(self, list(rest), out, loaded)
         return out[:, :, :, : loaded * T]
 
     def _load_local(self, keys: Sequence[BlockHash], out: Any) -> tuple[int, bool]:
@@ -152,7 +150,7 @@ class NamespaceClient:
             plane.unpin(pins)
             return 0, True  # the agent maps the tier's new incarnation
         try:
-            copied = copy_payloads(self.layout, payloads, out, 0)
+            copied = copy_payloads(self.layout, payloads, out, 0, self.verify)
         except BaseException:
             plane.unpin(pins)
             raise
@@ -166,59 +164,11 @@ class NamespaceClient:
         match = self.lookup(token_ids)
         if not match.blocks:
             return None
-        blocks = list(match.blocks)[: self._window()]
+        blocks = list(match.blocks)[: window_blocks(self.cm.config)]
         return self.cm.link.submit(
             actor_name("agent", self.cm.node_id), "prefetch",
             [b.key for b in blocks], [list(b.copies) for b in blocks], self.namespace.id,
         )
-
-    def _window(self) -> int:
-        """Blocks loaded per agent call: half the HBM tier, so loads stream through it."""
-        return max(1, self.cm.config.hbm_bytes // self.cm.config.block_bytes // 2)
-
-    def _load_through_agent(self, blocks: list[BlockLocation], out: Any, first: int) -> int:
-        """Load ``blocks`` through this node's agent into ``out`` from block ``first``, window
-        by window; how many arrived."""
-        window = self._window()
-        loaded = 0
-        for start in range(0, len(blocks), window):
-            chunk = blocks[start : start + window]
-            got = self._load_window(chunk, out, first + start)
-            loaded += got
-            if got < len(chunk):
-                break
-        return loaded
-
-    def _load_window(self, blocks: list[BlockLocation], out: Any, first: int) -> int:
-        """Load ``blocks`` into ``out`` from block index ``first``; returns how many arrived.
-
-        The HBM pins the agent hands back are leases owned by this call alone: if the call
-        gives up waiting, it tells the agent so, and what the load pins is given back."""
-        import ray
-
-        agent = actor_name("agent", self.cm.node_id)
-        owner = f"client:{uuid.uuid4().hex}"
-        try:
-            ref = self.cm.link.submit(agent, "load", [b.key for b in blocks],
-                                      [list(b.copies) for b in blocks], Priority.LOAD, owner,
-                                      self.namespace.id)
-            result = ray.get(ref, timeout=self.cm.config.load_timeout_s)
-        except Exception as exc:  # noqa: BLE001 - a failed or late load is a miss
-            log.warning("load failed: %s", exc)
-            self.cm.link.tell(agent, "give_up", owner)
-            return 0
-        if not result.blocks:
-            return 0
-        intact = 0
-        corrupt: list[Loaded] = []
-        try:
-            arena = self.cm.plane.arena(result.arena)
-            intact, corrupt = copy_verified(self.layout, arena, result.blocks, out, first)
-        except (CmxError, OSError, ValueError) as exc:  # the HBM tier restarted: arena gone
-            log.warning("load's arena %s is gone: %s", result.arena, exc)
-        finally:
-            self.cm.link.tell(agent, "release", [b.lease for b in result.blocks], corrupt)
-        return intact
 
 
 def _held_here(match: Match, node: str) -> int:
@@ -227,27 +177,3 @@ def _held_here(match: Match, node: str) -> int:
         if not any(c.node == node and c.tier in (Tier.HBM, Tier.DRAM) for c in b.copies):
             return i
     return len(match.blocks)
-
-
-def copy_verified(layout: KVLayout, arena: SharedArena, blocks: Sequence[Loaded], out: Any,
-                  first: int) -> tuple[int, list[Loaded]]:
-    """Copy the blocks of a load out of ``arena`` into ``out`` (from block ``first``), each
-    checked against its checksum before it is used; stops at the first that fails.
-    Returns (blocks copied, the corrupt one if any)."""
-    payloads = [(b.key, arena.slot_view(b.slot)[: b.size], b.checksum) for b in blocks]
-    n = copy_payloads(layout, payloads, out, first)
-    return n, list(blocks[n : n + 1])
-
-
-def copy_payloads(layout: KVLayout, payloads: Sequence[tuple[BlockHash, np.ndarray, int]],
-                  out: Any, first: int) -> int:
-    """Copy block payloads (key, bytes, checksum) into ``out`` from block ``first``, each
-    checked before it is used; stops at the first that fails. How many were copied."""
-    T = layout.block_tokens
-    for i, (key, payload, want) in enumerate(payloads):
-        if checksum(payload) != want:
-            log.warning("block %s failed its checksum where it was used", key.hex()[:12])
-            return i
-        block = layout.from_payload(payload)
-        out[:, :, :, (first + i) * T : (first + i + 1) * T].copy_(block)
-    return len(payloads)

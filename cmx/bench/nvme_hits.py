@@ -15,9 +15,11 @@ from __future__ import annotations
 import subprocess
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cmx.agent_loads import WINDOW_BYTES, window_blocks
 from cmx.bench.cluster import bench_cluster
 from cmx.bench.core import GB, BenchContext, Figure, GiB, Goal, MiB, median
 from cmx.bench.raw import fio_engine, fio_path
@@ -68,20 +70,62 @@ def _fio_run(ctx: BenchContext, path: Path, rw: str, bs: int, nbytes: int, fsync
     return float(job[rw]["bw_bytes"])
 
 
-def _store(cm: Any, layout: KVLayout, nbytes: int, kv: Any) -> tuple[Any, Any, float]:
-    """Store a fresh prefix of ``nbytes``; (namespace, token ids, seconds)."""
+@dataclass(frozen=True)
+class StoreSplit:
+    """Where a store of the prefix went, in seconds: the writer's side (``StoreTimes`` of
+    each call, and its final wait) and the agent's (sums of its latency histograms)."""
+
+    total_s: float
+    writer_cpu_s: float  # CPU seconds of the writer's process over the store
+    grant_and_copy_s: float  # writer: grants, copy into DRAM slots, checksums
+    commit_wait_s: float  # writer: waiting for an earlier window's commit, or the last
+    agent_grant_s: float  # agent: DRAM reservations and what they evict, demoted
+    agent_commit_s: float  # agent: commit_store, write-through included
+    nvme_write_s: float  # agent: the NVMe writes' bytes, within commit_store
+    nvme_books_s: float  # agent: the NVMe tier's reserve and commit (flush) around them
+
+    def describe(self, nbytes: int) -> str:
+        return (f"store {self.total_s:.2f} s (writer's CPU {self.writer_cpu_s:.2f} s): "
+                f"writer's grants + copy into slots "
+                f"{self.grant_and_copy_s:.2f} s, waiting for commits {self.commit_wait_s:.2f} s; "
+                f"agent's grants {self.agent_grant_s:.2f} s, commits {self.agent_commit_s:.2f} s "
+                f"(NVMe writes {self.nvme_write_s:.2f} s = {nbytes / self.nvme_write_s / GB:.2f} "
+                f"GB/s, NVMe reserve + commit with flush {self.nvme_books_s:.2f} s)"
+                if self.nvme_write_s > 0 else f"store {self.total_s:.2f} s")
+
+
+def _agent_sums(cm: Any) -> dict[str, float]:
+    from cmx.actors.links import actor_name
+
+    hist = cm.link.call(actor_name("agent", cm.node_id), "stats")["latency_s"]
+    return {op: float(h["sum"]) for op, h in hist.items()}
+
+
+def _store(cm: Any, layout: KVLayout, nbytes: int, kv: Any) -> tuple[Any, Any, StoreSplit]:
+    """Store a fresh prefix of ``nbytes``; (namespace, token ids, where its time went)."""
     import numpy as np
 
     ns = cm.namespace("bench-nvme", layout, uuid.uuid4().hex[:8])
     blocks = nbytes // layout.block_bytes
     T, per_call = layout.block_tokens, CHUNK // layout.block_bytes
     toks = np.random.default_rng(blocks).integers(0, 100_000, blocks * T)
-    t0 = time.perf_counter()
+    before = _agent_sums(cm)
+    copying = waiting = 0.0
+    c0, t0 = time.process_time(), time.perf_counter()
     for first in range(0, blocks, per_call):
         n = min(per_call, blocks - first)
-        if ns.store(toks[: (first + n) * T], kv[:, :, :, : n * T], start=first * T).wait() != n:
+        handle = ns.store(toks[: (first + n) * T], kv[:, :, :, : n * T], start=first * T)
+        t1 = time.perf_counter()
+        if handle.wait() != n:
             raise AssertionError(f"stored fewer than {n} blocks")
-    return ns, toks, time.perf_counter() - t0
+        waiting += handle.times.commit_wait_s + time.perf_counter() - t1
+        copying += handle.times.grant_and_copy_s
+    total, cpu = time.perf_counter() - t0, time.process_time() - c0
+    after = _agent_sums(cm)
+    d = {op: after.get(op, 0.0) - before.get(op, 0.0) for op in after}
+    return ns, toks, StoreSplit(total, cpu, copying, waiting, d.get("grant_store", 0.0),
+                                d.get("store", 0.0), d.get("nvme_write", 0.0),
+                                d.get("nvme_books", 0.0))
 
 
 def _only_on_nvme(cm: Any, ns: Any, toks: Any) -> None:
@@ -96,18 +140,23 @@ def _only_on_nvme(cm: Any, ns: Any, toks: Any) -> None:
         raise AssertionError("the prefix is not on this node's NVMe tier alone")
 
 
-def _load_seconds(cm: Any, ns: Any, toks: Any) -> float:
-    t0 = time.perf_counter()
+def _load_seconds(cm: Any, ns: Any, toks: Any) -> tuple[float, float]:
+    """Seconds of one load, and the CPU seconds this (the client's) process spent in it: its
+    copy out and checks, which a machine busy with other work stretches in wall time."""
+    c0, t0 = time.process_time(), time.perf_counter()
     got = ns.load(toks)
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     if got.shape[3] != len(toks):
-        raise AssertionError(f"loaded {got.shape[3]} of {len(toks)} tokens")
-    return dt
+        tiers = cm.stats()["nodes"][cm.node_id]["tiers"]
+        held = {t: {k: tiers[t].get(k) for k in ("blocks", "pinned", "reserved",
+                                                  "expired_leases")} for t in tiers}
+        raise AssertionError(f"loaded {got.shape[3]} of {len(toks)} tokens; tiers then: {held}")
+    return dt, cpu
 
 
 def _agent_seconds(cm: Any, ns: Any, toks: Any) -> float:
     """Seconds the agent takes to load the prefix into HBM, window by window as the client
-    asks (half the HBM tier per call), without the client's checksum and copy out."""
+    asks (``cmx.agent_loads``' windows), without the client's checksum and copy out."""
     import ray
 
     from cmx.actors.links import RAY_NAMESPACE, actor_name
@@ -115,7 +164,7 @@ def _agent_seconds(cm: Any, ns: Any, toks: Any) -> float:
     agent = ray.get_actor(actor_name("agent", cm.node_id), namespace=RAY_NAMESPACE)
     hbm = ray.get_actor(actor_name("hbm", cm.node_id), namespace=RAY_NAMESPACE)
     blocks = list(ns.lookup(toks).blocks)
-    window = max(1, cm.config.hbm_bytes // cm.config.block_bytes // 2)
+    window = min(window_blocks(cm.config), max(1, WINDOW_BYTES // cm.config.block_bytes))
     took = 0.0
     for start in range(0, len(blocks), window):
         chunk = blocks[start : start + window]
@@ -156,32 +205,41 @@ def _figures_of(ctx: BenchContext, block_bytes: int, block_tokens: int) -> list[
     with bench_cluster(config) as bc:
         for nbytes in PREFIXES:
             loads, agent, stores, fio_r, fio_w = [], [], [], [], []
+            splits: list[StoreSplit] = []
+            client_cpu: list[float] = []
             for rep in range(ctx.config.reps):
                 ctx.log(f"service: {nbytes // MiB} MiB prefix of {block_bytes // MiB} MiB "
                         f"blocks on NVMe, rep {rep + 1}/{ctx.config.reps}")
                 fio_w.append(fio_same_bytes(ctx, "write", block_bytes, nbytes) / GB)
-                ns, toks, dt = _store(bc.cm, layout, nbytes, kv)
-                stores.append(nbytes / dt / GB)
+                ns, toks, split = _store(bc.cm, layout, nbytes, kv)
+                stores.append(nbytes / split.total_s / GB)
+                splits.append(split)
                 fio_r.append(fio_same_bytes(ctx, "read", block_bytes, nbytes) / GB)
                 _only_on_nvme(bc.cm, ns, toks)
                 ctx.drop_cache()
-                loads.append(nbytes / _load_seconds(bc.cm, ns, toks) / GB)
+                wall, cpu = _load_seconds(bc.cm, ns, toks)
+                loads.append(nbytes / wall / GB)
+                client_cpu.append(cpu)
                 _only_on_nvme(bc.cm, ns, toks)
                 ctx.drop_cache()
                 agent.append(nbytes / _agent_seconds(bc.cm, ns, toks) / GB)
-                ctx.log(f"service: load {loads[-1]:.2f} GB/s, agent alone {agent[-1]:.2f}, "
-                        f"fio read {fio_r[-1]:.2f}")
-                ctx.log(f"service: store {stores[-1]:.2f} GB/s, fio write {fio_w[-1]:.2f}")
+                ctx.log(f"service: load {loads[-1]:.2f} GB/s (client CPU {client_cpu[-1]:.2f} s), "
+                        f"agent alone {agent[-1]:.2f}, fio read {fio_r[-1]:.2f}")
+                ctx.log(f"service: store {stores[-1]:.2f} GB/s, fio write {fio_w[-1]:.2f}; "
+                        f"{split.describe(nbytes)}")
             what = f"{nbytes // MiB} MiB prefix of {block_bytes // MiB} MiB blocks"
             figures += [
                 Figure("service", f"ContextMemory.load, {what}, on local NVMe only", "GB/s",
                        tuple(loads), f"fio read, same bytes, bs {block_bytes // MiB} MiB "
                        f"QD16 O_DIRECT", tuple(fio_r), Goal(">=", GOAL),
                        note=f"the agent's part alone (into HBM, before the client's "
-                            f"checksum and copy out): {median(agent):.2f} GB/s"),
+                            f"checksum and copy out): {median(agent):.2f} GB/s; the client's "
+                            f"CPU time per load (copy out, checks, calls): "
+                            f"{median(client_cpu):.2f} s"),
                 Figure("service", f"ContextMemory store, write-through, {what}", "GB/s",
                        tuple(stores), f"fio write, same bytes into a new file + fsync, bs "
                        f"{block_bytes // MiB} MiB QD16 O_DIRECT", tuple(fio_w),
-                       Goal(">=", GOAL), note="store calls of at most 512 MiB"),
+                       Goal(">=", GOAL), note="store calls of at most 512 MiB; " + "; ".join(
+                           f"rep {i + 1}: {sp.describe(nbytes)}" for i, sp in enumerate(splits))),
             ]
     return figures

@@ -3,7 +3,7 @@ whichever tier or node holds them, and only those bytes moved on.
 
 - ``load_slices(keys, copies, runs)``: for this node's client. Each block from its fastest
   source: this node's tiers (HBM, DRAM, then NVMe, read as the chunks that cover the runs),
-  then the other nodes that hold a copy (their agent's ``read_selection``), then the pool.
+  then the other nodes that hold a copy (their agents), then the pool.
   Nothing is pinned after the call returns and nothing is promoted: a partial load leaves the
   tiers as it found them.
 - ``expose_selection(keys, runs, owner)`` / ``release_selection(exposed)``: for a peer agent
@@ -115,10 +115,11 @@ class SliceServing(AgentBase):
                      runs: Runs) -> list[SlicedBlock | None]:
         actor = actor_name(kind, node)
         via = None
+        pulled = False  # over NIXL: each block already checked where it landed
         if kind == _LOCAL:
             found = self.read_selection(keys, runs)
         elif self._ranges_over_nixl(actor):
-            via = self.transport.name
+            via, pulled = self.transport.name, True
             found = SlicePuller(self.transport, self.link, self.owner,
                                 self.config.load_timeout_s, self._peer,
                                 self._forget_peer).pull(actor, node, keys, runs)
@@ -128,8 +129,8 @@ class SliceServing(AgentBase):
                                    timeout_s=self.config.load_timeout_s)
         out: list[SlicedBlock | None] = []
         for key, s in zip(keys, found):
-            if (s is not None and via != self.transport.name
-                    and (s.key != key or checksum(s.data) != s.checksum)):  # pulled: checked
+            if (s is not None and not pulled
+                    and (s.key != key or checksum(s.data) != s.checksum)):
                 log.warning("selection of %s from %s@%s failed its checksum", key.hex()[:12],
                             kind, node[:8])
                 s = None

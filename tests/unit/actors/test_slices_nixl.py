@@ -218,6 +218,18 @@ def test_without_nixl_the_selection_travels_by_value_and_says_so(
         assert a.moved_via["ray"] == 4 * SEL and a.transport.stats.range_bytes == 0
         assert "through Ray's object store" in caplog.text
         assert actor_name("agent", "node-b") in caplog.text
+
+        # By value too, the bytes are checked where they land: damaged ones end the prefix.
+        owner = p.agents["node-b"]
+        real = owner.read_selection
+
+        def damaging(keys: list[BlockHash], runs: Any) -> list[Any]:
+            found = real(keys, runs)
+            found[2].data[0] ^= 0xFF
+            return found
+
+        owner.read_selection = damaging  # type: ignore[method-assign]
+        assert len(a.load_slices(keys, p.lookup(keys), RUNS)) == 2
     finally:
         p.close()
 

@@ -39,6 +39,7 @@ LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16",
                   block_tokens=32, order=PayloadOrder.HEAD_MAJOR)
 BLOCKS = 16
 HEAD = 3
+STAGING = 4  # blocks of the pool node's staging arena: a pool write takes at most that many
 
 
 class _Loader:
@@ -127,7 +128,7 @@ def run_heads(ctx: BenchContext) -> SuiteResult:
     config = ServiceConfig(
         block_bytes=block, hbm_bytes=(2 * BLOCKS + 4) * block,
         dram_bytes=(2 * BLOCKS + 4) * block, nvme_bytes=4 * BLOCKS * block,
-        pool_bytes=4 * BLOCKS * block, pool_staging_bytes=4 * block,
+        pool_bytes=4 * BLOCKS * block, pool_staging_bytes=STAGING * block,
         pool_admission_min_count=1, pool_replication=1, placement="write_through",
         nvme_dir=str(ctx.scratch("heads")), load_timeout_s=300)
     rows = []
@@ -137,9 +138,9 @@ def run_heads(ctx: BenchContext) -> SuiteResult:
         ns = cm.namespace("bench-heads", LAYOUT, salt)
         toks = np.random.default_rng(5).integers(0, 100_000, BLOCKS * LAYOUT.block_tokens)
         ctx.log(f"heads: storing {BLOCKS} blocks of {block // MiB} MiB on node a")
-        for first in range(0, BLOCKS, 8):
-            kv = LAYOUT.random_kv(8 * LAYOUT.block_tokens, seed=first)
-            ns.store(toks[: (first + 8) * LAYOUT.block_tokens], kv,
+        for first in range(0, BLOCKS, STAGING):  # each store's pool write fits the staging
+            kv = LAYOUT.random_kv(STAGING * LAYOUT.block_tokens, seed=first)
+            ns.store(toks[: (first + STAGING) * LAYOUT.block_tokens], kv,
                      start=first * LAYOUT.block_tokens).wait()
         remote = cast(Any, ray.remote(_Loader))
         on_a = remote.options(num_cpus=0, scheduling_strategy=on_node(bc.node_a)).remote(config)

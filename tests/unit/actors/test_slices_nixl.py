@@ -235,8 +235,9 @@ def test_without_nixl_the_selection_travels_by_value_and_says_so(
         p.close()
 
 
-def test_a_pool_selection_from_its_disk_then_its_staging_moves_only_its_ranges(
-        plane: Plane) -> None:
+@pytest.fixture
+def pooled(plane: Plane) -> Iterator[tuple[PoolNodeService, list[BlockHash], np.ndarray]]:
+    """A pool node holding six blocks that node a stored and then dropped from its tiers."""
     cfg = plane.config
     pool = PoolNodeService("pool-1", "p1", f"{cfg.nvme_dir}/pool-p1", 64 * BLOCK, BLOCK,
                            8 * BLOCK, plane.link, cfg.directory_shards, cfg.transport,
@@ -256,17 +257,43 @@ def test_a_pool_selection_from_its_disk_then_its_staging_moves_only_its_ranges(
         for tier in (Tier.HBM, Tier.DRAM, Tier.NVME):
             plane.tiers[("node-a", tier)].evict(keys)
         assert all({c.tier for c in cs} == {Tier.POOL} for cs in plane.lookup(keys))
-        b = plane.agents["node-b"]
-        pool.drop_staging()  # first from the pool's disk: the covering chunks, via its outbox
-        for n, _where in enumerate(("disk", "staging"), start=1):
-            got = b.load_slices(keys, plane.lookup(keys), RUNS)
-            assert [s.data.tobytes() for s in got] == [e.tobytes() for e in expected(payload, 6)]
-            assert b.transport.stats.range_bytes == n * 6 * SEL
-            assert b.moved["pool@pool->selection"] == n * 6 * SEL
-            assert pool.leases.stats().pinned == 0 and pool.staging.stats().pinned == 0
-            pool.outbox().check_integrity()
-            pool.unstage(pool.stage(keys, "agent:warm"))  # then from staging, in place
-        pool.check_integrity()
+        pool.drop_staging()
+        yield pool, keys, payload
     finally:
         del plane.link._targets[actor_name("pool", "pool-1")]  # type: ignore[attr-defined]
         pool.close()
+
+
+def test_a_pool_selection_from_its_disk_then_its_staging_moves_only_its_ranges(
+        plane: Plane, pooled: tuple[PoolNodeService, list[BlockHash], np.ndarray]) -> None:
+    pool, keys, payload = pooled
+    b = plane.agents["node-b"]
+    # First from the pool's disk (the covering chunks, via its outbox), then from its staging.
+    for n in (1, 2):
+        got = b.load_slices(keys, plane.lookup(keys), RUNS)
+        assert [s.data.tobytes() for s in got] == [e.tobytes() for e in expected(payload, 6)]
+        assert b.transport.stats.range_bytes == n * 6 * SEL
+        assert b.transport.stats.range_reads == n
+        assert b.moved["pool@pool->selection"] == n * 6 * SEL
+        assert pool.leases.stats().pinned == 0 and pool.staging.stats().pinned == 0
+        pool.outbox().check_integrity()
+        pool.unstage(pool.stage(keys, "agent:warm"))
+    pool.check_integrity()
+
+
+def test_a_corrupt_pool_copy_is_a_miss_and_quarantined_there(
+        plane: Plane, pooled: tuple[PoolNodeService, list[BlockHash], np.ndarray]) -> None:
+    pool, keys, payload = pooled
+    entry = pool.store.entry_of(keys[3])
+    with open(pool.store.segment_path(entry.seg), "r+b") as f:
+        f.seek(entry.offset + RUNS[0][0])
+        byte = f.read(1)
+        f.seek(entry.offset + RUNS[0][0])
+        f.write(bytes([byte[0] ^ 0xFF]))
+    got = plane.agents["node-b"].load_slices(keys, plane.lookup(keys), RUNS)
+    assert [s.data.tobytes() for s in got] == [e.tobytes() for e in expected(payload, 3)]
+    assert keys[3] not in pool.store and pool.stats()["quarantined"] == 1
+    assert plane.lookup([keys[3]])[0] == []
+    assert pool.leases.stats().pinned == 0
+    pool.outbox().check_integrity()
+    pool.check_integrity()

@@ -138,10 +138,10 @@ class PoolExposure:
         if ref is None or view is None or ref.checksum is None or checksum(view) != ref.checksum:
             try:
                 self.staging.unpin(key)
+                if ref is not None:  # corrupt: the NVMe copy is asked next
+                    self.staging.delete(key)
             except BlockStateError:
-                pass
-            if ref is not None:
-                self.staging.delete(key)  # corrupt (or gone): the NVMe copy is asked next
+                pass  # gone, or pinned by another reader: the next to find it corrupt drops it
             return None
         arena = self.staging.arena
         lease = self.leases.grant(owner, LeaseKind.PIN, key, self.unstage_later(key))

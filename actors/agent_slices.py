@@ -3,20 +3,25 @@ whichever tier or node holds them, and only those bytes moved on.
 
 - ``load_slices(keys, copies, runs)``: for this node's client. Each block from its fastest
   source: this node's tiers (HBM, DRAM, then NVMe, read as the chunks that cover the runs),
-  then the other nodes that hold a copy (their agent's ``read_selection``), then the pool.
+  then the other nodes that hold a copy (their agents), then the pool.
   Nothing is pinned after the call returns and nothing is promoted: a partial load leaves the
   tiers as it found them.
-- ``read_selection(keys, runs)``: for a peer agent: the same, from this node's tiers only.
+- ``expose_selection(keys, runs, owner)`` / ``release_selection(exposed)``: for a peer agent
+  reading over NIXL: the selection of each block held here, verified and held in place
+  (``slice_expose``) until the reader has pulled its ranges (``slice_pull``).
+- ``read_selection(keys, runs)``: the same bytes by value, for a reader without NIXL.
 
-Bytes cross nodes through Ray's object store, only the selection of each block. Each block is
-verified at its source before it is sliced and carries the checksum of its slice
-(``cmx.selection``).
+Only the selection of each block crosses nodes: over NIXL, as the ranges of one transfer,
+where both ends have it; through Ray's object store otherwise, a fallback that is logged and
+counted (``moved_via["ray"]``). Each block is verified at its source before it is sliced and
+carries the checksum of its slice (``cmx.selection``), checked where it lands.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -25,6 +30,14 @@ from cmx.actors.agent_base import AgentBase
 from cmx.actors.arena_tier import Pinned
 from cmx.actors.links import actor_name
 from cmx.actors.scheduler import Priority
+from cmx.actors.slice_expose import (
+    ExposedSlice,
+    Exposure,
+    SliceOutbox,
+    exposed_ranges,
+    selection_checksum,
+)
+from cmx.actors.slice_pull import SlicePuller
 from cmx.actors.slice_reads import ExtentSlices, slice_memory
 from cmx.checksum import checksum
 from cmx.errors import CmxError
@@ -39,6 +52,7 @@ __all__ = ["SliceServing"]
 log = logging.getLogger(__name__)
 
 _LOCAL = "local"
+_OUTBOX_LOCK = threading.Lock()  # one agent per process: its outbox is made once
 
 
 class SliceServing(AgentBase):
@@ -99,14 +113,24 @@ class SliceServing(AgentBase):
 
     def _slices_from(self, kind: str, node: str, keys: list[BlockHash],
                      runs: Runs) -> list[SlicedBlock | None]:
+        actor = actor_name(kind, node)
+        via = None
+        pulled = False  # over NIXL: each block already checked where it landed
         if kind == _LOCAL:
             found = self.read_selection(keys, runs)
+        elif self._ranges_over_nixl(actor):
+            via, pulled = self.transport.name, True
+            found = SlicePuller(self.transport, self.link, self.owner,
+                                self.config.load_timeout_s, self._peer,
+                                self._forget_peer).pull(actor, node, keys, runs)
         else:
-            found = self.link.call(actor_name(kind, node), "read_selection", keys, runs,
+            via = "ray"
+            found = self.link.call(actor, "read_selection", keys, runs,
                                    timeout_s=self.config.load_timeout_s)
         out: list[SlicedBlock | None] = []
         for key, s in zip(keys, found):
-            if s is not None and (s.key != key or checksum(s.data) != s.checksum):
+            if (s is not None and not pulled
+                    and (s.key != key or checksum(s.data) != s.checksum)):
                 log.warning("selection of %s from %s@%s failed its checksum", key.hex()[:12],
                             kind, node[:8])
                 s = None
@@ -114,7 +138,139 @@ class SliceServing(AgentBase):
             if s is not None:
                 where = "" if kind == _LOCAL else "@peer" if kind == "agent" else "@pool"
                 self.moved[f"{s.source_tier.value}{where}->selection"] += s.data.nbytes
+                if via is not None:
+                    self.moved_via[via] += s.data.nbytes
         return out
+
+    def _ranges_over_nixl(self, actor: str) -> bool:
+        """Whether a selection from ``actor`` travels over NIXL: both ends must have it. The
+        fallback, by value through Ray's object store, is logged each time and counted."""
+        if self.transport.reads_ranges:
+            peer = self._peer(actor)
+            if peer.transport == self.transport.name:
+                return True
+            reason = f"{actor} has no NIXL ({peer.transport})"
+        else:
+            reason = f"this agent has no NIXL ({self.transport.name})"
+        log.warning("partial load from %s through Ray's object store: %s", actor, reason)
+        return False
+
+    def _forget_peer(self, actor: str) -> None:
+        self._peers.pop(actor, None)
+
+    # -- the owner's side of a partial load over NIXL --------------------------------------
+
+    def expose_selection(self, keys: Sequence[BlockHash], runs: Runs, owner: str) -> Exposure:
+        """The selection of each of ``keys`` held here, verified and held for ``owner`` to
+        pull (``slice_expose``): memory copies pinned in place, NVMe copies read as the
+        chunks that cover the runs into the outbox. A corrupt copy is quarantined here."""
+        slices = self._expose_memory(keys, runs, owner)
+        rest = [i for i, s in enumerate(slices) if s is None]
+        later: list[int] = []
+        if rest:
+            found, deferred = self._expose_nvme([keys[i] for i in rest], runs, owner)
+            for i, s in zip(rest, found):
+                slices[i] = s
+            later = [rest[j] for j in deferred]
+        return Exposure(tuple(slices), tuple(later))
+
+    def release_selection(self, exposed: Sequence[ExposedSlice]) -> None:
+        """A reader pulled these (or gave up): end their pins and outbox leases."""
+        box = getattr(self, "_slice_outbox", None)
+        boxed = [e.lease for e in exposed if box is not None and e.region == box.region.name]
+        if boxed and box is not None:
+            box.end(boxed)
+        by_tier: dict[Tier, list[int]] = {}
+        for e in exposed:
+            if box is None or e.region != box.region.name:
+                by_tier.setdefault(e.source_tier, []).append(e.lease)
+        for tier, leases in by_tier.items():
+            self._give_back(tier, unpin=leases)
+
+    def _outbox(self) -> SliceOutbox:
+        with _OUTBOX_LOCK:
+            box: SliceOutbox | None = getattr(self, "_slice_outbox", None)
+            if box is None:
+                box = self._slice_outbox = SliceOutbox.registered(
+                    self.transport, f"{self.name}-outbox", self.config.block_bytes,
+                    self.config.lease_s)
+            return box
+
+    def _expose_memory(self, keys: Sequence[BlockHash], runs: Runs,
+                       owner: str) -> list[ExposedSlice | None]:
+        """Selections of blocks in this node's HBM and DRAM, each checked whole, left pinned
+        for ``owner``."""
+        out: list[ExposedSlice | None] = [None] * len(keys)
+        answers = self._pin_memory(keys, owner)
+        kept: set[int] = set()
+        try:
+            for tier, pins in answers:
+                bad = []
+                for i, p in enumerate(pins):
+                    if p is None or out[i] is not None or p.epoch not in self._epochs:
+                        continue
+                    info, arena = self._epochs[p.epoch]
+                    payload = arena.slot_view(p.slot)[: p.size]
+                    if checksum(payload) != p.checksum:
+                        bad.append(keys[i])
+                        continue
+                    out[i] = ExposedSlice(keys[i], info.arena,
+                                          exposed_ranges(p.slot * info.slot_bytes, runs),
+                                          selection_checksum(payload, runs), tier, p.lease)
+                    kept.add(p.lease)
+                if bad:  # while pinned: the copy read goes at its last unpin
+                    log.warning("%d %s copies failed their checksum", len(bad), tier.value)
+                    self._call(tier, "quarantine", bad)
+        except BaseException:
+            kept.clear()
+            raise
+        finally:
+            for tier, pins in answers:
+                self._give_back(tier, unpin=[p.lease for p in pins
+                                             if p is not None and p.lease not in kept])
+        return out
+
+    def _expose_nvme(self, keys: list[BlockHash], runs: Runs,
+                     owner: str) -> tuple[list[ExposedSlice | None], list[int]]:
+        """Selections of blocks only on this node's NVMe, read into outbox slots leased to
+        ``owner``; and the positions of those left for later (no free slot)."""
+        pins: list[Extent | None] = self._call(Tier.NVME, "pin", keys, self.owner)
+        box = self._outbox()
+        reader = ExtentSlices(self.nvme)
+        out: list[ExposedSlice | None] = [None] * len(keys)
+        later: list[int] = []
+        bad: list[BlockHash] = []
+        jobs = []
+        try:
+            for i, p in enumerate(pins):
+                if p is None:
+                    continue
+                took = box.take(owner, keys[i])
+                if took is None:
+                    later.append(i)
+                    continue
+                slot, lease = took
+                jobs.append((i, slot, lease, self.scheduler.submit(
+                    Priority.LOAD, functools.partial(reader.read, p, runs, box.view(slot)))))
+            for i, slot, lease, fut in jobs:
+                data: np.ndarray | None = fut.result()
+                if data is None:
+                    box.end([lease])
+                    bad.append(keys[i])
+                    continue
+                out[i] = ExposedSlice(keys[i], box.region.name,
+                                      ((box.offset(slot), data.nbytes),), checksum(data),
+                                      Tier.NVME, lease)
+                self.moved_via["nvme"] += data.nbytes
+        except BaseException:
+            box.end([lease for _, _, lease, _ in jobs])
+            raise
+        finally:
+            self._give_back(Tier.NVME, unpin=[p.lease for p in pins if p is not None])
+        if bad:
+            log.warning("%d NVMe copies failed a chunk checksum", len(bad))
+            self._call(Tier.NVME, "quarantine", bad)
+        return out, later
 
     def _slice_memory(self, keys: Sequence[BlockHash], runs: Runs) -> list[SlicedBlock | None]:
         """Selections of blocks in this node's HBM and DRAM arenas, each checked whole first."""

@@ -51,6 +51,7 @@ class NixlTransport(Transport):
     """
 
     name = "nixl-ucx"
+    reads_ranges = True
 
     def __init__(self, agent: str, lanes: int = LANES) -> None:
         super().__init__(agent)
@@ -194,6 +195,50 @@ class NixlTransport(Transport):
                 raise TransferError(f"transfer from {peer} timed out")
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
+
+    def read_ranges(self, peer: PeerInfo, remote: np.ndarray, local: np.ndarray,
+                    landing: np.ndarray, timeout_s: float = 30.0) -> int:
+        """One READ of many descriptors (a partial load's ranges, ``slice_expose``), posted
+        and waited for on this thread; ``landing`` is registered for this read only."""
+        nbytes = int(remote[:, 1].sum())
+        if nbytes == 0:
+            return 0
+        start = time.perf_counter()
+        try:
+            self._read_ranges(peer, remote, local, landing, time.monotonic() + timeout_s)
+        except TransferError:
+            self.stats.failures += 1
+            raise
+        self.stats.reads += 1
+        self.stats.range_reads += 1
+        self.stats.bytes_read += nbytes
+        self.stats.range_bytes += nbytes
+        self.stats.seconds += time.perf_counter() - start
+        self.stats.per_peer[peer.agent] = self.stats.per_peer.get(peer.agent, 0) + nbytes
+        return nbytes
+
+    def _read_ranges(self, peer: PeerInfo, remote: np.ndarray, local: np.ndarray,
+                     landing: np.ndarray, deadline: float) -> None:
+        handle = reg = None
+        try:
+            self.connect(peer)
+            reg = self._nixl.register_memory(
+                [(landing.ctypes.data, landing.nbytes, 0, "")], "DRAM")
+            handle = self._nixl.initialize_xfer(
+                "READ", self._nixl.get_xfer_descs(local, "DRAM"),
+                self._nixl.get_xfer_descs(remote, "DRAM"), peer.agent)
+            if self._nixl.transfer(handle) == "ERR":
+                raise TransferError(f"transfer from {peer.agent} could not start")
+            self._wait(peer.agent, handle, deadline, _Units([]))
+        except TransferError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - NIXL raises its own kinds (a peer gone, ...)
+            raise TransferError(f"transfer from {peer.agent} failed: {exc}") from exc
+        finally:
+            if handle is not None:
+                self._release(handle)
+            if reg is not None:
+                self._nixl.deregister_memory(reg)
 
     def close(self) -> None:
         self._lanes.shutdown(wait=True)

@@ -33,7 +33,8 @@ from cmx.actors.directory import Entry, Source
 from cmx.actors.events import EventPublisher
 from cmx.actors.leases import Clock, LeaseKind, Leases
 from cmx.actors.nvme_tier import extent_holdings, extent_tag
-from cmx.actors.pool_slices import pool_selection
+from cmx.actors.pool_slices import PoolExposure, pool_selection
+from cmx.actors.slice_expose import ExposedSlice, Exposure, SliceOutbox
 from cmx.actors.transport import Move, PeerInfo, Region, TransferError, make_transport
 from cmx.checksum import checksum
 from cmx.errors import BlockStateError, CmxError, StoreFullError, UnavailableError
@@ -89,6 +90,17 @@ class PoolNodeService:
             self._holdings, self.store.event_lock, functools.partial(extent_tag, self.store),
         )
         self.store.subscribe(self.publisher.on_event)
+        self._outbox: SliceOutbox | None = None  # made at the first partial load over NIXL
+        self.exposure = PoolExposure(node, self.staging, self.store, self.io, self.leases,
+                                     self.outbox, self._unstage_later)
+
+    def outbox(self) -> SliceOutbox:
+        with self._lock:
+            if self._outbox is None:
+                self._outbox = SliceOutbox.registered(
+                    self.transport, f"{self.name}-outbox", self.staging.arena.slot_bytes,
+                    self.leases.ttl_s)
+            return self._outbox
 
     def peer_info(self) -> PeerInfo:
         return self.transport.info()
@@ -152,6 +164,16 @@ class PoolNodeService:
         out = pool_selection(self.node, self.staging, self.store, self.io, keys, runs)
         self.publisher.flush()
         return out
+
+    def expose_selection(self, keys: Sequence[BlockHash], runs: Runs,
+                         owner: str) -> Exposure:
+        """The selections of ``keys`` held here, held for ``owner`` to pull over NIXL."""
+        out = self.exposure.expose(keys, runs, owner)
+        self.publisher.flush()
+        return out
+
+    def release_selection(self, exposed: Sequence[ExposedSlice]) -> None:
+        self.exposure.release(exposed)
 
     def unstage(self, staged: Sequence[Staged]) -> None:
         self.leases.end([s.lease for s in staged])

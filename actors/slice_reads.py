@@ -43,12 +43,12 @@ class ExtentSlices:
         self.io = io
         self.max_io = max_io
 
-    def read(self, ext: Extent, runs: Runs) -> np.ndarray | None:
-        """The ``runs`` of the block at ``ext``, or None if a chunk read fails its checksum
-        (the caller quarantines the copy)."""
+    def read(self, ext: Extent, runs: Runs, out: np.ndarray | None = None) -> np.ndarray | None:
+        """The ``runs`` of the block at ``ext`` (gathered into ``out`` if given), or None if
+        a chunk read fails its checksum (the caller quarantines the copy)."""
         sums = np.frombuffer(ext.chunk_sums, dtype="<u8")
         if len(sums) != chunk_count(ext.size):
-            return self._read_whole(ext, runs)
+            return self._read_whole(ext, runs, out)
         size = extent_bytes(ext.size)
         spans = []
         for off, length in runs:
@@ -69,15 +69,19 @@ class ExtentSlices:
                 n = min(CHUNK_BYTES, size - start)
                 if xxhash.xxh3_64_intdigest(buf[at : at + n].data) != int(sums[c]):
                     return None
-        out = np.empty(runs_bytes(runs), np.uint8)
+        dst = np.empty(runs_bytes(runs), np.uint8) if out is None else out[: runs_bytes(runs)]
         pos = 0
         for off, length in runs:
             at = plan.locate(0, ext.offset + off)
-            out[pos : pos + length] = buf[at : at + length]
+            dst[pos : pos + length] = buf[at : at + length]
             pos += length
-        return out
+        return dst
 
-    def _read_whole(self, ext: Extent, runs: Runs) -> np.ndarray | None:
+    def _read_whole(self, ext: Extent, runs: Runs,
+                    out: np.ndarray | None = None) -> np.ndarray | None:
         buf = alloc_aligned(extent_bytes(ext.size))
         self.io.read_many([ext], [buf])  # checked below, against the runs
-        return slice_memory(buf[: ext.size], ext.checksum, runs)
+        payload = buf[: ext.size]
+        if checksum(payload) != ext.checksum:
+            return None
+        return gather(payload, runs, out)

@@ -79,10 +79,13 @@ class TransportStats:
     seconds: float = 0.0
     failures: int = 0
     per_peer: dict[str, int] = field(default_factory=dict)
+    range_reads: int = 0  # reads of byte ranges (partial loads), counted in reads too
+    range_bytes: int = 0  # their bytes, counted in bytes_read too
 
 
 class Transport(ABC):
     name: str
+    reads_ranges = False  # whether ``read_ranges`` moves byte ranges (NIXL does)
 
     def __init__(self, agent: str) -> None:
         self.agent = agent
@@ -125,6 +128,13 @@ class Transport(ABC):
         self.stats.seconds += time.perf_counter() - start
         self.stats.per_peer[peer.agent] = self.stats.per_peer.get(peer.agent, 0) + nbytes
         return nbytes
+
+    def read_ranges(self, peer: PeerInfo, remote: np.ndarray, local: np.ndarray,
+                    landing: np.ndarray, timeout_s: float = 30.0) -> int:
+        """Move byte ranges of the peer's registered regions into ``landing`` in one
+        transfer; returns bytes moved. ``remote`` rows are (address at the peer, length, 0),
+        ``local`` rows the same inside ``landing``, pairwise. Only where ``reads_ranges``."""
+        raise TransferError(f"the {self.name} transport moves whole slots only")
 
     def close(self) -> None:  # noqa: B027 - most transports hold nothing to release
         """Release transport resources."""

@@ -9,7 +9,10 @@ heads=h)`` against ``ns.load(tokens)`` of the same prefix, from each place a blo
 - Tiers, in the order measured: a peer's DRAM (the loads run on node b, the blocks are on
   node a), then node a's HBM, DRAM, NVMe, and the pool (one pool node). Before each load the
   copies a whole load leaves in the loading node's tiers are evicted, so every repetition
-  reads from the tier named; NVMe and pool reads drop the page cache where allowed.
+  reads from the tier named; NVMe and pool reads drop the page cache where allowed. From
+  the peer and the pool the one-head load moves only the head's byte ranges over NIXL (one
+  READ of many descriptors per window), the whole load whole slots: the table says how many
+  bytes crossed over NIXL in each.
 - A figure is the median time of the one-head load over the median time of the whole load
   (goal: at most half). Each tier's one-head load is checked once against the slice of the
   whole load. The notes give the bytes each load moved (the agents' counters); the report
@@ -36,6 +39,7 @@ LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16",
                   block_tokens=32, order=PayloadOrder.HEAD_MAJOR)
 BLOCKS = 16
 HEAD = 3
+STAGING = 4  # blocks of the pool node's staging arena: a pool write takes at most that many
 
 
 class _Loader:
@@ -66,34 +70,44 @@ class _Loader:
 
 
 def _moved(cm: Any, nodes: list[str]) -> Counter[str]:
+    """The agents' bytes moved, by route, and (keys ``via:<transport>``) by how."""
     from cmx.protocol import actor_name
 
     total: Counter[str] = Counter()
     for node in nodes:
-        total.update(cm.link.call(actor_name("agent", node), "stats")["moved_bytes"])
+        stats = cm.link.call(actor_name("agent", node), "stats")
+        total.update(stats["moved_bytes"])
+        total.update({f"via:{k}": v for k, v in stats["moved_via"].items()})
     return total
+
+
+def _split(delta: Counter[str]) -> tuple[int, int]:
+    """(bytes moved, of them between nodes over NIXL) of a counters' difference."""
+    return (sum(v for k, v in delta.items() if not k.startswith("via:")),
+            delta["via:nixl-ucx"])
 
 
 def _measure(ctx: BenchContext, cm: Any, loader: Any, salt: str, toks: np.ndarray,
              evict: tuple[str, ...], cold: list[str], nodes: list[str]
-             ) -> tuple[list[float], list[float], int, int]:
-    """(whole-load times, one-head times, bytes a whole load moved, bytes a head load moved)."""
+             ) -> tuple[list[float], list[float], tuple[int, int], tuple[int, int]]:
+    """(whole-load times, one-head times, (bytes, over NIXL) a whole load moved, the same of
+    a one-head load)."""
     import ray
     import torch
 
     from cmx.protocol import actor_name
 
-    def run(heads: int | None) -> tuple[float, Any, int]:
+    def run(heads: int | None) -> tuple[float, Any, tuple[int, int]]:
         ctx.drop_cache()
         for pool in cold:
             cm.link.call(actor_name("pool", pool), "drop_staging")
         before = _moved(cm, nodes)
         seconds, got = ray.get(loader.timed.remote(salt, toks, heads, evict))
         after = _moved(cm, nodes)
-        return seconds, got, sum((after - before).values())
+        return seconds, got, _split(after - before)
 
     whole, heads = [], []
-    moved_whole = moved_head = 0
+    moved_whole = moved_head = (0, 0)
     for rep in range(ctx.config.reps):
         seconds, full, moved_whole = run(None)
         whole.append(seconds)
@@ -114,7 +128,7 @@ def run_heads(ctx: BenchContext) -> SuiteResult:
     config = ServiceConfig(
         block_bytes=block, hbm_bytes=(2 * BLOCKS + 4) * block,
         dram_bytes=(2 * BLOCKS + 4) * block, nvme_bytes=4 * BLOCKS * block,
-        pool_bytes=4 * BLOCKS * block, pool_staging_bytes=4 * block,
+        pool_bytes=4 * BLOCKS * block, pool_staging_bytes=STAGING * block,
         pool_admission_min_count=1, pool_replication=1, placement="write_through",
         nvme_dir=str(ctx.scratch("heads")), load_timeout_s=300)
     rows = []
@@ -124,9 +138,9 @@ def run_heads(ctx: BenchContext) -> SuiteResult:
         ns = cm.namespace("bench-heads", LAYOUT, salt)
         toks = np.random.default_rng(5).integers(0, 100_000, BLOCKS * LAYOUT.block_tokens)
         ctx.log(f"heads: storing {BLOCKS} blocks of {block // MiB} MiB on node a")
-        for first in range(0, BLOCKS, 8):
-            kv = LAYOUT.random_kv(8 * LAYOUT.block_tokens, seed=first)
-            ns.store(toks[: (first + 8) * LAYOUT.block_tokens], kv,
+        for first in range(0, BLOCKS, STAGING):  # each store's pool write fits the staging
+            kv = LAYOUT.random_kv(STAGING * LAYOUT.block_tokens, seed=first)
+            ns.store(toks[: (first + STAGING) * LAYOUT.block_tokens], kv,
                      start=first * LAYOUT.block_tokens).wait()
         remote = cast(Any, ray.remote(_Loader))
         on_a = remote.options(num_cpus=0, scheduling_strategy=on_node(bc.node_a)).remote(config)
@@ -148,17 +162,22 @@ def run_heads(ctx: BenchContext) -> SuiteResult:
             if tier == "HBM":
                 ray.get(loader.timed.remote(salt, toks, None, ()))  # leaves a copy in HBM
             ctx.log(f"heads: {tier}, {ctx.config.reps} x (whole, one head)")
-            whole, heads, mw, mh = _measure(ctx, cm, loader, salt, toks, evict, cold, nodes)
+            whole, heads, (mw, nw), (mh, nh) = _measure(ctx, cm, loader, salt, toks, evict,
+                                                        cold, nodes)
             result.figures.append(Figure(
                 "heads", f"one KV head of 8, {BLOCKS} x 4 MiB blocks, from {tier}", "s",
                 tuple(heads), "the whole load of the same blocks", tuple(whole),
                 Goal("<=", 0.5),
-                note=f"the agents moved {mh / MiB:.1f} MiB against {mw / MiB:.1f} MiB"))
+                note=f"the agents moved {mh / MiB:.1f} MiB against {mw / MiB:.1f} MiB"
+                     + (f"; over NIXL {nh / MiB:.1f} MiB against {nw / MiB:.1f} MiB"
+                        if nw or nh else "")))
             rows.append((tier, f"{median(whole) * 1e3:.1f}", f"{median(heads) * 1e3:.1f}",
-                         f"{mw / MiB:.1f}", f"{mh / MiB:.1f}"))
+                         f"{mw / MiB:.1f}", f"{mh / MiB:.1f}", f"{nw / MiB:.1f}",
+                         f"{nh / MiB:.1f}"))
     result.tables.append(Table(
         "one head of eight against the whole block, medians",
         ("tier", "whole ms", "one head ms", "agents moved, whole (MiB)",
-         "agents moved, one head (MiB)"),
+         "agents moved, one head (MiB)", "over NIXL, whole (MiB)",
+         "over NIXL, one head (MiB)"),
         tuple(rows)))
     return result

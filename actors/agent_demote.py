@@ -67,8 +67,7 @@ class Demotion(NvmeTransfers):
                     continue
                 v = src.victim
                 assert v is not None
-                np.copyto(self._arena(dst.epoch).slot_view(dst.slot)[: v.size],
-                          self._arena(src.epoch).slot_view(src.slot)[: v.size])
+                self._copy_slot(src, dst, v.size)
                 commits.append((dst.lease, v.size, v.checksum))
                 self.moved["hbm->dram"] += v.size
                 self.moved_via["local"] += v.size
@@ -76,3 +75,8 @@ class Demotion(NvmeTransfers):
             self._give_back(Tier.DRAM, abort=[g.lease for g in grants if g is not None])
             raise
         self._call(Tier.DRAM, "commit", commits)
+
+    def _copy_slot(self, src: Grant, dst: Grant, nbytes: int) -> None:
+        """The first ``nbytes`` of ``src``'s slot into ``dst``'s, each in its epoch's arena."""
+        np.copyto(self._arena(dst.epoch).slot_view(dst.slot)[:nbytes],
+                  self._arena(src.epoch).slot_view(src.slot)[:nbytes])

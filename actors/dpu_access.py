@@ -33,8 +33,13 @@ from cmx.errors import CmxError
 from cmx.storage.arena import SharedArena
 from cmx.storage.nvme.dataplane import Extent, ExtentPlane
 
-__all__ = ["HostAccess", "HostAccessForbidden", "HostPeer", "HostRegion", "LocalAccess",
-           "NixlAccess", "forbid_host_access"]
+__all__ = ["HostAccess", "HostAccessForbidden", "HostArenaRetired", "HostPeer", "HostRegion",
+           "LocalAccess", "NixlAccess", "forbid_host_access"]
+
+
+class HostArenaRetired(TransferError):
+    """A move into or out of an arena of an earlier incarnation of a host tier: the tier
+    restarted, the endpoint let the arena go, and no byte may land in it."""
 
 
 class HostAccessForbidden(CmxError):
@@ -50,6 +55,8 @@ class HostRegion:
     base: int
     slot_bytes: int
     num_slots: int
+    tier: str = ""  # the tier whose incarnation this arena is: one incarnation at a time
+    epoch: str = ""
 
     def address(self, slot: int, offset: int = 0) -> int:
         if not 0 <= slot < self.num_slots:
@@ -174,18 +181,35 @@ class NixlAccess(HostAccess):
         self._nixl.register_memory([(self._bounce.ctypes.data, bounce_bytes, 0, "")], "DRAM")
         self._lock = threading.Lock()  # one bounce buffer: one move at a time
         self._host = ""
-        self._regions: dict[str, HostRegion] = {}
+        self._regions: dict[str, HostRegion] = {}  # what the endpoint has registered now
+        self._retired: set[str] = set()  # arenas of tier incarnations the endpoint let go
         self.bytes_read = 0
         self.bytes_written = 0
 
     def attach(self, info: ArenaInfo) -> None:
+        """Reach ``info``'s arena; re-resolve the rest from what the endpoint publishes now.
+
+        The endpoint keeps one incarnation of each tier: attaching a tier's new arena lets
+        the earlier one go there, and here its region is retired, so no move lands in it."""
         if info.arena in self._regions:
             return
-        region = self._endpoint.attach(info)
+        self._endpoint.attach(info)
         peer = self._endpoint.peer()  # the endpoint's registrations now include the region
-        name = self._nixl.add_remote_agent(peer.metadata)
-        self._host = name.decode() if isinstance(name, bytes) else name
-        self._regions[region.arena] = region
+        with self._lock:  # no move runs while the host's registrations are reloaded
+            if self._host and peer.agent != self._host:
+                self._forget_host()  # another endpoint: the host restarted it
+            name = self._nixl.add_remote_agent(peer.metadata)
+            self._host = name.decode() if isinstance(name, bytes) else name
+            live = {r.arena: r for r in peer.regions}
+            self._retired |= self._regions.keys() - live.keys()
+            self._regions = live
+
+    def _forget_host(self) -> None:
+        try:
+            self._nixl.remove_remote_agent(self._host)
+        except Exception:  # noqa: BLE001 - the host may be gone already
+            pass
+        self._host = ""
 
     def view(self, arena: str, slot: int) -> np.ndarray:
         raise HostAccessForbidden(
@@ -223,14 +247,14 @@ class NixlAccess(HostAccess):
 
     def close(self) -> None:
         if self._host:
-            try:
-                self._nixl.remove_remote_agent(self._host)
-            except Exception:  # noqa: BLE001 - the host may be gone already
-                pass
+            self._forget_host()
 
     def _region(self, arena: str) -> HostRegion:
         region = self._regions.get(arena)
         if region is None:
+            if arena in self._retired:
+                raise HostArenaRetired(
+                    f"host arena {arena} is of an earlier incarnation of its tier")
             raise TransferError(f"host arena {arena} is not attached")
         return region
 

@@ -194,3 +194,35 @@ def test_an_unattached_arena_is_a_typed_error_not_a_stray_address(
     with pytest.raises(ValueError):
         access.read(dram.name, 8, 16)  # slot 8 of 8
     access.close()
+
+
+def test_a_restarted_host_tier_retires_its_earlier_arena_on_both_sides(
+    host: tuple[SharedArena, SharedArena, PipeEndpoint],
+) -> None:
+    from cmx.actors.dpu_access import HostArenaRetired
+
+    _, hbm, endpoint = host
+    first = SharedArena.create(4 * SLOT, SLOT)
+    second = SharedArena.create(4 * SLOT, SLOT)
+    access = NixlAccess("test-dpu-agent-3", endpoint, bounce_bytes=1 << 20)
+    block = np.random.default_rng(9).integers(0, 256, SLOT, dtype=np.uint8)
+    try:
+        access.attach(ArenaInfo(Tier.HBM, "node", hbm.name, SLOT, 8, True, "epoch-hbm"))
+        access.attach(ArenaInfo(Tier.DRAM, "node", first.name, SLOT, 4, False, "epoch-1"))
+        access.write(first.name, 1, block)  # step one, in the first incarnation
+        # The DRAM tier restarts: a new arena, and the agent attaches it.
+        access.attach(ArenaInfo(Tier.DRAM, "node", second.name, SLOT, 4, False, "epoch-2"))
+        first.slot_view(1)[:] = 0
+        with pytest.raises(HostArenaRetired):  # step two: nothing lands in the first
+            access.write(first.name, 1, block)
+        assert not first.slot_view(1).any()
+        assert {r.arena for r in endpoint.peer().regions} == {hbm.name, second.name}
+        access.write(second.name, 1, block)
+        access.copy((second.name, 1), (hbm.name, 3), SLOT)  # the other tier is untouched
+        assert np.array_equal(hbm.slot_view(3), block)
+        assert np.array_equal(access.read(second.name, 1, SLOT), block)
+    finally:
+        access.close()
+        for arena in (first, second):
+            arena.close()
+            arena.unlink()

@@ -35,7 +35,13 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from cmx.actors.agent import OffloadAgent
 from cmx.actors.agent_fetch import LandedChecks
 from cmx.actors.arena_tier import Grant, Pinned
-from cmx.actors.dpu_access import Endpoint, HostAccessForbidden, NixlAccess, forbid_host_access
+from cmx.actors.dpu_access import (
+    Endpoint,
+    HostAccessForbidden,
+    NixlAccess,
+    NoHostFiles,
+    forbid_host_access,
+)
 from cmx.actors.dpu_host import RayEndpoint, host_endpoint_actor
 from cmx.actors.links import RAY_NAMESPACE, RayLink, actor_name
 from cmx.actors.scheduler import Priority
@@ -46,7 +52,7 @@ from cmx.checksum import checksum
 from cmx.config import ServiceConfig
 from cmx.protocol import Staged
 from cmx.storage.nvme.chunks import block_sums
-from cmx.storage.nvme.dataplane import Extent
+from cmx.storage.nvme.dataplane import Extent, ExtentPlane
 from cmx.tiers import Tier
 
 __all__ = ["BounceSlots", "DpuAgent", "DpuAgentActor", "start_host_endpoint"]
@@ -99,12 +105,16 @@ class DpuAgent(OffloadAgent):
     a plain class: ``DpuAgentActor`` runs it on the DPU, in a process that cannot map a host
     arena or open a host file."""
 
+    nvme: ExtentPlane  # opens no host file: the host endpoint moves every extent
+
     def __init__(self, node: str, config: ServiceConfig, link: object, endpoint: Endpoint
                  ) -> None:
         self.endpoint = endpoint
         self.host = NixlAccess(f"cmx-dpu-{node[:12]}-{uuid.uuid4().hex[:6]}", endpoint,
                                timeout_s=config.load_timeout_s)
         OffloadAgent.__init__(self, node, config, link)  # not the actor's: see DpuAgentActor
+        own, self.nvme = self.nvme, NoHostFiles()
+        own.close()
         slot_bytes = self._arenas[Tier.HBM][0].slot_bytes
         self.bounce = BounceSlots(f"{self.name}-bounce", slot_bytes, max(1, min(
             MAX_BOUNCE_SLOTS, config.staging_bytes // slot_bytes)))
@@ -166,6 +176,10 @@ class DpuAgent(OffloadAgent):
             return checksum(self.host.read(dst, grant.slot, pin.size)) == pin.checksum
         self.host.copy((self._name(pin.epoch), pin.slot), (dst, grant.slot), pin.size)
         return True
+
+    def _copy_extents(self, pairs: Sequence[tuple[Extent, Extent]]) -> list[bool | None]:
+        """Compaction's copies, made on the host by its endpoint (NIXL POSIX)."""
+        return self.endpoint.move_extents(list(pairs))
 
     # -- DRAM to NVMe --------------------------------------------------------------------------
 

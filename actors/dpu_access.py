@@ -34,7 +34,7 @@ from cmx.storage.arena import SharedArena
 from cmx.storage.nvme.dataplane import Extent, ExtentPlane
 
 __all__ = ["HostAccess", "HostAccessForbidden", "HostArenaRetired", "HostPeer", "HostRegion",
-           "LocalAccess", "NixlAccess", "forbid_host_access"]
+           "LocalAccess", "NixlAccess", "NoHostFiles", "forbid_host_access"]
 
 
 class HostArenaRetired(TransferError):
@@ -152,6 +152,7 @@ class Endpoint(Protocol):
     def attach(self, info: ArenaInfo) -> HostRegion: ...
     def read_extent(self, extent: Extent, arena: str, slot: int) -> None: ...
     def write_extent(self, extent: Extent, arena: str, slot: int) -> None: ...
+    def move_extents(self, pairs: list[tuple[Extent, Extent]]) -> list[bool | None]: ...
 
 
 PIECE_BYTES = 2 << 20  # one UCX descriptor: several in flight per transfer
@@ -291,6 +292,18 @@ class NixlAccess(HostAccess):
             self.bytes_written += nbytes
 
 
+class NoHostFiles(ExtentPlane):
+    """The NVMe plane of an agent that reaches its host over the network: it opens no host
+    file (the host endpoint moves extents), so any attempt raises HostAccessForbidden."""
+
+    def _open(self, path: str) -> Iterator[int]:  # type: ignore[override]
+        return _refuse_open(self, path)
+
+
+def _refuse_open(self: ExtentPlane, path: str) -> Iterator[int]:
+    raise HostAccessForbidden(f"cannot open host file {path}: this process is a DPU's")
+
+
 def forbid_host_access() -> None:
     """From now on, mapping a shared-memory arena or opening an NVMe segment in this process
     raises HostAccessForbidden: the process plays a DPU, which has neither. For the whole
@@ -299,8 +312,5 @@ def forbid_host_access() -> None:
     def refuse_map(cls: Any, name: str, populate: bool = False) -> SharedArena:
         raise HostAccessForbidden(f"cannot map host arena {name}: this process is a DPU's")
 
-    def refuse_open(self: ExtentPlane, path: str) -> Iterator[int]:
-        raise HostAccessForbidden(f"cannot open host file {path}: this process is a DPU's")
-
     SharedArena.attach = classmethod(refuse_map)  # type: ignore[assignment, method-assign]
-    ExtentPlane._open = refuse_open  # type: ignore[assignment, method-assign]
+    ExtentPlane._open = _refuse_open  # type: ignore[assignment, method-assign]

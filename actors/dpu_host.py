@@ -71,6 +71,11 @@ class HostEndpoint:
     def write_extent(self, extent: Extent, arena: str, slot: int) -> None:
         self.nvme.write_many([extent], [self._slot(arena, slot)])
 
+    def move_extents(self, pairs: list[tuple[Extent, Extent]]) -> list[bool | None]:
+        """Compaction's copies on the host: each block from its old extent to its new one,
+        verified (None: its bytes failed their checksum, it was not copied)."""
+        return self.nvme.copy_many(pairs)
+
     def stats(self) -> dict[str, object]:
         return {"endpoint": self.name, "arenas": sorted(self._arenas),
                 "nvme_io": asdict(self.nvme.stats())}
@@ -116,3 +121,6 @@ class RayEndpoint:
 
     def write_extent(self, extent: Extent, arena: str, slot: int) -> None:
         self._get(self._handle.write_extent.remote(extent, arena, slot))
+
+    def move_extents(self, pairs: list[tuple[Extent, Extent]]) -> list[bool | None]:
+        return self._get(self._handle.move_extents.remote(pairs))  # type: ignore[no-any-return]

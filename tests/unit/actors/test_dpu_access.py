@@ -73,6 +73,9 @@ class PipeEndpoint:
     def write_extent(self, extent: Extent, arena: str, slot: int) -> None:
         self._call("write_extent", extent, arena, slot)
 
+    def move_extents(self, pairs: list[tuple[Extent, Extent]]) -> list[bool | None]:
+        return self._call("move_extents", pairs)  # type: ignore[no-any-return]
+
 
 @pytest.fixture(scope="module")
 def host() -> Iterator[tuple[SharedArena, SharedArena, PipeEndpoint]]:

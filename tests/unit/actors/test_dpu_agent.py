@@ -10,7 +10,10 @@ test reads node-a's slots the way its host does, through the tiers' own arenas.
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,18 +31,26 @@ from cmx.tiers import Tier
 A, B = f"dpu-{os.getpid()}", f"peer-{os.getpid()}"  # node-a on a DPU; node-b
 
 
-@pytest.fixture(params=["nixl", "ray"])
-def plane(request: pytest.FixtureRequest, tmp_path) -> Iterator[Plane]:
+@contextmanager
+def dpu_plane(transport: str, root: Path, **changes: object) -> Iterator[Plane]:
     """node-a's agent on a DPU; between the agents NIXL, or the Ray fallback's path."""
     # Names of this process's own: a tier that starts unlinks every arena of its node's name.
-    p = make_plane(small_config(tmp_path, transport=request.param), nodes=(A, B))
+    p = make_plane(small_config(root, transport=transport, **changes), nodes=(A, B))
     p.agents[A].close()
-    endpoint = HostEndpoint(f"test-endpoint-{request.param}-{A}")
+    endpoint = HostEndpoint(f"test-endpoint-{transport}-{uuid.uuid4().hex[:6]}")
     dpu = DpuAgent(A, p.config, p.link, endpoint)
     p.agents[A] = p.link._targets[actor_name("agent", A)] = dpu  # type: ignore[attr-defined]
-    yield p
-    p.close()
-    endpoint.close()
+    try:
+        yield p
+    finally:
+        p.close()
+        endpoint.close()
+
+
+@pytest.fixture(params=["nixl", "ray"])
+def plane(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Plane]:
+    with dpu_plane(request.param, tmp_path) as p:
+        yield p
 
 
 def dpu(plane: Plane) -> DpuAgent:
@@ -123,3 +134,28 @@ def test_no_copy_lands_in_a_host_tier_that_restarted_between_two_steps(plane: Pl
 
 def dram_holds(tier: object, key: BlockHash) -> bool:
     return bool(tier.contains([key])[0])  # type: ignore[attr-defined]
+
+
+def test_compaction_on_the_dpus_host_is_moved_by_its_endpoint(tmp_path: Path) -> None:
+    with dpu_plane("nixl", tmp_path, hbm_bytes=16 * BLOCK, dram_bytes=32 * BLOCK,
+                   nvme_bytes=64 * BLOCK, nvme_segment_bytes=16 * BLOCK,
+                   placement="write_through") as p:
+        agent, nvme = dpu(p), p.tiers[(A, Tier.NVME)]
+        keys, payload = blocks(80, seed=7)
+        agent.store(keys[:64], [None, *keys[:63]], payload[: 64 * BLOCK])
+        assert nvme.evict(keys[0:48:2]) == 24  # a third of the log is dead: compaction's turn
+        agent.store(keys[64:], keys[63:79], payload[64 * BLOCK:])
+        extra = nvme.store.stats().extra
+        assert extra["compactions"] >= 1 and extra["compacted_bytes"] > 0
+        assert agent.moved["nvme->nvme"] == extra["compacted_bytes"]
+        survivors = [i for i in range(80) if keys[i] in nvme.store]
+        assert set(range(1, 48, 2)) <= set(survivors)  # compaction kept every live block
+        for i in survivors:
+            extent = nvme.pin([keys[i]], "test")[0]
+            got = np.empty(extent.size, np.uint8)
+            with open(extent.path, "rb") as f:  # the host's own file, read as the host does
+                f.seek(extent.offset)
+                got[:] = np.frombuffer(f.read(extent.size), np.uint8)
+            nvme.unpin([extent.lease])
+            assert np.array_equal(got, payload[i * BLOCK:(i + 1) * BLOCK])
+        check(p)

@@ -18,10 +18,12 @@ with part of a slot moved silently.
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -33,8 +35,8 @@ from cmx.errors import CmxError
 from cmx.storage.arena import SharedArena
 from cmx.storage.nvme.dataplane import Extent, ExtentPlane
 
-__all__ = ["HostAccess", "HostAccessForbidden", "HostArenaRetired", "HostPeer", "HostRegion",
-           "LocalAccess", "NixlAccess", "NoHostFiles", "forbid_host_access"]
+__all__ = ["BouncePool", "HostAccess", "HostAccessForbidden", "HostArenaRetired", "HostPeer",
+           "HostRegion", "LocalAccess", "NixlAccess", "NoHostFiles", "forbid_host_access"]
 
 
 class HostArenaRetired(TransferError):
@@ -159,28 +161,28 @@ PIECE_BYTES = 2 << 20  # one UCX descriptor: several in flight per transfer
 
 
 class NixlAccess(HostAccess):
-    """The agent on a DPU: every byte over NIXL, through ``bounce_bytes`` of its own memory.
+    """The agent on a DPU: every byte over NIXL, through ``buffers`` bounce buffers of
+    ``bounce_bytes`` of its own memory.
 
-    Host to host moves (a DRAM block into an HBM slot) pass through the bounce buffer: READ
-    from the host, then WRITE to it, in windows of the buffer's size. Extents move on the host,
-    through the endpoint's NIXL POSIX backend: the DPU commands them and carries no file.
+    Host to host moves (a DRAM block into an HBM slot) pass through a bounce buffer: READ
+    from the host, then WRITE to it, in windows of the buffer's size. Each move holds one
+    buffer, so ``buffers`` moves are in flight at once (one block's crossing overlaps
+    another's). Extents move on the host, through the endpoint's NIXL POSIX backend: the DPU
+    commands them and carries no file.
     """
 
     name = "nixl-dpu"
 
-    def __init__(self, agent: str, endpoint: Endpoint, bounce_bytes: int = 64 << 20,
-                 timeout_s: float = 60.0) -> None:
-        from cmx.buffers import aligned_empty
+    def __init__(self, agent: str, endpoint: Endpoint, bounce_bytes: int = 32 << 20,
+                 timeout_s: float = 60.0, buffers: int = 2) -> None:
         from cmx.nixl_api import nixl_api
 
         api = nixl_api()
         self._nixl = api.nixl_agent(agent, api.nixl_agent_config(backends=["UCX"]))
         self._endpoint = endpoint
         self._timeout_s = timeout_s
-        self._bounce = aligned_empty(bounce_bytes)
-        self._bounce[:] = 0  # faulted in once, not on the first transfers
-        self._nixl.register_memory([(self._bounce.ctypes.data, bounce_bytes, 0, "")], "DRAM")
-        self._lock = threading.Lock()  # one bounce buffer: one move at a time
+        self.bounce = BouncePool(self._nixl, bounce_bytes, buffers, timeout_s)
+        self._attaching = threading.Lock()  # one reload of the host's registrations at a time
         self._host = ""
         self._regions: dict[str, HostRegion] = {}  # what the endpoint has registered now
         self._retired: set[str] = set()  # arenas of tier incarnations the endpoint let go
@@ -196,7 +198,7 @@ class NixlAccess(HostAccess):
             return
         self._endpoint.attach(info)
         peer = self._endpoint.peer()  # the endpoint's registrations now include the region
-        with self._lock:  # no move runs while the host's registrations are reloaded
+        with self._attaching, self.bounce.every():  # no move runs during the reload
             if self._host and peer.agent != self._host:
                 self._forget_host()  # another endpoint: the host restarted it
             name = self._nixl.add_remote_agent(peer.metadata)
@@ -219,24 +221,24 @@ class NixlAccess(HostAccess):
 
     def read(self, arena: str, slot: int, nbytes: int) -> np.ndarray:
         out = np.empty(nbytes, np.uint8)
-        with self._lock:
+        with self.bounce.take() as buf:
             for off, n in self._windows(nbytes):
-                self._move("READ", self._region(arena).address(slot, off), n)
-                out[off:off + n] = self._bounce[:n]
+                self._move("READ", buf, self._region(arena).address(slot, off), n)
+                out[off:off + n] = buf[:n]
         return out
 
     def write(self, arena: str, slot: int, data: np.ndarray) -> None:
         flat = data.view(np.uint8).reshape(-1)
-        with self._lock:
+        with self.bounce.take() as buf:
             for off, n in self._windows(flat.nbytes):
-                self._bounce[:n] = flat[off:off + n]
-                self._move("WRITE", self._region(arena).address(slot, off), n)
+                buf[:n] = flat[off:off + n]
+                self._move("WRITE", buf, self._region(arena).address(slot, off), n)
 
     def copy(self, src: tuple[str, int], dst: tuple[str, int], nbytes: int) -> None:
-        with self._lock:
+        with self.bounce.take() as buf:
             for off, n in self._windows(nbytes):
-                self._move("READ", self._region(src[0]).address(src[1], off), n)
-                self._move("WRITE", self._region(dst[0]).address(dst[1], off), n)
+                self._move("READ", buf, self._region(src[0]).address(src[1], off), n)
+                self._move("WRITE", buf, self._region(dst[0]).address(dst[1], off), n)
 
     def read_extent(self, extent: Extent, arena: str, slot: int) -> None:
         self._region(arena).address(slot)
@@ -260,13 +262,13 @@ class NixlAccess(HostAccess):
         return region
 
     def _windows(self, nbytes: int) -> Iterator[tuple[int, int]]:
-        size = self._bounce.nbytes
+        size = self.bounce.size
         for off in range(0, nbytes, size):
             yield off, min(size, nbytes - off)
 
-    def _move(self, op: str, remote: int, nbytes: int) -> None:
-        """``op`` between the front of the bounce buffer and host memory at ``remote``."""
-        local_base = self._bounce.ctypes.data
+    def _move(self, op: str, buf: np.ndarray, remote: int, nbytes: int) -> None:
+        """``op`` between the front of bounce buffer ``buf`` and host memory at ``remote``."""
+        local_base = buf.ctypes.data
         offs = range(0, nbytes, PIECE_BYTES)
         sizes = [min(PIECE_BYTES, nbytes - o) for o in offs]
         local = self._nixl.get_xfer_descs(
@@ -290,6 +292,60 @@ class NixlAccess(HostAccess):
             self.bytes_read += nbytes
         else:
             self.bytes_written += nbytes
+
+
+class BouncePool:
+    """Bounce buffers in the agent's own memory, registered with NIXL once: a move holds one
+    for its duration (``take``); ``every`` holds them all, so that no move runs meanwhile."""
+
+    def __init__(self, nixl: Any, size: int, count: int, timeout_s: float) -> None:
+        from cmx.buffers import aligned_empty
+
+        if size <= 0 or count <= 0:
+            raise ValueError(f"{count} bounce buffers of {size} bytes")
+        self.size = size
+        self.count = count
+        self._timeout_s = timeout_s
+        self._memory = aligned_empty(size * count)
+        self._memory[:] = 0  # faulted in once, not on the first transfers
+        nixl.register_memory([(self._memory.ctypes.data, size * count, 0, "")], "DRAM")
+        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for i in range(count):
+            self._free.put(i)
+        self._lock = threading.Lock()
+        self._in_use = 0
+        self.peak = 0  # the most buffers in use at once
+
+    @contextmanager
+    def take(self) -> Iterator[np.ndarray]:
+        i = self._get()
+        with self._lock:
+            self._in_use += 1
+            self.peak = max(self.peak, self._in_use)
+        try:
+            yield self._memory[i * self.size:(i + 1) * self.size]
+        finally:
+            with self._lock:
+                self._in_use -= 1
+            self._free.put(i)
+
+    @contextmanager
+    def every(self) -> Iterator[None]:
+        held: list[int] = []
+        try:
+            for _ in range(self.count):
+                held.append(self._get())
+            yield
+        finally:
+            for i in held:
+                self._free.put(i)
+
+    def _get(self) -> int:
+        try:
+            return self._free.get(timeout=self._timeout_s)
+        except queue.Empty:
+            raise TransferError(
+                f"no bounce buffer came free within {self._timeout_s:g} s") from None
 
 
 class NoHostFiles(ExtentPlane):

@@ -229,3 +229,32 @@ def test_a_restarted_host_tier_retires_its_earlier_arena_on_both_sides(
         for arena in (first, second):
             arena.close()
             arena.unlink()
+
+
+def test_moves_through_several_bounce_buffers_at_once_keep_every_byte(
+    host: tuple[SharedArena, SharedArena, PipeEndpoint],
+) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    dram, hbm, endpoint = host
+    access = NixlAccess("test-dpu-agent-4", endpoint, bounce_bytes=1 << 20, buffers=3)
+    rng = np.random.default_rng(11)
+    data = [rng.integers(0, 256, SLOT, dtype=np.uint8) for _ in range(8)]
+    try:
+        for info in _infos(dram, hbm):
+            access.attach(info)
+
+        def round_trip(i: int) -> bool:  # each slot through its own buffer, 4 windows each
+            access.write(dram.name, i, data[i])
+            access.copy((dram.name, i), (hbm.name, i), SLOT)
+            return bool(np.array_equal(access.read(hbm.name, i, SLOT), data[i]))
+
+        with access.bounce.take(), access.bounce.take():  # two held: the third still moves
+            assert round_trip(0)
+        with ThreadPoolExecutor(8) as pool:
+            assert all(pool.map(round_trip, range(8)))
+        for i in range(8):
+            assert np.array_equal(hbm.slot_view(i), data[i])
+        assert access.bounce.peak <= 3
+    finally:
+        access.close()

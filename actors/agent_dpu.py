@@ -3,8 +3,9 @@
 A BlueField is a separate computer: it cannot map the host's shared memory or open the
 host's NVMe files. This agent is the node's agent with its host-facing moves replaced: the
 host's arenas are reached through ``NixlAccess`` (UCX, via the host's ``HostEndpoint``), NVMe
-extents move on the host through the endpoint's NIXL POSIX backend, and the process refuses
-to map a host arena or open a host file at all (``forbid_host_access``).
+extents (reads, writes, compaction's copies) move on the host through the endpoint's NIXL
+POSIX backend, and the process refuses to map a host arena or open a host file at all
+(``forbid_host_access``).
 
 What it moves through NIXL: stores into DRAM, loads from this node's DRAM and NVMe, HBM to
 DRAM demotions, DRAM to NVMe writes (write-through and write-back), and blocks between nodes.
@@ -18,6 +19,10 @@ A host tier that restarts has a new arena: the endpoint lets the earlier one go,
 agent keeps no earlier incarnation either, so a copy into a grant or pin of a restarted
 tier raises ``StaleEpochError`` before a byte moves (an agent on its host instead lets such
 a copy land in the old, still mapped arena, whose commit is then refused).
+
+Not served here yet: partial (layer or head) loads, which read host slots directly, and an
+endpoint that restarts while its tiers do not (the agent re-resolves on a tier's new epoch
+only).
 """
 
 from __future__ import annotations

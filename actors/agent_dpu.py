@@ -195,8 +195,7 @@ class DpuAgent(OffloadAgent):
     def _write_extents(self, extents: Sequence[Extent], sources: Sequence[Any]
                        ) -> list[tuple[int, bytes]]:
         """Each block's checksums from its bytes read over NIXL; the host endpoint writes it
-        to its extent. HBM victims are not demoted here: mapping the host's HBM arena is
-        forbidden, so those demotions fail and their blocks are dropped."""
+        to its extent."""
         jobs = [self.scheduler.submit(Priority.DEMOTE,
                                       functools.partial(self._to_extent, ext, src, ext.size))
                 for ext, src in zip(extents, sources)]
@@ -253,13 +252,14 @@ class DpuAgent(OffloadAgent):
         except TransferError:
             self._peers.pop(peer_agent, None)  # the peer may have restarted
             raise
-        out = set()
-        for m, (i, s), (arena, slot) in zip(moves, pairs, dsts):
-            if m in checks.intact:
-                self.host.write(arena, slot, self.bounce.slot_view(m.dst_slot)[:s.size])
-                self.bounced += s.size
-                out.add(i)
-        return out
+        landed = [(i, s, dst, self.bounce.slot_view(m.dst_slot)[:s.size])
+                  for m, (i, s), dst in zip(moves, pairs, dsts) if m in checks.intact]
+        writes = [self.scheduler.submit(priority, functools.partial(self.host.write, *dst, src))
+                  for _, _, dst, src in landed]  # as many at once as there are bounce buffers
+        for w in writes:
+            w.result()
+        self.bounced += sum(s.size for _, s, _, _ in landed)
+        return {i for i, _, _, _ in landed}
 
     # -- plumbing ------------------------------------------------------------------------------
 

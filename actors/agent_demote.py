@@ -67,8 +67,7 @@ class Demotion(NvmeTransfers):
                     continue
                 v = src.victim
                 assert v is not None
-                np.copyto(self._arena(dst.epoch).slot_view(dst.slot)[: v.size],
-                          self._arena(src.epoch).slot_view(src.slot)[: v.size])
+                self._copy_slot(src, dst, v.size)
                 commits.setdefault(v.namespace, []).append((dst.lease, v.size, v.checksum))
                 self.moved["hbm->dram"] += v.size
                 self.moved_via["local"] += v.size
@@ -77,3 +76,8 @@ class Demotion(NvmeTransfers):
             raise
         for namespace, done in commits.items():  # the tag goes down with the block
             self._call(Tier.DRAM, "commit", done, namespace)
+
+    def _copy_slot(self, src: Grant, dst: Grant, nbytes: int) -> None:
+        """The first ``nbytes`` of ``src``'s slot into ``dst``'s, each in its epoch's arena."""
+        np.copyto(self._arena(dst.epoch).slot_view(dst.slot)[:nbytes],
+                  self._arena(src.epoch).slot_view(src.slot)[:nbytes])

@@ -3,20 +3,33 @@
 A BlueField is a separate computer: it cannot map the host's shared memory or open the
 host's NVMe files. This agent is the node's agent with its host-facing moves replaced: the
 host's arenas are reached through ``NixlAccess`` (UCX, via the host's ``HostEndpoint``), NVMe
-extents move on the host through the endpoint's NIXL POSIX backend, and the process refuses
-to map a host arena or open a host file at all (``forbid_host_access``).
+extents (reads, writes, compaction's copies) move on the host through the endpoint's NIXL
+POSIX backend, and the process refuses to map a host arena or open a host file at all
+(``forbid_host_access``).
 
-What it moves through NIXL: stores into DRAM, loads from this node's DRAM and NVMe, DRAM to
-NVMe writes (write-through and write-back). What it does not: HBM to DRAM demotion (those
-blocks are dropped, as a cache may drop any block, and counted), and serving or pulling
-blocks between nodes (its transport has no host region registered: a peer's pull from it
-fails and the peer loads from elsewhere or misses).
+What it moves through NIXL: stores into DRAM, loads from this node's DRAM and NVMe, HBM to
+DRAM demotions, DRAM to NVMe writes (write-through and write-back), and blocks between nodes.
+Serving a peer: the agent pins and stages as any agent does, and publishes the host
+endpoint's NIXL agent and regions as its own (``peer_info``): the peer's transport reads the
+host's memory directly, as a remote NIC reaches host memory through the DPU. Pulling from a
+peer: its transport reads the blocks into bounce slots in the DPU's own memory, where each
+is checked as it lands, and the intact ones are written to their host HBM slots over NIXL.
+
+A host tier that restarts has a new arena: the endpoint lets the earlier one go, and this
+agent keeps no earlier incarnation either, so a copy into a grant or pin of a restarted
+tier raises ``StaleEpochError`` before a byte moves (an agent on its host instead lets such
+a copy land in the old, still mapped arena, whose commit is then refused).
+
+Not served here yet: partial (layer or head) loads, which read host slots directly, and an
+endpoint that restarts while its tiers do not (the agent re-resolves on a tier's new epoch
+only).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import threading
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -24,20 +37,30 @@ from typing import Any
 import numpy as np
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from cmx.actors.agent_base import KEEP_EPOCHS
+from cmx.actors.agent import OffloadAgent
+from cmx.actors.agent_fetch import LandedChecks
 from cmx.actors.arena_tier import Grant, Pinned
-from cmx.actors.dpu_access import HostAccessForbidden, NixlAccess, forbid_host_access
+from cmx.actors.dpu_access import (
+    Endpoint,
+    HostAccessForbidden,
+    NixlAccess,
+    NoHostFiles,
+    forbid_host_access,
+)
 from cmx.actors.dpu_host import RayEndpoint, host_endpoint_actor
-from cmx.actors.links import RAY_NAMESPACE, actor_name
+from cmx.actors.links import RAY_NAMESPACE, RayLink, actor_name
 from cmx.actors.scheduler import Priority
 from cmx.actors.service import AgentActor
+from cmx.actors.transport import Move, PeerInfo, Region, TransferError
+from cmx.buffers import aligned_empty
 from cmx.checksum import checksum
 from cmx.config import ServiceConfig
+from cmx.protocol import Staged
 from cmx.storage.nvme.chunks import block_sums
-from cmx.storage.nvme.dataplane import Extent
+from cmx.storage.nvme.dataplane import Extent, ExtentPlane
 from cmx.tiers import Tier
 
-__all__ = ["DpuAgentActor", "start_host_endpoint"]
+__all__ = ["BounceSlots", "DpuAgent", "DpuAgentActor", "start_host_endpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +76,27 @@ class HostArena:
             f"no view of host arena {self.name}: this agent reaches its host through NIXL")
 
 
+class BounceSlots:
+    """Slots of the DPU's own memory that blocks from peers land in before the host's HBM."""
+
+    def __init__(self, name: str, slot_bytes: int, num_slots: int) -> None:
+        self.name = name
+        self.slot_bytes = slot_bytes
+        self.num_slots = num_slots
+        self.buffer = aligned_empty(slot_bytes * num_slots)
+        self.buffer[:] = 0  # faulted in once, not on the first transfers
+
+    @property
+    def region(self) -> Region:
+        return Region(self.name, self.buffer.ctypes.data, self.slot_bytes, self.num_slots)
+
+    def slot_view(self, slot: int) -> np.ndarray:
+        return self.buffer[slot * self.slot_bytes:(slot + 1) * self.slot_bytes]
+
+
+MAX_BOUNCE_SLOTS = 8  # blocks from peers in flight at once through a DPU agent
+
+
 def start_host_endpoint(node: str, config: ServiceConfig) -> Any:
     """The host endpoint of ``node``, on ``node`` (started once, found after)."""
     return host_endpoint_actor().options(
@@ -61,27 +105,42 @@ def start_host_endpoint(node: str, config: ServiceConfig) -> Any:
     ).remote(f"cmx-host-{node[:12]}-{uuid.uuid4().hex[:6]}")
 
 
-class DpuAgentActor(AgentActor):
-    def __init__(self, node: str, config: ServiceConfig) -> None:
-        forbid_host_access()  # before anything could map or open what is the host's
-        endpoint = RayEndpoint(start_host_endpoint(node, config), config.call_timeout_s)
+class DpuAgent(OffloadAgent):
+    """The node's agent with every host-facing move over NIXL (see the module's docstring);
+    a plain class: ``DpuAgentActor`` runs it on the DPU, in a process that cannot map a host
+    arena or open a host file."""
+
+    nvme: ExtentPlane  # opens no host file: the host endpoint moves every extent
+
+    def __init__(self, node: str, config: ServiceConfig, link: object, endpoint: Endpoint
+                 ) -> None:
+        self.endpoint = endpoint
         self.host = NixlAccess(f"cmx-dpu-{node[:12]}-{uuid.uuid4().hex[:6]}", endpoint,
                                timeout_s=config.load_timeout_s)
-        super().__init__(node, config)
+        OffloadAgent.__init__(self, node, config, link)  # not the actor's: see DpuAgentActor
+        own, self.nvme = self.nvme, NoHostFiles()
+        own.close()
+        slot_bytes = self._arenas[Tier.HBM][0].slot_bytes
+        self.bounce = BounceSlots(f"{self.name}-bounce", slot_bytes, max(1, min(
+            MAX_BOUNCE_SLOTS, config.staging_bytes // slot_bytes)))
+        self.transport.register(self.bounce.region, self.bounce.buffer)
+        self._bounce_lock = threading.Lock()  # one pull through the bounce slots at a time
+        self.bounced = 0  # bytes from peers that passed through the bounce slots
 
     # -- the host's arenas: names to address, never mapped -------------------------------------
 
     def _attach(self, tier: Tier) -> None:
+        """The tier's current arena, reached through the endpoint; its earlier incarnations
+        are forgotten here as the endpoint lets them go (no copy may land in them)."""
         info = self.link.call(actor_name(tier.value, self.node), "info")
         if info.epoch in self._epochs:
             return
         self.host.attach(info)
         arena: Any = HostArena(info.arena)
+        for old in [e for e, (i, _) in self._epochs.items() if i.tier is tier]:
+            del self._epochs[old]
         self._arenas[tier] = (info, arena)
         self._epochs[info.epoch] = (info, arena)
-        of_tier = [e for e, (i, _) in self._epochs.items() if i.tier is tier]
-        for old in of_tier[:-KEEP_EPOCHS]:
-            del self._epochs[old]
 
     def _name(self, epoch: str) -> str:
         return self._arena(epoch).name
@@ -123,6 +182,10 @@ class DpuAgentActor(AgentActor):
         self.host.copy((self._name(pin.epoch), pin.slot), (dst, grant.slot), pin.size)
         return True
 
+    def _copy_extents(self, pairs: Sequence[tuple[Extent, Extent]]) -> list[bool | None]:
+        """Compaction's copies, made on the host by its endpoint (NIXL POSIX)."""
+        return self.endpoint.move_extents(list(pairs))
+
     # -- DRAM to NVMe --------------------------------------------------------------------------
 
     def _slot_source(self, epoch: str, slot: int) -> tuple[str, int]:
@@ -132,8 +195,7 @@ class DpuAgentActor(AgentActor):
     def _write_extents(self, extents: Sequence[Extent], sources: Sequence[Any]
                        ) -> list[tuple[int, bytes]]:
         """Each block's checksums from its bytes read over NIXL; the host endpoint writes it
-        to its extent. HBM victims are not demoted here: mapping the host's HBM arena is
-        forbidden, so those demotions fail and their blocks are dropped."""
+        to its extent."""
         jobs = [self.scheduler.submit(Priority.DEMOTE,
                                       functools.partial(self._to_extent, ext, src, ext.size))
                 for ext, src in zip(extents, sources)]
@@ -145,13 +207,75 @@ class DpuAgentActor(AgentActor):
         self.host.write_extent(ext, *src)
         return sums
 
+    # -- other nodes: the peer path, every byte over NIXL ---------------------------------------
+
+    def _copy_slot(self, src: Grant, dst: Grant, nbytes: int) -> None:
+        """An HBM to DRAM demotion: host slot to host slot over NIXL."""
+        self.host.copy((self._name(src.epoch), src.slot), (self._name(dst.epoch), dst.slot),
+                       nbytes)
+
+    def peer_info(self) -> PeerInfo:
+        """The host endpoint's NIXL agent and regions: a peer reads the host's memory."""
+        host = self.endpoint.peer()
+        regions = tuple(Region(r.arena, r.base, r.slot_bytes, r.num_slots) for r in host.regions)
+        return PeerInfo(host.agent, "nixl-ucx", regions, host.metadata)
+
+    def read_slots(self, slots: Sequence[tuple[str, int]]) -> list[np.ndarray]:
+        """The fallback transport's server side: whole host slots, read over NIXL."""
+        size = {info.arena: info.slot_bytes for info, _ in self._epochs.values()}
+        if missing := {region for region, _ in slots} - size.keys():
+            raise TransferError(f"no host region {sorted(missing)} here")
+        return [self.host.read(region, slot, size[region]) for region, slot in slots]
+
+    def _land_staged(self, peer_agent: str, pairs: list[tuple[int, Staged]],
+                     granted: dict[int, Grant], priority: Priority) -> set[int]:
+        """Blocks from a peer into the host's HBM through the bounce slots, a window of them
+        at a time: the transport pulls a window in, each block checked as it lands; the
+        intact ones go to their host slots over NIXL."""
+        intact: set[int] = set()
+        width = self.bounce.num_slots
+        with self._bounce_lock:
+            for start in range(0, len(pairs), width):
+                intact |= self._land_window(peer_agent, pairs[start:start + width], granted,
+                                            priority)
+        return intact
+
+    def _land_window(self, peer_agent: str, pairs: list[tuple[int, Staged]],
+                     granted: dict[int, Grant], priority: Priority) -> set[int]:
+        dsts = [(self._name(granted[i].epoch), granted[i].slot) for i, _ in pairs]
+        peer = self._peer_holding(peer_agent, pairs)
+        moves = [Move(s.region, s.slot, self.bounce.name, j) for j, (_, s) in enumerate(pairs)]
+        checks = LandedChecks({m: (self.bounce, s.size, s.checksum)
+                               for m, (_, s) in zip(moves, pairs)})
+        try:
+            self._transfer(peer, moves, checks.landed, priority)
+        except TransferError:
+            self._peers.pop(peer_agent, None)  # the peer may have restarted
+            raise
+        landed = [(i, s, dst, self.bounce.slot_view(m.dst_slot)[:s.size])
+                  for m, (i, s), dst in zip(moves, pairs, dsts) if m in checks.intact]
+        writes = [self.scheduler.submit(priority, functools.partial(self.host.write, *dst, src))
+                  for _, _, dst, src in landed]  # as many at once as there are bounce buffers
+        for w in writes:
+            w.result()
+        self.bounced += sum(s.size for _, s, _, _ in landed)
+        return {i for i, _, _, _ in landed}
+
     # -- plumbing ------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, object]:
         return {**super().stats(), "host_access": {
             "name": self.host.name, "bytes_read": self.host.bytes_read,
-            "bytes_written": self.host.bytes_written}}
+            "bytes_written": self.host.bytes_written, "bounced_from_peers": self.bounced}}
 
     def close(self) -> None:
         super().close()
         self.host.close()
+
+
+class DpuAgentActor(DpuAgent, AgentActor):
+    def __init__(self, node: str, config: ServiceConfig) -> None:
+        forbid_host_access()  # before anything could map or open what is the host's
+        endpoint = RayEndpoint(start_host_endpoint(node, config), config.call_timeout_s)
+        DpuAgent.__init__(self, node, config, RayLink(config.call_timeout_s), endpoint)
+        self._note_placement()

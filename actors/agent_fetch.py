@@ -12,21 +12,23 @@ import logging
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
 
 from cmx.actors.agent_base import AgentBase, StaleEpochError
 from cmx.actors.arena_tier import Grant, Pinned
 from cmx.actors.directory import Copy
 from cmx.actors.links import actor_name
 from cmx.actors.scheduler import Priority
-from cmx.actors.transport import Move, TransferError
+from cmx.actors.transport import Move, OnLanded, PeerInfo, TransferError
 from cmx.checksum import ChecksumStream
 from cmx.errors import UnavailableError
 from cmx.keys import BlockHash
 from cmx.protocol import Loaded, Staged
-from cmx.storage.arena import SharedArena
 from cmx.tiers import Tier
 
-__all__ = ["RemoteFills", "StagedAhead"]
+__all__ = ["LandedChecks", "RemoteFills", "SlotViews", "StagedAhead"]
 
 log = logging.getLogger(__name__)
 
@@ -176,33 +178,12 @@ class RemoteFills(AgentBase):
         next ``stage`` needs the room (a peer serves calls concurrently, so a call merely sent
         first may still run second). After the last window nobody waits for it."""
         try:
-            peer = self._peer(peer_agent)
-            if any(s is not None and s.region not in {r.name for r in peer.regions}
-                   for s in staged):
-                peer = self._peer(peer_agent, refresh=True)  # the peer re-registered its arenas
             pairs = [(i, s) for i, s in zip(idx, staged) if s is not None]
-            moves = [Move(s.region, s.slot, self._epochs[granted[i].epoch][0].arena,
-                          granted[i].slot) for i, s in pairs if granted[i].epoch in self._epochs]
-            if len(moves) < len(pairs):
-                raise StaleEpochError("HBM restarted since it granted these slots")
-            checks = _LandedChecks(
-                {m: (self._arena(granted[i].epoch), s.size, s.checksum)
-                 for m, (i, s) in zip(moves, pairs)})
-            with self.scheduler.staging(0):
-                fut = self.scheduler.submit(
-                    priority,
-                    lambda: self.transport.read(peer, moves, self.config.load_timeout_s,
-                                                checks.landed),
-                )
-                try:
-                    fut.result()
-                except TransferError:
-                    self._peers.pop(peer_agent, None)  # the peer may have restarted
-                    raise
+            intact = self._land_staged(peer_agent, pairs, granted, priority)
             out: dict[int, Loaded] = {}
             corrupt: list[Staged] = []
-            for m, (i, s) in zip(moves, pairs):
-                if m not in checks.intact:
+            for i, s in pairs:
+                if i not in intact:
                     log.warning("checksum mismatch for %s from %s", keys[i].hex()[:12], node[:8])
                     corrupt.append(s)
                     continue
@@ -218,6 +199,42 @@ class RemoteFills(AgentBase):
         finally:
             self._unstage(peer_agent, [s for s in staged if s is not None], wait=more)
 
+    def _land_staged(self, peer_agent: str, pairs: list[tuple[int, Staged]],
+                     granted: dict[int, Grant], priority: Priority) -> set[int]:
+        """Pull each staged block (key index, what the peer staged) into its granted HBM slot
+        with the transport, checked as its pieces land; the key indexes that landed intact."""
+        peer = self._peer_holding(peer_agent, pairs)
+        moves = [Move(s.region, s.slot, self._epochs[granted[i].epoch][0].arena,
+                      granted[i].slot) for i, s in pairs if granted[i].epoch in self._epochs]
+        if len(moves) < len(pairs):
+            raise StaleEpochError("HBM restarted since it granted these slots")
+        checks = LandedChecks(
+            {m: (self._arena(granted[i].epoch), s.size, s.checksum)
+             for m, (i, s) in zip(moves, pairs)})
+        try:
+            self._transfer(peer, moves, checks.landed, priority)
+        except TransferError:
+            self._peers.pop(peer_agent, None)  # the peer may have restarted
+            raise
+        return {i for m, (i, _) in zip(moves, pairs) if m in checks.intact}
+
+    def _peer_holding(self, peer_agent: str, pairs: Sequence[tuple[int, Staged]]) -> PeerInfo:
+        """What ``peer_agent`` publishes, asked again if it lacks a region ``pairs`` name."""
+        peer = self._peer(peer_agent)
+        if any(s.region not in {r.name for r in peer.regions} for _, s in pairs):
+            peer = self._peer(peer_agent, refresh=True)  # the peer re-registered its arenas
+        return peer
+
+    def _transfer(self, peer: PeerInfo, moves: list[Move], landed: OnLanded,
+                  priority: Priority) -> None:
+        """``moves`` from ``peer`` with the transport, at ``priority``; ``landed`` as each
+        piece lands."""
+        with self.scheduler.staging(0):
+            self.scheduler.submit(
+                priority,
+                lambda: self.transport.read(peer, moves, self.config.load_timeout_s, landed),
+            ).result()
+
     def _unstage(self, peer_agent: str, staged: list[Staged], wait: bool) -> None:
         if not staged:
             return
@@ -230,11 +247,17 @@ class RemoteFills(AgentBase):
             pass  # the peer restarted: its pins went with it
 
 
-class _LandedChecks:
+class SlotViews(Protocol):
+    """Where blocks land: an arena mapped here, or a DPU agent's bounce slots."""
+
+    def slot_view(self, slot: int) -> np.ndarray: ...
+
+
+class LandedChecks:
     """Checksums of blocks landing piece by piece (``Transport.read``'s ``on_landed``):
     each piece is fed while it is still in the cache, as later pieces still move."""
 
-    def __init__(self, expected: dict[Move, tuple[SharedArena, int, int]]) -> None:
+    def __init__(self, expected: dict[Move, tuple[SlotViews, int, int]]) -> None:
         self._expected = expected  # move -> (arena it lands in, payload size, checksum)
         self._streams = {m: ChecksumStream() for m in expected}
         self.intact: set[Move] = set()  # moves whose whole payload landed and checked out

@@ -51,11 +51,15 @@ class NvmeTransfers(AgentBase):
     def move_extents(self, pairs: Sequence[tuple[Extent, Extent]]) -> list[bool | None]:
         """Compaction's copies, for the NVMe tier (which only decides them): each block from
         its old extent to its new one, verified; None for a block whose bytes failed."""
-        done = self.nvme.copy_many(pairs)
+        done = self._copy_extents(pairs)
         moved = sum(src.size for (src, _), ok in zip(pairs, done) if ok)
         self.moved["nvme->nvme"] += moved
         self.moved_via["nvme"] += moved
         return done
+
+    def _copy_extents(self, pairs: Sequence[tuple[Extent, Extent]]) -> list[bool | None]:
+        """Compaction's copies through this agent's own NVMe plane."""
+        return self.nvme.copy_many(pairs)
 
     def _write_nvme(
         self, tier: Tier, items: Sequence[tuple[BlockHash, int, int | None]],

@@ -18,10 +18,12 @@ with part of a slot moved silently.
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -33,8 +35,13 @@ from cmx.errors import CmxError
 from cmx.storage.arena import SharedArena
 from cmx.storage.nvme.dataplane import Extent, ExtentPlane
 
-__all__ = ["HostAccess", "HostAccessForbidden", "HostPeer", "HostRegion", "LocalAccess",
-           "NixlAccess", "forbid_host_access"]
+__all__ = ["BouncePool", "HostAccess", "HostAccessForbidden", "HostArenaRetired", "HostPeer",
+           "HostRegion", "LocalAccess", "NixlAccess", "NoHostFiles", "forbid_host_access"]
+
+
+class HostArenaRetired(TransferError):
+    """A move into or out of an arena of an earlier incarnation of a host tier: the tier
+    restarted, the endpoint let the arena go, and no byte may land in it."""
 
 
 class HostAccessForbidden(CmxError):
@@ -50,6 +57,8 @@ class HostRegion:
     base: int
     slot_bytes: int
     num_slots: int
+    tier: str = ""  # the tier whose incarnation this arena is: one incarnation at a time
+    epoch: str = ""
 
     def address(self, slot: int, offset: int = 0) -> int:
         if not 0 <= slot < self.num_slots:
@@ -145,47 +154,65 @@ class Endpoint(Protocol):
     def attach(self, info: ArenaInfo) -> HostRegion: ...
     def read_extent(self, extent: Extent, arena: str, slot: int) -> None: ...
     def write_extent(self, extent: Extent, arena: str, slot: int) -> None: ...
+    def move_extents(self, pairs: list[tuple[Extent, Extent]]) -> list[bool | None]: ...
 
 
 PIECE_BYTES = 2 << 20  # one UCX descriptor: several in flight per transfer
 
 
 class NixlAccess(HostAccess):
-    """The agent on a DPU: every byte over NIXL, through ``bounce_bytes`` of its own memory.
+    """The agent on a DPU: every byte over NIXL, through ``buffers`` bounce buffers of
+    ``bounce_bytes`` of its own memory.
 
-    Host to host moves (a DRAM block into an HBM slot) pass through the bounce buffer: READ
-    from the host, then WRITE to it, in windows of the buffer's size. Extents move on the host,
-    through the endpoint's NIXL POSIX backend: the DPU commands them and carries no file.
+    Host to host moves (a DRAM block into an HBM slot) pass through a bounce buffer: READ
+    from the host, then WRITE to it, in windows of the buffer's size. Each move holds one
+    buffer, so ``buffers`` moves are in flight at once (one block's crossing overlaps
+    another's). Extents move on the host, through the endpoint's NIXL POSIX backend: the DPU
+    commands them and carries no file.
     """
 
     name = "nixl-dpu"
 
-    def __init__(self, agent: str, endpoint: Endpoint, bounce_bytes: int = 64 << 20,
-                 timeout_s: float = 60.0) -> None:
-        from cmx.buffers import aligned_empty
+    def __init__(self, agent: str, endpoint: Endpoint, bounce_bytes: int = 32 << 20,
+                 timeout_s: float = 60.0, buffers: int = 2) -> None:
         from cmx.nixl_api import nixl_api
 
         api = nixl_api()
         self._nixl = api.nixl_agent(agent, api.nixl_agent_config(backends=["UCX"]))
         self._endpoint = endpoint
         self._timeout_s = timeout_s
-        self._bounce = aligned_empty(bounce_bytes)
-        self._bounce[:] = 0  # faulted in once, not on the first transfers
-        self._nixl.register_memory([(self._bounce.ctypes.data, bounce_bytes, 0, "")], "DRAM")
-        self._lock = threading.Lock()  # one bounce buffer: one move at a time
+        self.bounce = BouncePool(self._nixl, bounce_bytes, buffers, timeout_s)
+        self._attaching = threading.Lock()  # one reload of the host's registrations at a time
         self._host = ""
-        self._regions: dict[str, HostRegion] = {}
+        self._regions: dict[str, HostRegion] = {}  # what the endpoint has registered now
+        self._retired: set[str] = set()  # arenas of tier incarnations the endpoint let go
         self.bytes_read = 0
         self.bytes_written = 0
 
     def attach(self, info: ArenaInfo) -> None:
+        """Reach ``info``'s arena; re-resolve the rest from what the endpoint publishes now.
+
+        The endpoint keeps one incarnation of each tier: attaching a tier's new arena lets
+        the earlier one go there, and here its region is retired, so no move lands in it."""
         if info.arena in self._regions:
             return
-        region = self._endpoint.attach(info)
+        self._endpoint.attach(info)
         peer = self._endpoint.peer()  # the endpoint's registrations now include the region
-        name = self._nixl.add_remote_agent(peer.metadata)
-        self._host = name.decode() if isinstance(name, bytes) else name
-        self._regions[region.arena] = region
+        with self._attaching, self.bounce.every():  # no move runs during the reload
+            if self._host and peer.agent != self._host:
+                self._forget_host()  # another endpoint: the host restarted it
+            name = self._nixl.add_remote_agent(peer.metadata)
+            self._host = name.decode() if isinstance(name, bytes) else name
+            live = {r.arena: r for r in peer.regions}
+            self._retired |= self._regions.keys() - live.keys()
+            self._regions = live
+
+    def _forget_host(self) -> None:
+        try:
+            self._nixl.remove_remote_agent(self._host)
+        except Exception:  # noqa: BLE001 - the host may be gone already
+            pass
+        self._host = ""
 
     def view(self, arena: str, slot: int) -> np.ndarray:
         raise HostAccessForbidden(
@@ -194,24 +221,24 @@ class NixlAccess(HostAccess):
 
     def read(self, arena: str, slot: int, nbytes: int) -> np.ndarray:
         out = np.empty(nbytes, np.uint8)
-        with self._lock:
+        with self.bounce.take() as buf:
             for off, n in self._windows(nbytes):
-                self._move("READ", self._region(arena).address(slot, off), n)
-                out[off:off + n] = self._bounce[:n]
+                self._move("READ", buf, self._region(arena).address(slot, off), n)
+                out[off:off + n] = buf[:n]
         return out
 
     def write(self, arena: str, slot: int, data: np.ndarray) -> None:
         flat = data.view(np.uint8).reshape(-1)
-        with self._lock:
+        with self.bounce.take() as buf:
             for off, n in self._windows(flat.nbytes):
-                self._bounce[:n] = flat[off:off + n]
-                self._move("WRITE", self._region(arena).address(slot, off), n)
+                buf[:n] = flat[off:off + n]
+                self._move("WRITE", buf, self._region(arena).address(slot, off), n)
 
     def copy(self, src: tuple[str, int], dst: tuple[str, int], nbytes: int) -> None:
-        with self._lock:
+        with self.bounce.take() as buf:
             for off, n in self._windows(nbytes):
-                self._move("READ", self._region(src[0]).address(src[1], off), n)
-                self._move("WRITE", self._region(dst[0]).address(dst[1], off), n)
+                self._move("READ", buf, self._region(src[0]).address(src[1], off), n)
+                self._move("WRITE", buf, self._region(dst[0]).address(dst[1], off), n)
 
     def read_extent(self, extent: Extent, arena: str, slot: int) -> None:
         self._region(arena).address(slot)
@@ -223,25 +250,25 @@ class NixlAccess(HostAccess):
 
     def close(self) -> None:
         if self._host:
-            try:
-                self._nixl.remove_remote_agent(self._host)
-            except Exception:  # noqa: BLE001 - the host may be gone already
-                pass
+            self._forget_host()
 
     def _region(self, arena: str) -> HostRegion:
         region = self._regions.get(arena)
         if region is None:
+            if arena in self._retired:
+                raise HostArenaRetired(
+                    f"host arena {arena} is of an earlier incarnation of its tier")
             raise TransferError(f"host arena {arena} is not attached")
         return region
 
     def _windows(self, nbytes: int) -> Iterator[tuple[int, int]]:
-        size = self._bounce.nbytes
+        size = self.bounce.size
         for off in range(0, nbytes, size):
             yield off, min(size, nbytes - off)
 
-    def _move(self, op: str, remote: int, nbytes: int) -> None:
-        """``op`` between the front of the bounce buffer and host memory at ``remote``."""
-        local_base = self._bounce.ctypes.data
+    def _move(self, op: str, buf: np.ndarray, remote: int, nbytes: int) -> None:
+        """``op`` between the front of bounce buffer ``buf`` and host memory at ``remote``."""
+        local_base = buf.ctypes.data
         offs = range(0, nbytes, PIECE_BYTES)
         sizes = [min(PIECE_BYTES, nbytes - o) for o in offs]
         local = self._nixl.get_xfer_descs(
@@ -267,6 +294,72 @@ class NixlAccess(HostAccess):
             self.bytes_written += nbytes
 
 
+class BouncePool:
+    """Bounce buffers in the agent's own memory, registered with NIXL once: a move holds one
+    for its duration (``take``); ``every`` holds them all, so that no move runs meanwhile."""
+
+    def __init__(self, nixl: Any, size: int, count: int, timeout_s: float) -> None:
+        from cmx.buffers import aligned_empty
+
+        if size <= 0 or count <= 0:
+            raise ValueError(f"{count} bounce buffers of {size} bytes")
+        self.size = size
+        self.count = count
+        self._timeout_s = timeout_s
+        self._memory = aligned_empty(size * count)
+        self._memory[:] = 0  # faulted in once, not on the first transfers
+        nixl.register_memory([(self._memory.ctypes.data, size * count, 0, "")], "DRAM")
+        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for i in range(count):
+            self._free.put(i)
+        self._lock = threading.Lock()
+        self._in_use = 0
+        self.peak = 0  # the most buffers in use at once
+
+    @contextmanager
+    def take(self) -> Iterator[np.ndarray]:
+        i = self._get()
+        with self._lock:
+            self._in_use += 1
+            self.peak = max(self.peak, self._in_use)
+        try:
+            yield self._memory[i * self.size:(i + 1) * self.size]
+        finally:
+            with self._lock:
+                self._in_use -= 1
+            self._free.put(i)
+
+    @contextmanager
+    def every(self) -> Iterator[None]:
+        held: list[int] = []
+        try:
+            for _ in range(self.count):
+                held.append(self._get())
+            yield
+        finally:
+            for i in held:
+                self._free.put(i)
+
+    def _get(self) -> int:
+        try:
+            return self._free.get(timeout=self._timeout_s)
+        except queue.Empty:
+            raise TransferError(
+                f"no bounce buffer came free within {self._timeout_s:g} s") from None
+
+
+class NoHostFiles(ExtentPlane):
+    """The NVMe plane of an agent that reaches its host over the network: it opens no host
+    file (the host endpoint moves extents), so any attempt raises HostAccessForbidden."""
+
+    def _open(self, path: str) -> Iterator[int]:  # type: ignore[override]
+        return _refuse_open(self, path)
+
+
+def _refuse_open(self: ExtentPlane, path: str) -> Iterator[int]:
+    raise HostAccessForbidden(f"cannot open host file {path}: this process is a DPU's")
+
+
 def forbid_host_access() -> None:
     """From now on, mapping a shared-memory arena or opening an NVMe segment in this process
     raises HostAccessForbidden: the process plays a DPU, which has neither. For the whole
@@ -275,8 +368,5 @@ def forbid_host_access() -> None:
     def refuse_map(cls: Any, name: str, populate: bool = False) -> SharedArena:
         raise HostAccessForbidden(f"cannot map host arena {name}: this process is a DPU's")
 
-    def refuse_open(self: ExtentPlane, path: str) -> Iterator[int]:
-        raise HostAccessForbidden(f"cannot open host file {path}: this process is a DPU's")
-
     SharedArena.attach = classmethod(refuse_map)  # type: ignore[assignment, method-assign]
-    ExtentPlane._open = refuse_open  # type: ignore[assignment, method-assign]
+    ExtentPlane._open = _refuse_open  # type: ignore[assignment, method-assign]

@@ -32,28 +32,49 @@ class HostEndpoint:
             self._nixl = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
         self.name = name
         self.nvme = ExtentPlane(io_engine)
-        self._arenas: dict[str, tuple[SharedArena, HostRegion]] = {}
+        # arena -> its mapping, its region, its NIXL registration
+        self._arenas: dict[str, tuple[SharedArena, HostRegion, Any]] = {}
 
     def attach(self, info: ArenaInfo) -> HostRegion:
-        """Map and register ``info``'s arena (once); its region as the DPU addresses it."""
+        """Map and register ``info``'s arena (once); its region as the DPU addresses it.
+
+        One incarnation of a tier at a time: an arena of the tier's earlier incarnation is
+        deregistered and unmapped, so a late move into it fails instead of landing in memory
+        no live tier uses (and the dead arena's memory is freed)."""
         if info.arena not in self._arenas:
+            for name in [n for n, (_, r, _) in self._arenas.items()
+                         if r.tier == info.tier.value and r.epoch != info.epoch]:
+                self._let_go(name)
             arena = SharedArena.attach(info.arena, populate=True)
             base = arena.buffer.ctypes.data
             nbytes = arena.slot_bytes * arena.num_slots
-            self._nixl.register_memory([(base, nbytes, 0, "")], "DRAM")
-            self._arenas[info.arena] = (arena, HostRegion(info.arena, base, arena.slot_bytes,
-                                                           arena.num_slots))
+            registered = self._nixl.register_memory([(base, nbytes, 0, "")], "DRAM")
+            self._arenas[info.arena] = (arena, HostRegion(
+                info.arena, base, arena.slot_bytes, arena.num_slots, info.tier.value,
+                info.epoch), registered)
         return self._arenas[info.arena][1]
+
+    def _let_go(self, name: str) -> None:
+        arena, _, registered = self._arenas.pop(name)
+        try:
+            self._nixl.deregister_memory(registered)
+        finally:
+            arena.close()
 
     def peer(self) -> HostPeer:
         return HostPeer(self.name, self._nixl.get_agent_metadata(),
-                        tuple(r for _, r in self._arenas.values()))
+                        tuple(r for _, r, _ in self._arenas.values()))
 
     def read_extent(self, extent: Extent, arena: str, slot: int) -> None:
         self.nvme.read_many([extent], [self._slot(arena, slot)])
 
     def write_extent(self, extent: Extent, arena: str, slot: int) -> None:
         self.nvme.write_many([extent], [self._slot(arena, slot)])
+
+    def move_extents(self, pairs: list[tuple[Extent, Extent]]) -> list[bool | None]:
+        """Compaction's copies on the host: each block from its old extent to its new one,
+        verified (None: its bytes failed their checksum, it was not copied)."""
+        return self.nvme.copy_many(pairs)
 
     def stats(self) -> dict[str, object]:
         return {"endpoint": self.name, "arenas": sorted(self._arenas),
@@ -66,6 +87,8 @@ class HostEndpoint:
 
     def close(self) -> None:
         self.nvme.close()
+        for name in list(self._arenas):
+            self._let_go(name)
 
 
 def host_endpoint_actor() -> Any:
@@ -98,3 +121,6 @@ class RayEndpoint:
 
     def write_extent(self, extent: Extent, arena: str, slot: int) -> None:
         self._get(self._handle.write_extent.remote(extent, arena, slot))
+
+    def move_extents(self, pairs: list[tuple[Extent, Extent]]) -> list[bool | None]:
+        return self._get(self._handle.move_extents.remote(pairs))  # type: ignore[no-any-return]

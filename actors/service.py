@@ -99,13 +99,17 @@ class NvmeTierActor(NvmeTierService):
 class AgentActor(OffloadAgent):
     def __init__(self, node: str, config: ServiceConfig) -> None:
         super().__init__(node, config, RayLink(config.call_timeout_s))
+        self._note_placement()
+
+    def _note_placement(self) -> None:
+        """Where this actor runs, and whether it moves bytes between nodes at a fallback."""
         self.placed_on = ray.get_runtime_context().get_node_id()
         reason = getattr(self.transport, "fallback_reason", None)
         self.degraded = None if reason is None else \
             describe(Fallback.OBJECT_STORE_TRANSPORT, reason)
         if self.degraded:
             log.warning("agent of node %s moves bytes between nodes through Ray's object store: "
-                        "%s", node, reason)
+                        "%s", self.node, reason)
 
     def stats(self) -> dict[str, object]:
         own = {"degraded": self.degraded} if self.degraded else {}

@@ -73,6 +73,9 @@ class PipeEndpoint:
     def write_extent(self, extent: Extent, arena: str, slot: int) -> None:
         self._call("write_extent", extent, arena, slot)
 
+    def move_extents(self, pairs: list[tuple[Extent, Extent]]) -> list[bool | None]:
+        return self._call("move_extents", pairs)  # type: ignore[no-any-return]
+
 
 @pytest.fixture(scope="module")
 def host() -> Iterator[tuple[SharedArena, SharedArena, PipeEndpoint]]:
@@ -194,3 +197,64 @@ def test_an_unattached_arena_is_a_typed_error_not_a_stray_address(
     with pytest.raises(ValueError):
         access.read(dram.name, 8, 16)  # slot 8 of 8
     access.close()
+
+
+def test_a_restarted_host_tier_retires_its_earlier_arena_on_both_sides(
+    host: tuple[SharedArena, SharedArena, PipeEndpoint],
+) -> None:
+    from cmx.actors.dpu_access import HostArenaRetired
+
+    _, hbm, endpoint = host
+    first = SharedArena.create(4 * SLOT, SLOT)
+    second = SharedArena.create(4 * SLOT, SLOT)
+    access = NixlAccess("test-dpu-agent-3", endpoint, bounce_bytes=1 << 20)
+    block = np.random.default_rng(9).integers(0, 256, SLOT, dtype=np.uint8)
+    try:
+        access.attach(ArenaInfo(Tier.HBM, "node", hbm.name, SLOT, 8, True, "epoch-hbm"))
+        access.attach(ArenaInfo(Tier.DRAM, "node", first.name, SLOT, 4, False, "epoch-1"))
+        access.write(first.name, 1, block)  # step one, in the first incarnation
+        # The DRAM tier restarts: a new arena, and the agent attaches it.
+        access.attach(ArenaInfo(Tier.DRAM, "node", second.name, SLOT, 4, False, "epoch-2"))
+        first.slot_view(1)[:] = 0
+        with pytest.raises(HostArenaRetired):  # step two: nothing lands in the first
+            access.write(first.name, 1, block)
+        assert not first.slot_view(1).any()
+        assert {r.arena for r in endpoint.peer().regions} == {hbm.name, second.name}
+        access.write(second.name, 1, block)
+        access.copy((second.name, 1), (hbm.name, 3), SLOT)  # the other tier is untouched
+        assert np.array_equal(hbm.slot_view(3), block)
+        assert np.array_equal(access.read(second.name, 1, SLOT), block)
+    finally:
+        access.close()
+        for arena in (first, second):
+            arena.close()
+            arena.unlink()
+
+
+def test_moves_through_several_bounce_buffers_at_once_keep_every_byte(
+    host: tuple[SharedArena, SharedArena, PipeEndpoint],
+) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    dram, hbm, endpoint = host
+    access = NixlAccess("test-dpu-agent-4", endpoint, bounce_bytes=1 << 20, buffers=3)
+    rng = np.random.default_rng(11)
+    data = [rng.integers(0, 256, SLOT, dtype=np.uint8) for _ in range(8)]
+    try:
+        for info in _infos(dram, hbm):
+            access.attach(info)
+
+        def round_trip(i: int) -> bool:  # each slot through its own buffer, 4 windows each
+            access.write(dram.name, i, data[i])
+            access.copy((dram.name, i), (hbm.name, i), SLOT)
+            return bool(np.array_equal(access.read(hbm.name, i, SLOT), data[i]))
+
+        with access.bounce.take(), access.bounce.take():  # two held: the third still moves
+            assert round_trip(0)
+        with ThreadPoolExecutor(8) as pool:
+            assert all(pool.map(round_trip, range(8)))
+        for i in range(8):
+            assert np.array_equal(hbm.slot_view(i), data[i])
+        assert access.bounce.peak <= 3
+    finally:
+        access.close()

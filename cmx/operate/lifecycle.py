@@ -31,7 +31,7 @@ from cmx.operate.local_ray import (
 from cmx.operate.ray_cluster import join, match_ray_auth, stop_local_head
 from cmx.operate.state import ServiceState
 
-__all__ = ["DownResult", "UpOptions", "UpResult", "down", "orphans", "up"]
+__all__ = ["DownResult", "UpOptions", "UpResult", "down", "match_auth_for", "orphans", "up"]
 
 Step = Callable[[str], None]  # reports the step under way
 
@@ -66,7 +66,7 @@ def up(opts: UpOptions, step: Step = lambda s: None) -> UpResult:
         return UpResult(prior, already_up=True)
 
     address = opts.address or f"127.0.0.1:{opts.head.port}"
-    match_ray_auth()
+    match_auth_for(address)
     pid = None
     ray_dashboard: str | None = None
     log_path = os.path.join(os.path.dirname(path), "ray-head.log")
@@ -99,6 +99,15 @@ def up(opts: UpOptions, step: Step = lambda s: None) -> UpResult:
                          ray_dashboard=ray_dashboard, started_at=time.time())
     state.save(path)
     return UpResult(state, already_up=False)
+
+
+def match_auth_for(address: str) -> bool:
+    """Token authentication for ``cmx up`` at ``address``: a cluster that already answers there
+    decides by whether it refuses a call without a token (it may run without one on a machine
+    where a token exists); a head that ``up`` is about to start, by whether a token exists, as
+    ``ray start`` decides. True if it is on."""
+    running = address != "auto" and port_open(*split_address(address))
+    return match_ray_auth(address if running else None)
 
 
 def down(admin: AdminConfig, address: str | None = None, step: Step = lambda s: None

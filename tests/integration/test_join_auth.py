@@ -48,3 +48,27 @@ def test_a_joined_process_owns_objects_another_node_reads(cluster: Any, tmp_path
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result == {"token": False, "sum": float(1 << 20)}, done.stderr[-4000:]
+
+
+UP_AUTH = """
+import json, sys
+from cmx.operate.lifecycle import match_auth_for
+
+print(json.dumps(match_auth_for(sys.argv[1])))
+"""
+
+
+def test_cmx_up_at_a_running_cluster_without_tokens_joins_it_without_one(
+    cluster: Any, tmp_path: Path,
+) -> None:
+    """`cmx up --address` at a cluster that runs without token authentication, from a machine
+    where a token exists: it must not turn token mode on, or this process would refuse the
+    cluster's calls, which carry no token (as in the test above)."""
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("0123456789abcdef" * 4)
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
+    env["HOME"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-c", UP_AUTH, cluster.address], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) is False, done.stderr[-4000:]

@@ -30,7 +30,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 import numpy as np
 
@@ -53,6 +53,7 @@ from cmx.metrics import Histogram
 from cmx.policies.admission import make_admission
 from cmx.policies.placement import make_placement
 from cmx.protocol import Loaded, LoadResult
+from cmx.stats import AgentStats
 from cmx.storage.arena import SharedArena
 from cmx.tiers import Tier
 
@@ -80,6 +81,7 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites, SliceServing)
         self.moved: Counter[str] = Counter()  # "src->dst" -> bytes
         self.moved_via: Counter[str] = Counter()  # transport or "local"/"nvme" -> bytes
         self.dropped: Counter[str] = Counter()  # why evicted blocks were not demoted -> blocks
+        self.corrupt: Counter[str] = Counter()  # where a copy failed its checksum -> blocks
         self.latency = {op: Histogram() for op in ("store", "load", "stage", "prefetch")}
         self.nvme = make_nvme_plane()
         self.pool_admission = make_admission("frequency", min_count=config.pool_admission_min_count)
@@ -241,6 +243,7 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites, SliceServing)
         (the HBM copy it read, and the copy that one was filled from)."""
         self._call(Tier.HBM, "unpin", list(leases))
         if corrupt:
+            self.corrupt["consumer"] += len(corrupt)
             self.quarantine(corrupt)
 
     def give_up(self, owner: str) -> int:
@@ -356,24 +359,17 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites, SliceServing)
 
     # -- plumbing ------------------------------------------------------------------------------
 
-    def stats(self) -> dict[str, object]:
-        return {
-            "agent": self.name,
-            "node": self.node,
-            "transport": self.transport.name,
-            "moved_bytes": dict(self.moved),
-            "moved_via": dict(self.moved_via),
-            "dropped_blocks": dict(self.dropped),
-            "transport_stats": {
-                "reads": self.transport.stats.reads,
-                "bytes": self.transport.stats.bytes_read,
-                "seconds": round(self.transport.stats.seconds, 6),
-                "failures": self.transport.stats.failures,
-            },
-            "queues": self.scheduler.stats(),
-            "latency_s": {op: h.snapshot() for op, h in self.latency.items()},
-            "nvme_io": asdict(self.nvme.stats()),
-        }
+    def stats(self) -> AgentStats:
+        return AgentStats(
+            agent=self.name, node=self.node, placed_on=self.node, transport=self.transport.name,
+            moved_bytes=dict(self.moved), moved_via=dict(self.moved_via),
+            dropped_blocks=dict(self.dropped), corrupt_blocks=dict(self.corrupt),
+            latency={op: h.snapshot() for op, h in self.latency.items()},
+            queues=self.scheduler.stats(),
+            transport_stats=replace(self.transport.stats,
+                                    per_peer=dict(self.transport.stats.per_peer)),
+            plane=self.nvme.stats(),
+        )
 
     def _fetch_from_peer(self, peer_agent: str, slots: list[tuple[str, int]]) -> list[np.ndarray]:
         actor = next(a for a, p in self._peers.items() if p.agent == peer_agent)

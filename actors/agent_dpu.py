@@ -19,6 +19,7 @@ import functools
 import logging
 import uuid
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -33,6 +34,7 @@ from cmx.actors.scheduler import Priority
 from cmx.actors.service import AgentActor
 from cmx.checksum import checksum
 from cmx.config import ServiceConfig
+from cmx.stats import AgentStats, HostAccessStats
 from cmx.storage.nvme.chunks import block_sums
 from cmx.storage.nvme.dataplane import Extent
 from cmx.tiers import Tier
@@ -112,6 +114,7 @@ class DpuAgentActor(AgentActor):
                 for p, g in zip(pins, grants)]
         ok = [f.result() for f in jobs]
         if tier is Tier.NVME and (bad := [p.key for p, good in zip(pins, ok) if not good]):
+            self.corrupt["nvme"] += len(bad)
             self._call(Tier.NVME, "quarantine", bad)
         return ok
 
@@ -147,10 +150,9 @@ class DpuAgentActor(AgentActor):
 
     # -- plumbing ------------------------------------------------------------------------------
 
-    def stats(self) -> dict[str, object]:
-        return {**super().stats(), "host_access": {
-            "name": self.host.name, "bytes_read": self.host.bytes_read,
-            "bytes_written": self.host.bytes_written}}
+    def stats(self) -> AgentStats:
+        host = HostAccessStats(self.host.name, self.host.bytes_read, self.host.bytes_written)
+        return replace(super().stats(), host_access=host)
 
     def close(self) -> None:
         super().close()

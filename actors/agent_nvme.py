@@ -44,6 +44,7 @@ class NvmeTransfers(AgentBase):
             priority, lambda: self.nvme.read_many(extents, dsts)).result()
         if bad := [BlockHash(e.key) for e, good in zip(extents, ok) if not good]:
             log.warning("%d NVMe blocks failed their checksum; quarantined", len(bad))
+            self.corrupt["nvme"] += len(bad)
             self._call(Tier.NVME, "quarantine", bad)
         return ok
 

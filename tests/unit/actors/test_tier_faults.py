@@ -156,7 +156,7 @@ def test_a_disk_that_fills_under_a_demotion_drops_the_victims_and_the_store_goes
     nvme = plane.tiers[(NODE, Tier.NVME)]
     assert nvme.contains(keys) == [False] * 12  # nothing half-written is visible
     assert held(plane, NODE, Tier.DRAM) == (0, 0)
-    assert int(nvme.stats()["reserved"]) == 0
+    assert nvme.stats().reserved == 0
     data, _ = load(plane, NODE, keys[8:])
     assert bytes(data) == bytes(payload[8 * BLOCK :])
     check(plane)

@@ -273,10 +273,11 @@ class ArenaTierService(LeasedPins):
 
     def stats(self) -> TierStats:
         s = self.store.stats()
+        reserved = int(s.extra["reserved"])  # type: ignore[call-overload]
         # A copy a consumer found corrupt is dropped here, not by the store's own checks.
         store = replace(s, quarantined=s.quarantined + self._quarantined)
-        return TierStats(self.tier, self.node, self.epoch, store, s.pinned,
-                         int(s.extra["reserved"]), self.leases.stats(), emulated=self.emulated)  # type: ignore[call-overload]
+        return TierStats(self.tier, self.node, self.epoch, store, s.pinned, reserved,
+                         self.leases.stats(), emulated=self.emulated)
 
     def check_integrity(self) -> None:
         self.store.check_integrity()

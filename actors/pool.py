@@ -313,9 +313,10 @@ class PoolNodeService:
         return self.publisher.flush(heartbeat=True)
 
     def stats(self) -> TierStats:
-        staging = self.staging.stats()
+        staging = self.staging.stats()  # what is pinned and reserved here: staging slots
+        reserved = int(staging.extra["reserved"])  # type: ignore[call-overload]
         return TierStats(Tier.POOL, self.node, self.epoch, self.store.stats(), staging.pinned,
-                         int(staging.extra["reserved"]), self.leases.stats())  # type: ignore[call-overload]
+                         reserved, self.leases.stats())
 
     def check_integrity(self) -> None:
         self.store.check_integrity()

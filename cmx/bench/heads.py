@@ -70,7 +70,7 @@ def _moved(cm: Any, nodes: list[str]) -> Counter[str]:
 
     total: Counter[str] = Counter()
     for node in nodes:
-        total.update(cm.link.call(actor_name("agent", node), "stats")["moved_bytes"])
+        total.update(cm.link.call(actor_name("agent", node), "stats").moved_bytes)
     return total
 
 

@@ -14,6 +14,7 @@ from support import LAYOUT, client_on
 from cmx import LayoutMismatchError
 from cmx.actors.links import RAY_NAMESPACE, actor_name
 from cmx.stats import AgentStats
+from cmx.tiers import Tier
 
 T = LAYOUT.block_tokens
 
@@ -94,10 +95,10 @@ def test_every_byte_moved_went_through_an_agent(cm: Any) -> None:
     n = 3 * LAYOUT.block_bytes
     assert moved["client->dram"] == n  # the three blocks stored, once each
     assert moved["dram->hbm"] == 0  # loaded from DRAM, where the store left them
-    for tier in ("hbm", "dram", "nvme"):
-        took = after["tiers"][tier]["bytes_in"] - before["tiers"][tier]["bytes_in"]
-        assert took == sum(v for k, v in moved.items() if k.endswith(f"->{tier}")), tier
-    assert after["tiers"]["hbm"]["emulated"] is True
+    for tier in (Tier.HBM, Tier.DRAM, Tier.NVME):
+        took = after.tiers[tier].store.bytes_written - before.tiers[tier].store.bytes_written
+        assert took == sum(v for k, v in moved.items() if k.endswith(f"->{tier.value}")), tier
+    assert after.tiers[Tier.HBM].emulated is True
 
 
 def test_tenants_never_see_each_others_blocks(cm: Any) -> None:

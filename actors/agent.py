@@ -32,7 +32,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 import numpy as np
 
@@ -55,6 +55,7 @@ from cmx.metrics import Histogram
 from cmx.policies.admission import make_admission
 from cmx.policies.placement import make_placement
 from cmx.protocol import Loaded, LoadResult, StoreCommit
+from cmx.stats import AgentStats
 from cmx.storage.arena import SharedArena
 from cmx.tiers import Tier
 
@@ -87,6 +88,7 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites, SliceServing)
         # and commit around them (the commit flushes: durable before announced).
         self.latency = {op: Histogram() for op in ("store", "load", "stage", "prefetch",
                                                    "grant_store", "nvme_write", "nvme_books")}
+        self.corrupt: Counter[str] = Counter()  # where a copy failed its checksum -> blocks
         self.nvme = make_nvme_plane()
         self.pool_admission = make_admission("frequency", min_count=config.pool_admission_min_count)
         self.placement_policy = make_placement(config.placement)
@@ -257,6 +259,7 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites, SliceServing)
         (the HBM copy it read, and the copy that one was filled from). The quarantine goes
         first, while the HBM copies are pinned: a copy loaded after the unpin is not it."""
         if corrupt:
+            self.corrupt["consumer"] += len(corrupt)
             self.quarantine(corrupt)
         self._call(Tier.HBM, "unpin", list(leases))
 
@@ -375,25 +378,18 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites, SliceServing)
 
     # -- plumbing ------------------------------------------------------------------------------
 
-    def stats(self) -> dict[str, object]:
-        return {
-            "agent": self.name,
-            "node": self.node,
-            "transport": self.transport.name,
-            "moved_bytes": dict(self.moved),
-            "moved_via": dict(self.moved_via),
-            "dropped_blocks": dict(self.dropped),
-            "store_commits": {k: self.commits[k] for k in ("committed", "refused")},
-            "transport_stats": {
-                "reads": self.transport.stats.reads,
-                "bytes": self.transport.stats.bytes_read,
-                "seconds": round(self.transport.stats.seconds, 6),
-                "failures": self.transport.stats.failures,
-            },
-            "queues": self.scheduler.stats(),
-            "latency_s": {op: h.snapshot() for op, h in self.latency.items()},
-            "nvme_io": asdict(self.nvme.stats()),
-        }
+    def stats(self) -> AgentStats:
+        return AgentStats(
+            agent=self.name, node=self.node, placed_on=self.node, transport=self.transport.name,
+            moved_bytes=dict(self.moved), moved_via=dict(self.moved_via),
+            dropped_blocks=dict(self.dropped), corrupt_blocks=dict(self.corrupt),
+            store_commits={k: self.commits[k] for k in ("committed", "refused")},
+            latency={op: h.snapshot() for op, h in self.latency.items()},
+            queues=self.scheduler.stats(),
+            transport_stats=replace(self.transport.stats,
+                                    per_peer=dict(self.transport.stats.per_peer)),
+            plane=self.nvme.stats(),
+        )
 
     def _fetch_from_peer(self, peer_agent: str, slots: list[tuple[str, int]]) -> list[np.ndarray]:
         actor = next(a for a, p in self._peers.items() if p.agent == peer_agent)

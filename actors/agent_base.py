@@ -59,6 +59,7 @@ class AgentBase:
     moved: Counter[str]  # "src->dst" -> bytes
     moved_via: Counter[str]  # transport, "local" or "nvme" -> bytes
     dropped: Counter[str]  # why evicted blocks were not demoted -> blocks
+    corrupt: Counter[str]  # where a copy failed its checksum -> blocks
     latency: dict[str, Histogram]
     _arenas: dict[Tier, tuple[ArenaInfo, SharedArena]]  # the current incarnation's
     _epochs: dict[str, tuple[ArenaInfo, SharedArena]]  # by epoch: current and a few earlier

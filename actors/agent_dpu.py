@@ -32,6 +32,7 @@ import logging
 import threading
 import uuid
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -56,6 +57,7 @@ from cmx.buffers import aligned_empty
 from cmx.checksum import checksum
 from cmx.config import ServiceConfig
 from cmx.protocol import Staged
+from cmx.stats import AgentStats, HostAccessStats
 from cmx.storage.nvme.chunks import block_sums
 from cmx.storage.nvme.dataplane import Extent, ExtentPlane
 from cmx.tiers import Tier
@@ -171,6 +173,7 @@ class DpuAgent(OffloadAgent):
                 for p, g in zip(pins, grants)]
         ok = [f.result() for f in jobs]
         if tier is Tier.NVME and (bad := [p.key for p, good in zip(pins, ok) if not good]):
+            self.corrupt["nvme"] += len(bad)
             self._call(Tier.NVME, "quarantine", bad)
         return ok
 
@@ -263,10 +266,10 @@ class DpuAgent(OffloadAgent):
 
     # -- plumbing ------------------------------------------------------------------------------
 
-    def stats(self) -> dict[str, object]:
-        return {**super().stats(), "host_access": {
-            "name": self.host.name, "bytes_read": self.host.bytes_read,
-            "bytes_written": self.host.bytes_written, "bounced_from_peers": self.bounced}}
+    def stats(self) -> AgentStats:
+        host = HostAccessStats(self.host.name, self.host.bytes_read, self.host.bytes_written,
+                               self.bounced)
+        return replace(super().stats(), host_access=host)
 
     def close(self) -> None:
         super().close()

@@ -192,6 +192,7 @@ class RemoteFills(AgentBase):
                 self.moved[f"{s.source_tier.value}@peer->hbm"] += s.size
                 self.moved_via[self.transport.name] += s.size
             if corrupt:  # after unstaging: a pinned copy cannot be dropped at once
+                self.corrupt["peer"] += len(corrupt)
                 self._unstage(peer_agent, [s for s in staged if s is not None], wait=True)
                 staged = []
                 self.link.tell(peer_agent, "quarantine_staged", corrupt)  # type: ignore[attr-defined]

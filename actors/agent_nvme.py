@@ -45,6 +45,7 @@ class NvmeTransfers(AgentBase):
             priority, lambda: self.nvme.read_many(extents, dsts)).result()
         if bad := [e for e, good in zip(extents, ok) if not good]:
             log.warning("%d NVMe blocks failed their checksum; quarantined", len(bad))
+            self.corrupt["nvme"] += len(bad)
             self._call(Tier.NVME, "quarantine_extents", bad)  # these copies, not their keys
         return ok
 

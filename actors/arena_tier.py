@@ -17,7 +17,7 @@ back when it expires, so a holder that fails or dies never keeps a slot.
    its holder did not end (its lease expired, or its owner was released) may still have a
    writer copying into it: its slot is fenced, held out of use for another lease period, so
    that late copy lands in a slot no other block uses (``actors.fences``;
-   ``stats()["fenced_slots"]``).
+   ``stats().fenced_slots``).
 3. Readers ``pin(keys, owner)`` -> where each block is (None on a miss), read the slots in
    the arena of the pin's epoch, ``unpin([lease])``.
 
@@ -35,7 +35,7 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cmx.actors.directory import Entry, Source
 from cmx.actors.events import EventPublisher
@@ -44,6 +44,7 @@ from cmx.actors.leases import ADMIN, Clock, LeasedPins, LeaseKind, Leases
 from cmx.errors import BlockStateError, StoreFullError
 from cmx.keys import BlockHash
 from cmx.protocol import Pinned, arena_name
+from cmx.stats import TierStats
 from cmx.storage.arena import SHM_DIR, reap_orphans
 from cmx.storage.base import EventKind, StoreEvent
 from cmx.storage.blocks import BlockMeta, Reservation
@@ -319,34 +320,14 @@ class ArenaTierService(LeasedPins):
         self.fences.lift()
         return self.publisher.flush(heartbeat=True)
 
-    def stats(self) -> dict[str, object]:
+    def stats(self) -> TierStats:
         s = self.store.stats()
-        leases = self.leases.stats()
-        return {
-            "tier": self.tier.value,
-            "node": self.node,
-            "emulated": self.emulated,
-            "epoch": self.epoch,
-            "capacity_bytes": s.capacity_bytes,
-            "used_bytes": s.used_bytes,
-            "blocks": s.blocks,
-            "pinned": s.pinned,
-            "reserved": s.extra["reserved"],
-            "pin_leases": leases.pinned,
-            "reserve_leases": leases.reserved,
-            "expired_leases": leases.expired,
-            "released_leases": leases.released,
-            "fenced_slots": len(self.fences),
-            "refused_commits": self._refused,
-            "quarantined": self._quarantined,
-            "hits": s.hits,
-            "misses": s.misses,
-            "evictions": s.evictions,
-            "bytes_in": s.bytes_written,
-            "bytes_out": s.bytes_read,
-            "directory_failures": self.publisher.failures,
-            "directory_resyncs": self.publisher.resyncs,
-        }
+        reserved = int(s.extra["reserved"])  # type: ignore[call-overload]
+        # A copy a consumer found corrupt is dropped here, not by the store's own checks.
+        store = replace(s, quarantined=s.quarantined + self._quarantined)
+        return TierStats(self.tier, self.node, self.epoch, store, s.pinned, reserved,
+                         self.leases.stats(), len(self.fences), self._refused,
+                         emulated=self.emulated)
 
     def check_integrity(self) -> None:
         self.store.check_integrity()

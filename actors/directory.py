@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from cmx.keys import BlockHash
 from cmx.protocol import Copy, shard_of
+from cmx.stats import DirectoryStats
 from cmx.tiers import Tier
 
 __all__ = ["ApplyResult", "Copy", "DirectoryShard", "Entry", "Source", "shard_of"]
@@ -166,16 +167,13 @@ class DirectoryShard:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def stats(self) -> dict[str, int]:
-        return {
-            "shard": self.shard_id,
-            "blocks": len(self._blocks),
-            "copies": sum(len(_unpack(v)[2]) for v in self._blocks.values()),
-            "sources": len(self._cursor),
-            "source_slots": len(self._sources),  # live sources plus slots free for reuse
-            "resyncs": self.resyncs,
-            "lookups": self.lookups,
-        }
+    def stats(self) -> DirectoryStats:
+        return DirectoryStats(
+            shard=self.shard_id, blocks=len(self._blocks),
+            copies=sum(len(_unpack(v)[2]) for v in self._blocks.values()),
+            sources=len(self._cursor), source_slots=len(self._sources),
+            resyncs=self.resyncs, lookups=self.lookups,
+        )
 
     def check_integrity(self) -> None:
         live = {i for i, s in enumerate(self._sources) if s is not None}

@@ -10,14 +10,13 @@ slots through NIXL's POSIX backend (io_uring), as the DPU asks.
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Any
 
 from cmx.actors.arena_tier import ArenaInfo
 from cmx.actors.dpu_access import HostPeer, HostRegion
 from cmx.errors import CmxError
 from cmx.storage.arena import SharedArena
-from cmx.storage.nvme.dataplane import Extent, ExtentPlane
+from cmx.storage.nvme.dataplane import Extent, ExtentPlane, PlaneStats
 
 __all__ = ["HostEndpoint", "RayEndpoint", "host_endpoint_actor"]
 
@@ -76,9 +75,8 @@ class HostEndpoint:
         verified (None: its bytes failed their checksum, it was not copied)."""
         return self.nvme.copy_many(pairs)
 
-    def stats(self) -> dict[str, object]:
-        return {"endpoint": self.name, "arenas": sorted(self._arenas),
-                "nvme_io": asdict(self.nvme.stats())}
+    def stats(self) -> PlaneStats:
+        return self.nvme.stats()
 
     def _slot(self, arena: str, slot: int) -> Any:
         if arena not in self._arenas:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from cmx.keys import BlockHash
+from cmx.stats import LeaseStats
 
 __all__ = ["ADMIN", "Held", "LeaseKind", "LeaseStats", "LeasedPins", "Leases"]
 
@@ -37,14 +38,6 @@ class Held:
     key: BlockHash
     expires: float
     undo: Callable[[int], None]  # given the lease id: gives the pin or the reservation back
-
-
-@dataclass(frozen=True)
-class LeaseStats:
-    pinned: int  # pins held
-    reserved: int  # reservations held
-    expired: int  # leases taken back because they ran out, since the tier started
-    released: int  # leases given back by ``release_owner``
 
 
 class Leases:

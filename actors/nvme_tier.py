@@ -32,6 +32,7 @@ from cmx.actors.leases import ADMIN, Clock, LeasedPins, LeaseKind, Leases
 from cmx.actors.links import actor_name
 from cmx.errors import BlockStateError
 from cmx.keys import BlockHash
+from cmx.stats import TierStats
 from cmx.storage.nvme.dataplane import Extent, extent_pairs
 from cmx.storage.nvme.extents import ExtentBooks, PendingExtent
 from cmx.storage.nvme.space import ExtentMove, Mover
@@ -184,33 +185,10 @@ class NvmeTierService(LeasedPins):
         self.leases.expire()
         return self.publisher.flush(heartbeat=True)
 
-    def stats(self) -> dict[str, object]:
+    def stats(self) -> TierStats:
         s = self.store.stats()
-        leases = self.leases.stats()
-        return {
-            "tier": self.tier.value,
-            "node": self.node,
-            "emulated": False,
-            "epoch": self.epoch,
-            "capacity_bytes": s.capacity_bytes,
-            "used_bytes": s.used_bytes,
-            "blocks": s.blocks,
-            "pinned": s.pinned,
-            "reserved": len(self._pending),
-            "pin_leases": leases.pinned,
-            "reserve_leases": leases.reserved,
-            "expired_leases": leases.expired,
-            "released_leases": leases.released,
-            "hits": s.hits,
-            "misses": s.misses,
-            "evictions": s.evictions,
-            "quarantined": s.quarantined,
-            "bytes_in": s.bytes_written,
-            "bytes_out": s.bytes_read,
-            "directory_failures": self.publisher.failures,
-            "directory_resyncs": self.publisher.resyncs,
-            **{k: v for k, v in s.extra.items() if k in ("segments", "dead_bytes", "io_engine")},
-        }
+        return TierStats(self.tier, self.node, self.epoch, s, s.pinned, len(self._pending),
+                         self.leases.stats())
 
     def check_integrity(self) -> None:
         self.store.check_integrity()

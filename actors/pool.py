@@ -42,6 +42,7 @@ from cmx.keys import BlockHash
 from cmx.policies.rendezvous import owners
 from cmx.protocol import Offer, Staged
 from cmx.selection import Runs, SlicedBlock
+from cmx.stats import TierStats
 from cmx.storage.dram import DramStore, Reservation
 from cmx.storage.nvme.dataplane import Extent, ExtentPlane, PlaneMover
 from cmx.storage.nvme.extents import ExtentBooks, PendingExtent
@@ -81,7 +82,6 @@ class PoolNodeService:
         )
         self._peers: dict[str, PeerInfo] = {}
         self._lock = threading.Lock()
-        self.ingested = self.served = self.pushed = 0
         self.publisher = EventPublisher(
             Source(node, Tier.POOL), self.epoch, num_shards,
             lambda shard, method, *args: link.call(  # type: ignore[attr-defined]
@@ -133,7 +133,6 @@ class PoolNodeService:
         stored = self._write_through(grants)
         self.store.flush()
         self.publisher.flush()
-        self.ingested += stored
         return stored
 
     # -- reads out of the pool -----------------------------------------------------------------
@@ -156,7 +155,6 @@ class PoolNodeService:
             lease = self.leases.grant(owner, LeaseKind.PIN, key, self._unstage_later(key))
             out.append(Staged(key, Tier.POOL, region, ref.slot, ref.size, ref.checksum or 0,
                               Tier.POOL, lease))
-            self.served += 1
         return out
 
     def read_selection(self, keys: Sequence[BlockHash], runs: Runs) -> list[SlicedBlock | None]:
@@ -337,7 +335,6 @@ class PoolNodeService:
                         self.unstage(staged)
             except UnavailableError as exc:
                 log.warning("rebalance to %s failed: %s", owner[:8], exc)
-        self.pushed += pushed
         return pushed
 
     # -- upkeep --------------------------------------------------------------------------------
@@ -346,20 +343,11 @@ class PoolNodeService:
         self.leases.expire()
         return self.publisher.flush(heartbeat=True)
 
-    def stats(self) -> dict[str, object]:
-        s = self.store.stats()
-        return {
-            "tier": Tier.POOL.value, "node": self.node, "pool_id": self.pool_id,
-            "epoch": self.epoch, "emulated": False,
-            "capacity_bytes": s.capacity_bytes, "used_bytes": s.used_bytes, "blocks": s.blocks,
-            "hits": s.hits, "misses": s.misses, "evictions": s.evictions,
-            "quarantined": s.quarantined, "bytes_in": s.bytes_written, "bytes_out": s.bytes_read,
-            "ingested": self.ingested, "served": self.served, "pushed": self.pushed,
-            "transport": self.transport.name,
-            "pinned": self.staging.stats().pinned, "pin_leases": self.leases.stats().pinned,
-            "reserved": self.staging.stats().extra["reserved"],
-            "expired_leases": self.leases.stats().expired,
-        }
+    def stats(self) -> TierStats:
+        staging = self.staging.stats()  # what is pinned and reserved here: staging slots
+        reserved = int(staging.extra["reserved"])  # type: ignore[call-overload]
+        return TierStats(Tier.POOL, self.node, self.epoch, self.store.stats(), staging.pinned,
+                         reserved, self.leases.stats())
 
     def check_integrity(self) -> None:
         self.store.check_integrity()

@@ -20,6 +20,7 @@ from typing import Any
 
 from cmx.errors import CmxError
 from cmx.protocol import Priority
+from cmx.stats import QueueStats
 
 __all__ = ["BusyError", "Priority", "Scheduler"]
 
@@ -86,14 +87,13 @@ class Scheduler:
         with self._cv:
             return {p.name.lower(): self._queued[p] for p in Priority}
 
-    def stats(self) -> dict[str, object]:
+    def stats(self) -> QueueStats:
         with self._cv:
-            return {
-                "queued": {p.name.lower(): self._queued[p] for p in Priority},
-                "done": {p.name.lower(): self._done[p] for p in Priority},
-                "staging_bytes_in_use": self._staged,
-                "staging_bytes": self.staging_bytes,
-            }
+            return QueueStats(
+                queued={p.name.lower(): self._queued[p] for p in Priority},
+                done={p.name.lower(): self._done[p] for p in Priority},
+                staging_bytes_in_use=self._staged, staging_bytes=self.staging_bytes,
+            )
 
     def close(self) -> None:
         with self._cv:

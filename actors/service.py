@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -29,6 +30,7 @@ from cmx.config import ServiceConfig
 from cmx.errors import UnavailableError
 from cmx.operate.degraded import Fallback, describe
 from cmx.operate.store_dirs import NodeDisk, Orphan
+from cmx.stats import AgentStats, TierStats
 from cmx.tiers import Tier
 
 __all__ = ["alive_nodes", "ensure_service", "node_actors", "restart_agent", "service_ready",
@@ -88,8 +90,8 @@ class NvmeTierActor(NvmeTierService):
     def collect_orphans(self, older_than_s: float = 0.0) -> list[Orphan]:
         return self.disk.collect(older_than_s)
 
-    def stats(self) -> dict[str, object]:
-        return {**super().stats(), **self.disk.figures()}
+    def stats(self) -> TierStats:
+        return replace(super().stats(), disk=self.disk.stats(), degraded=self.disk.degraded)
 
     def close(self) -> None:
         super().close()
@@ -111,9 +113,8 @@ class AgentActor(OffloadAgent):
             log.warning("agent of node %s moves bytes between nodes through Ray's object store: "
                         "%s", self.node, reason)
 
-    def stats(self) -> dict[str, object]:
-        own = {"degraded": self.degraded} if self.degraded else {}
-        return {**super().stats(), **own}
+    def stats(self) -> AgentStats:
+        return replace(super().stats(), placed_on=self.placed_on, degraded=self.degraded)
 
     def placement(self) -> dict[str, object]:
         return {"node": self.node, "placed_on": self.placed_on, "dpu": self.placed_on != self.node}

@@ -20,11 +20,12 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from cmx.errors import CmxError
+from cmx.stats import TransportStats
 
 __all__ = [
     "Move",
@@ -70,17 +71,6 @@ class PeerInfo:
     transport: str  # "nixl-ucx" or "ray"
     regions: tuple[Region, ...]
     metadata: bytes = b""  # NIXL agent metadata
-
-
-@dataclass
-class TransportStats:
-    reads: int = 0
-    bytes_read: int = 0
-    seconds: float = 0.0
-    failures: int = 0
-    per_peer: dict[str, int] = field(default_factory=dict)
-    range_reads: int = 0  # reads of byte ranges (partial loads), counted in reads too
-    range_bytes: int = 0  # their bytes, counted in bytes_read too
 
 
 class Transport(ABC):

@@ -15,6 +15,7 @@ from cmx.actors.links import actor_name
 from cmx.config import ServiceConfig
 from cmx.errors import CmxError
 from cmx.keys import BlockHash
+from cmx.stats import ServiceStats
 from cmx.tiers import Tier
 
 __all__ = ["Backend", "NotSupportedError", "ServiceBackend"]
@@ -25,9 +26,8 @@ class NotSupportedError(CmxError):
 
 
 class Backend(Protocol):
-    def stats(self) -> dict[str, Any]:
-        """As ``ContextMemory.stats()``: {"nodes": {node: {"tiers", "agent"}}, "directory",
-        and "pool" where the service has one}."""
+    def stats(self) -> ServiceStats:
+        """As ``ContextMemory.stats()``."""
 
     def nodes(self) -> list[str]:
         """Ids of the nodes the service runs on."""
@@ -56,8 +56,9 @@ class ServiceBackend:
 
         return cls(ContextMemory.connect(address=address, config=config, start_service=False))
 
-    def stats(self) -> dict[str, Any]:
-        return dict(self.cm.stats())
+    def stats(self) -> ServiceStats:
+        stats: ServiceStats = self.cm.stats()
+        return stats
 
     def nodes(self) -> list[str]:
         return list(self.cm.nodes())

@@ -109,7 +109,7 @@ def node(
             responses=problem_responses(*_AUTH, *_UNAVAILABLE))
 def pool(state: State) -> PoolStatus:
     """The pooled NVMe tier; ``enabled: false`` where the service runs none."""
-    return pool_view(state.view()[0].stats.get("pool"))
+    return pool_view(state.view()[0].stats.pool)
 
 
 @router.get("/api/v1/blocks/{key}", tags=["blocks"], response_model=BlockCopies,
@@ -156,5 +156,5 @@ def history(
 def metrics(state: State) -> Response:
     """Prometheus text format; every name starts with ``cmx_``."""
     latest, view = state.view()
-    body = render(figures(view, pool_view(latest.stats.get("pool"))))
+    body = render(figures(view, pool_view(latest.stats.pool)))
     return Response(body, media_type=CONTENT_TYPE_LATEST)

@@ -74,7 +74,7 @@ class ApiState:
                 latest = self.sampler.sample()
                 if self.mirror is not None:
                     view = tiers_view(latest, self.sampler.previous(latest))
-                    pool = pool_view(latest.stats.get("pool"))
+                    pool = pool_view(latest.stats.pool)
                     self.mirror.update(figures(view, pool))  # type: ignore[attr-defined]
             except Exception:  # noqa: BLE001 - the next round tries again
                 log.debug("sampling the service failed", exc_info=True)

@@ -13,7 +13,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+
+from cmx.stats import ServiceStats, TierStats
 
 __all__ = ["Rates", "Sample", "StatsSampler", "TierPoint", "rates_between"]
 
@@ -33,28 +34,22 @@ class TierPoint:
     bytes_out: int
 
     @classmethod
-    def of(cls, raw: dict[str, Any]) -> TierPoint | None:
-        if "error" in raw or "capacity_bytes" not in raw:
-            return None
-        return cls(raw.get("epoch"), int(raw["capacity_bytes"]), int(raw.get("used_bytes", 0)),
-                   int(raw.get("hits", 0)), int(raw.get("misses", 0)),
-                   int(raw.get("bytes_in", 0)), int(raw.get("bytes_out", 0)))
+    def of(cls, stats: TierStats) -> TierPoint:
+        s = stats.store
+        return cls(stats.epoch, s.capacity_bytes, s.used_bytes, s.hits, s.misses,
+                   s.bytes_written, s.bytes_read)
 
 
 @dataclass(frozen=True)
 class Sample:
     t: float  # clock time of the sample (Unix seconds with the default clock)
-    stats: dict[str, Any]  # what Backend.stats() answered
-    tiers: dict[TierId, TierPoint]
+    stats: ServiceStats  # what Backend.stats() answered
+    tiers: dict[TierId, TierPoint]  # the tiers that answered
 
     @classmethod
-    def of(cls, t: float, stats: dict[str, Any]) -> Sample:
-        tiers = {}
-        for node, entry in (stats.get("nodes") or {}).items():
-            for tier, raw in (entry.get("tiers") or {}).items():
-                point = TierPoint.of(raw) if isinstance(raw, dict) else None
-                if point is not None:
-                    tiers[(node, tier)] = point
+    def of(cls, t: float, stats: ServiceStats) -> Sample:
+        tiers = {(node, tier.value): TierPoint.of(s) for node, entry in stats.nodes.items()
+                 for tier, s in entry.tiers.items() if isinstance(s, TierStats)}
         return cls(t, stats, tiers)
 
 
@@ -85,7 +80,7 @@ class StatsSampler:
     """Keeps the samples of the last ``history_s`` seconds; thread-safe."""
 
     def __init__(
-        self, collect: Callable[[], dict[str, Any]], history_s: float = 900.0,
+        self, collect: Callable[[], ServiceStats], history_s: float = 900.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._collect = collect

@@ -1,16 +1,13 @@
-"""The service's raw stats as the API's typed views. Pure functions of samples.
+"""The service's typed stats (``cmx.stats``) as the API's views. Pure functions of samples.
 
-A part of the service that did not answer appears with ``available: false`` and its error,
-never as a failed request: the admin wants to see the rest of the cluster anyway.
+A part of the service that did not answer (``Unreachable``) appears with ``available: false``
+and its reason, never as a failed request: the admin wants to see the rest of the cluster.
 
-Every figure is per node, tier or directory shard, summed over tenants: a figure a part reports
-per namespace, tenant or salt (or a nested map, which could be keyed by one) is left out, so
-no reader of these views learns one tenant's hits or what it stored.
+Every figure is per node, tier or directory shard, summed over tenants, and named one by one
+here: no reader of these views learns one tenant's hits or what it stored.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from cmx.api.models import (
     AgentInfo,
@@ -27,73 +24,82 @@ from cmx.api.models import (
     PoolStatus,
     QueueDepths,
     TierBandwidth,
-    TierStats,
     TiersView,
 )
+from cmx.api.models import TierStats as TierView
 from cmx.api.stats_samples import Sample, rates_between
 from cmx.operate.degraded import parse
-from cmx.tiers import Tier
+from cmx.stats import (
+    NODE_TIERS,
+    AgentStats,
+    DirectoryStats,
+    PoolStats,
+    TierStats,
+    Unreachable,
+)
 
 __all__ = ["degradations", "history_view", "nodes_view", "pool_view", "tiers_view"]
 
-NODE_TIERS = (Tier.HBM.value, Tier.DRAM.value, Tier.NVME.value)
-_TIER_FIELDS = ("capacity_bytes", "used_bytes", "blocks", "pinned", "hits", "misses",
-                "evictions", "bytes_in", "bytes_out")
-_COMMON = {"tier", "node", "emulated", "epoch", *_TIER_FIELDS}
+_STORE_FIGURES = ("segments", "dead_bytes", "io_engine")  # an NVMe store's, shown as they are
 
 
-def _int(value: Any) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return 0
+def tier_stats(node: str, tier: str, stats: TierStats | Unreachable | None,
+               bandwidth: TierBandwidth) -> TierView:
+    if not isinstance(stats, TierStats):
+        reason = stats.reason if isinstance(stats, Unreachable) else "no stats"
+        return TierView(node=node, tier=tier, available=False, error=reason)
+    s = stats.store
+    lookups = s.hits + s.misses
+    return TierView(
+        node=node, tier=tier, available=True, emulated=stats.emulated, epoch=stats.epoch,
+        capacity_bytes=s.capacity_bytes, used_bytes=s.used_bytes,
+        occupancy=s.used_bytes / s.capacity_bytes if s.capacity_bytes else 0.0,
+        blocks=s.blocks, pinned=stats.pinned, hits=s.hits, misses=s.misses,
+        hit_ratio=s.hits / lookups if lookups else None, evictions=s.evictions,
+        bytes_in=s.bytes_written, bytes_out=s.bytes_read, bandwidth=bandwidth,
+        extra=_tier_extra(stats),
+    )
 
 
-def tier_stats(node: str, tier: str, raw: Any, bandwidth: TierBandwidth) -> TierStats:
-    if not isinstance(raw, dict) or "error" in raw or "capacity_bytes" not in raw:
-        error = raw.get("error") if isinstance(raw, dict) else None
-        return TierStats(node=node, tier=tier, available=False,
-                         error=str(error or "no stats"))
-    figures = {f: _int(raw.get(f)) for f in _TIER_FIELDS}
-    lookups = figures["hits"] + figures["misses"]
-    cap = figures["capacity_bytes"]
-    extra = {k: v for k, v in raw.items()
-             if k not in _COMMON and _public_figure(k, v) and not isinstance(v, bool)}
-    return TierStats.model_validate({
-        "node": node, "tier": tier, "available": True,
-        "emulated": bool(raw.get("emulated", False)), "epoch": raw.get("epoch"),
-        "occupancy": figures["used_bytes"] / cap if cap else 0.0,
-        "hit_ratio": figures["hits"] / lookups if lookups else None, "bandwidth": bandwidth,
-        "extra": extra, **figures,
-    })
+def _tier_extra(stats: TierStats) -> dict[str, int | float | str]:
+    """The figures a tier has beyond the common ones: reservations, leases, quarantines, its
+    store's segments and directory, a fallback in force. Named one by one: a figure a store
+    keeps per tenant can never slip through."""
+    leases = stats.leases
+    extra: dict[str, int | float | str] = {
+        "reserved": stats.reserved, "pin_leases": leases.pinned,
+        "reserve_leases": leases.reserved, "expired_leases": leases.expired,
+        "released_leases": leases.released, "quarantined": stats.store.quarantined,
+    }
+    for name in _STORE_FIGURES:
+        value = stats.store.extra.get(name)
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+            extra[name] = value
+    if stats.disk is not None:
+        extra.update(store_id=stats.disk.store_id, orphan_dirs=stats.disk.orphan_dirs,
+                     orphan_bytes=stats.disk.orphan_bytes)
+    if stats.degraded:
+        extra["degraded"] = stats.degraded
+    return extra
 
 
-def agent_info(raw: Any) -> AgentInfo:
-    if not isinstance(raw, dict) or "error" in raw:
-        error = raw.get("error") if isinstance(raw, dict) else None
-        return AgentInfo(available=False, error=str(error or "no stats"))
-    queues = raw.get("queues") or {}
-    queued = queues.get("queued") or {}
-    placement = raw.get("placement") or {}
-    latency = {}
-    for op, h in (raw.get("latency_s") or {}).items():
-        if isinstance(h, dict) and {"buckets", "counts", "sum", "count"} <= h.keys():
-            latency[op] = LatencyHistogram(buckets=[float(b) for b in h["buckets"]],
-                                           counts=[_int(c) for c in h["counts"]],
-                                           sum=float(h["sum"]), count=_int(h["count"]))
+def agent_info(stats: AgentStats | Unreachable | None) -> AgentInfo:
+    if not isinstance(stats, AgentStats):
+        reason = stats.reason if isinstance(stats, Unreachable) else "no stats"
+        return AgentInfo(available=False, error=reason)
+    q = stats.queues
     return AgentInfo(
-        available=True, name=raw.get("agent"), transport=raw.get("transport"),
-        placed_on=placement.get("placed_on"), dpu=bool(placement.get("dpu", False)),
-        degraded=raw.get("degraded"),
+        available=True, name=stats.agent, transport=stats.transport, placed_on=stats.placed_on,
+        dpu=stats.dpu, degraded=stats.degraded,
         queues=QueueDepths(
-            load=_int(queued.get("load")), prefetch=_int(queued.get("prefetch")),
-            demote=_int(queued.get("demote")),
-            staging_bytes_in_use=_int(queues.get("staging_bytes_in_use")),
-            staging_bytes=_int(queues.get("staging_bytes")),
+            load=q.queued.get("load", 0), prefetch=q.queued.get("prefetch", 0),
+            demote=q.queued.get("demote", 0), staging_bytes_in_use=q.staging_bytes_in_use,
+            staging_bytes=q.staging_bytes,
         ),
-        moved_bytes={str(k): _int(v) for k, v in (raw.get("moved_bytes") or {}).items()},
-        moved_via={str(k): _int(v) for k, v in (raw.get("moved_via") or {}).items()},
-        latency_s=latency,
+        moved_bytes=dict(stats.moved_bytes), moved_via=dict(stats.moved_via),
+        latency_s={op: LatencyHistogram(buckets=list(h.buckets), counts=list(h.counts),
+                                        sum=h.sum, count=h.count)
+                   for op, h in stats.latency.items()},
     )
 
 
@@ -112,24 +118,23 @@ def degradations(view: TiersView) -> list[tuple[str, str, str, str]]:
 
 def tiers_view(latest: Sample, previous: Sample | None) -> TiersView:
     nodes = []
-    for node, entry in sorted((latest.stats.get("nodes") or {}).items()):
+    for node, entry in sorted(latest.stats.nodes.items()):
         tiers = []
-        raw_tiers = entry.get("tiers") or {}
-        for tier in [*NODE_TIERS, *sorted(set(raw_tiers) - set(NODE_TIERS))]:
-            rates = rates_between(previous, latest, (node, tier)) if previous else None
+        for tier in NODE_TIERS:
+            rates = rates_between(previous, latest, (node, tier.value)) if previous else None
             bw = TierBandwidth() if rates is None else TierBandwidth(
                 in_bytes_per_s=rates.in_bytes_per_s, out_bytes_per_s=rates.out_bytes_per_s,
                 window_s=rates.window_s)
-            tiers.append(tier_stats(node, tier, raw_tiers.get(tier), bw))
-        nodes.append(NodeView(node=node, agent=agent_info(entry.get("agent")), tiers=tiers))
+            tiers.append(tier_stats(node, tier.value, entry.tiers.get(tier), bw))
+        nodes.append(NodeView(node=node, agent=agent_info(entry.agent), tiers=tiers))
     shards = []
-    for i, raw in enumerate(latest.stats.get("directory") or []):
-        if not isinstance(raw, dict):
-            continue
-        ok = "error" not in raw
-        shards.append(DirectoryShardInfo(
-            shard=_int(raw.get("shard", i)), available=ok, error=raw.get("error"),
-            **{f: _int(raw.get(f)) for f in ("blocks", "copies", "sources", "lookups")}))
+    for i, d in enumerate(latest.stats.directory):
+        if isinstance(d, DirectoryStats):
+            shards.append(DirectoryShardInfo(shard=d.shard, available=True, blocks=d.blocks,
+                                             copies=d.copies, sources=d.sources,
+                                             lookups=d.lookups))
+        else:
+            shards.append(DirectoryShardInfo(shard=i, available=False, error=d.reason))
     return TiersView(sampled_at=latest.t, nodes=nodes, directory=shards)
 
 
@@ -146,34 +151,21 @@ def nodes_view(view: TiersView) -> NodesView:
     return NodesView(nodes=out)
 
 
-def pool_view(raw: Any) -> PoolStatus:
-    """The pool tier's status from ``stats()["pool"]``; an empty pool where there is none."""
-    if not isinstance(raw, dict) or not raw:
+def pool_view(pool: PoolStats) -> PoolStatus:
+    """The pool tier's status; ``enabled: false`` where the service runs no pool node."""
+    if not pool.members:
         return PoolStatus(enabled=False)
-    nodes_raw = raw.get("nodes") or []
-    if isinstance(nodes_raw, dict):
-        nodes_raw = [{"node": k, **(v if isinstance(v, dict) else {})} for k, v in
-                     nodes_raw.items()]
     nodes = []
-    for item in nodes_raw:
-        if isinstance(item, dict):
-            nodes.append(PoolNode(
-                node=str(item.get("node", item.get("name", "?"))),
-                capacity_bytes=_int(item.get("capacity_bytes")),
-                used_bytes=_int(item.get("used_bytes")), blocks=_int(item.get("blocks")),
-                available="error" not in item))
-        elif isinstance(item, str):
-            nodes.append(PoolNode(node=item))
-    replication = raw.get("replication", raw.get("replicas"))
-    known = {"nodes", "capacity_bytes", "used_bytes", "blocks", "replication", "replicas"}
-    detail = {k: v for k, v in raw.items() if k not in known and _public_figure(k, v)}
+    for node, m in sorted(pool.members.items()):
+        if isinstance(m, TierStats):
+            nodes.append(PoolNode(node=node, capacity_bytes=m.capacity_bytes,
+                                  used_bytes=m.used_bytes, blocks=m.blocks))
+        else:
+            nodes.append(PoolNode(node=node, available=False))
     return PoolStatus(
-        enabled=bool(raw.get("enabled", bool(nodes))),
-        capacity_bytes=_int(raw.get("capacity_bytes", sum(n.capacity_bytes for n in nodes))),
-        used_bytes=_int(raw.get("used_bytes", sum(n.used_bytes for n in nodes))),
-        blocks=_int(raw.get("blocks", sum(n.blocks for n in nodes))),
-        replication=None if replication is None else _int(replication),
-        nodes=nodes, detail=detail,
+        enabled=True, capacity_bytes=pool.capacity_bytes, used_bytes=pool.used_bytes,
+        blocks=pool.blocks, replication=pool.replication, nodes=nodes,
+        detail={"under_replicated": pool.under_replicated},
     )
 
 
@@ -191,13 +183,3 @@ def history_view(samples: list[Sample], window_s: float, sample_s: float) -> His
     return History(window_s=window_s, sample_s=sample_s, series=[
         HistorySeries(node=node, tier=tier, points=points)
         for (node, tier), points in sorted(series.items())])
-
-
-_TENANT_WORDS = ("namespace", "tenant", "salt")
-
-
-def _public_figure(name: Any, value: Any) -> bool:
-    """A scalar figure whose name does not say it is one tenant's."""
-    if not isinstance(name, str) or any(w in name.lower() for w in _TENANT_WORDS):
-        return False
-    return isinstance(value, (bool, int, float, str))

@@ -33,6 +33,7 @@ from cmx.namespaces import (
 from cmx.node_plane import NodePlane
 from cmx.operate.ray_cluster import DEFAULT_JOIN_TIMEOUT_S, join_or_start
 from cmx.protocol import Copy, actor_name, shard_of
+from cmx.stats import ServiceStats, collect
 from cmx.tiers import Tier
 
 __all__ = [
@@ -114,57 +115,10 @@ class ContextMemory:
     def nodes(self) -> list[str]:
         return list(self.link.call("cmx:controller", "nodes"))
 
-    def stats(self) -> dict[str, Any]:
-        """Per node: each tier's figures and the agent's; the directory's shards."""
-        nodes: dict[str, Any] = {}
-        for node in self.nodes():
-            entry: dict[str, Any] = {"tiers": {}}
-            for tier in (Tier.HBM, Tier.DRAM, Tier.NVME):
-                try:
-                    name = actor_name(tier.value, node)
-                    entry["tiers"][tier.value] = self.link.call(name, "stats")
-                except UnavailableError as exc:
-                    entry["tiers"][tier.value] = {"error": str(exc)}
-            try:
-                entry["agent"] = self.link.call(actor_name("agent", node), "stats")
-                entry["agent"]["placement"] = self.link.call(actor_name("agent", node), "placement")
-            except UnavailableError as exc:
-                entry["agent"] = {"error": str(exc)}
-            nodes[node] = entry
-        shards = []
-        for shard in range(self.config.directory_shards):
-            try:
-                shards.append(self.link.call(actor_name("dir", shard), "stats"))
-            except UnavailableError as exc:
-                shards.append({"shard": shard, "error": str(exc)})
-        return {"nodes": nodes, "directory": shards, "pool": self.pool_stats()}
-
-    def pool_stats(self) -> dict[str, Any]:
-        """The pool (G4): its nodes, capacity, use, and blocks with too few replicas."""
-        members = list(self.link.call("cmx:controller", "pool_members"))
-        nodes = []
-        for node in members:
-            try:
-                nodes.append(self.link.call(actor_name("pool", node), "stats"))
-            except UnavailableError as exc:
-                nodes.append({"node": node, "error": str(exc)})
-        want = min(self.config.pool_replication, len(members)) if members else 0
-        pooled = under = 0
-        for shard in range(self.config.directory_shards):
-            try:
-                counts = self.link.call(actor_name("dir", shard), "pool_replicas", want)
-            except UnavailableError:
-                continue
-            pooled += counts["blocks"]
-            under += counts["under_replicated"]
-        return {
-            "nodes": nodes,
-            "replication": self.config.pool_replication,
-            "capacity_bytes": sum(int(n.get("capacity_bytes", 0)) for n in nodes),
-            "used_bytes": sum(int(n.get("used_bytes", 0)) for n in nodes),
-            "blocks": pooled,
-            "under_replicated": under,
-        }
+    def stats(self) -> ServiceStats:
+        """Per node each tier's figures and the agent's; the directory's shards; the pool.
+        A part that did not answer in time is ``Unreachable`` in its place."""
+        return collect(self.link, self.config.directory_shards, self.config.pool_replication)
 
     def drop_namespace(self, namespace: Namespace | str) -> int:
         """Evict every unpinned copy of every block of a namespace; returns copies evicted.

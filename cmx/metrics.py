@@ -6,6 +6,8 @@ import bisect
 import threading
 from dataclasses import dataclass, field
 
+from cmx.stats import LatencyStats
+
 __all__ = ["LATENCY_BUCKETS_S", "Histogram"]
 
 # Upper bounds in seconds, Prometheus style (+Inf is implied).
@@ -31,8 +33,6 @@ class Histogram:
             self.total += value
             self.count += 1
 
-    def snapshot(self) -> dict[str, object]:
-        """{"buckets": upper bounds, "counts": per bucket (last is +Inf), "sum", "count"}."""
+    def snapshot(self) -> LatencyStats:
         with self._lock:
-            return {"buckets": list(self.buckets), "counts": list(self.counts),
-                    "sum": self.total, "count": self.count}
+            return LatencyStats(tuple(self.buckets), tuple(self.counts), self.total, self.count)

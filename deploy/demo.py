@@ -20,6 +20,7 @@ from typing import Any
 
 from cmx.deploy.config import EngineOptions, ModelOptions, ServeOptions
 from cmx.deploy.workload import Ask, Conversation, make_workload
+from cmx.stats import ServiceStats
 
 __all__ = ["LLMDemoOptions", "LLMDemoResult", "RequestRow", "run_llm_demo"]
 
@@ -57,7 +58,7 @@ class RequestRow:
 class LLMDemoResult:
     rows: list[RequestRow]
     replicas: dict[str, str]  # "R1" -> node name
-    stats: dict[str, Any]  # ContextMemory.stats() after the workload
+    stats: ServiceStats  # ContextMemory.stats() after the workload
     node_names: dict[str, str]  # node id -> "head" / "worker"
     model: str
     setup_s: float

@@ -11,6 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from cmx.deploy.demo import LLMDemoResult
+from cmx.stats import AgentStats, TierStats
 
 __all__ = ["print_llm_demo", "request_progress"]
 
@@ -66,16 +67,16 @@ def tiers_table(result: LLMDemoResult) -> Table:
     t = Table(title="Tiers after the workload", title_justify="left", box=box.SIMPLE_HEAD)
     for col in ("node", "tier", "used", "capacity", "blocks", "hits", "evictions"):
         t.add_column(col, justify="left" if col in ("node", "tier") else "right")
-    for node, entry in result.stats.get("nodes", {}).items():
+    for node, entry in result.stats.nodes.items():
         name = result.node_names.get(node, node[:8])
-        for tier, s in entry.get("tiers", {}).items():
-            if "error" in s:
-                t.add_row(name, tier, "-", "-", "-", "-", "-")
+        for tier, s in entry.tiers.items():
+            if not isinstance(s, TierStats):
+                t.add_row(name, tier.value, "-", "-", "-", "-", "-")
                 continue
-            label = f"{tier} (emulated)" if s.get("emulated") else tier
-            t.add_row(name, label, f"{s.get('used_bytes', 0) / MiB:,.1f} MiB",
-                      f"{s.get('capacity_bytes', 0) / MiB:,.0f} MiB", str(s.get("blocks", "-")),
-                      str(s.get("hits", "-")), str(s.get("evictions", "-")))
+            label = f"{tier.value} (emulated)" if s.emulated else tier.value
+            t.add_row(name, label, f"{s.used_bytes / MiB:,.1f} MiB",
+                      f"{s.capacity_bytes / MiB:,.0f} MiB", str(s.blocks),
+                      str(s.store.hits), str(s.store.evictions))
     return t
 
 
@@ -84,14 +85,13 @@ def agents_table(result: LLMDemoResult) -> Table:
               box=box.SIMPLE_HEAD)
     for col in ("node", "from -> to", "MiB", "via"):
         t.add_column(col, justify="right" if col == "MiB" else "left")
-    for node, entry in result.stats.get("nodes", {}).items():
-        agent = entry.get("agent", {})
-        if not isinstance(agent, dict) or "moved_bytes" not in agent:
+    for node, entry in result.stats.nodes.items():
+        agent = entry.agent
+        if not isinstance(agent, AgentStats):
             continue
         name = result.node_names.get(node, node[:8])
-        via = ", ".join(f"{k} {v / MiB:,.1f}" for k, v in sorted(agent.get("moved_via", {}).items())
-                        if v)
-        for i, (route, n) in enumerate(sorted(agent["moved_bytes"].items())):
+        via = ", ".join(f"{k} {v / MiB:,.1f}" for k, v in sorted(agent.moved_via.items()) if v)
+        for i, (route, n) in enumerate(sorted(agent.moved_bytes.items())):
             t.add_row(name if i == 0 else "", route, f"{n / MiB:,.1f}", via if i == 0 else "")
     return t
 
@@ -107,9 +107,9 @@ def print_llm_demo(console: Console, result: LLMDemoResult) -> None:
     miss = sum(r.ttft_recompute_s for r in rows) / len(rows)
     same = sum(r.same_output for r in rows)
     loaded = sum(r.loaded_tokens for r in rows)
-    peers = sum(n for entry in result.stats.get("nodes", {}).values()
-                for route, n in (entry.get("agent", {}).get("moved_bytes", {}) or {}).items()
-                if "@peer" in route)
+    peers = sum(n for entry in result.stats.nodes.values()
+                if isinstance(entry.agent, AgentStats)
+                for route, n in entry.agent.moved_bytes.items() if "@peer" in route)
     console.print(f"Model: {result.model} (vLLM, CMXConnector)")
     console.print(
         f"{len(rows)} requests, {prompt:,} prompt tokens, {cached:,} not computed "

@@ -76,8 +76,8 @@ def _moved(cm: Any, nodes: list[str]) -> Counter[str]:
     total: Counter[str] = Counter()
     for node in nodes:
         stats = cm.link.call(actor_name("agent", node), "stats")
-        total.update(stats["moved_bytes"])
-        total.update({f"via:{k}": v for k, v in stats["moved_via"].items()})
+        total.update(stats.moved_bytes)
+        total.update({f"via:{k}": v for k, v in stats.moved_via.items()})
     return total
 
 

@@ -26,6 +26,7 @@ from cmx.bench.raw import fio_engine, fio_path
 from cmx.config import ServiceConfig
 from cmx.errors import CmxError
 from cmx.layout import KVLayout
+from cmx.stats import Unreachable
 
 __all__ = ["nvme_prefix_figures"]
 
@@ -97,8 +98,8 @@ class StoreSplit:
 def _agent_sums(cm: Any) -> dict[str, float]:
     from cmx.actors.links import actor_name
 
-    hist = cm.link.call(actor_name("agent", cm.node_id), "stats")["latency_s"]
-    return {op: float(h["sum"]) for op, h in hist.items()}
+    hist = cm.link.call(actor_name("agent", cm.node_id), "stats").latency
+    return {op: h.sum for op, h in hist.items()}
 
 
 def _store(cm: Any, layout: KVLayout, nbytes: int, kv: Any) -> tuple[Any, Any, StoreSplit]:
@@ -147,9 +148,9 @@ def _load_seconds(cm: Any, ns: Any, toks: Any) -> tuple[float, float]:
     got = ns.load(toks)
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     if got.shape[3] != len(toks):
-        tiers = cm.stats()["nodes"][cm.node_id]["tiers"]
-        held = {t: {k: tiers[t].get(k) for k in ("blocks", "pinned", "reserved",
-                                                  "expired_leases")} for t in tiers}
+        tiers = cm.stats().nodes[cm.node_id].tiers
+        held = {t: s if isinstance(s, Unreachable) else
+                (s.blocks, s.pinned, s.reserved, s.leases.expired) for t, s in tiers.items()}
         raise AssertionError(f"loaded {got.shape[3]} of {len(toks)} tokens; tiers then: {held}")
     return dt, cpu
 

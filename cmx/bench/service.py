@@ -23,6 +23,7 @@ from cmx.bench.core import GB, BenchContext, Figure, Goal, MiB, SuiteResult, Tab
 from cmx.config import ServiceConfig
 from cmx.keys import BlockHash, Namespace, chain_keys
 from cmx.layout import KVLayout
+from cmx.stats import AgentStats, transport_of
 
 __all__ = ["run_directory", "run_pool", "run_transfer"]
 
@@ -44,8 +45,8 @@ def _transport_seconds(agent: Any) -> float:
     """Seconds the agent's transport has spent moving bytes, from its stats."""
     import ray
 
-    stats: dict[str, Any] = ray.get(agent.stats.remote())
-    return float(stats["transport_stats"]["seconds"])
+    stats: AgentStats = ray.get(agent.stats.remote())
+    return stats.transport_stats.seconds
 
 
 def _store_prefix(cm: Any, layout: KVLayout, blocks: int, seed: int) -> tuple[Any, np.ndarray]:
@@ -135,7 +136,7 @@ def run_transfer(ctx: BenchContext) -> SuiteResult:
             del refs
         ray.kill(holder)
         ray.kill(fetcher)
-        via = bc.cm.stats()["nodes"][bc.node_b]["agent"]["transport"]
+        via = transport_of(bc.cm.stats(), bc.node_b)
     result.figures.append(Figure(
         "transfer", f"cross-node load of 1 GiB (32 MiB blocks), {via}, verified", "GB/s",
         tuple(nixl), "numpy memcpy of 1 GiB", tuple(memcpy), Goal(">=", 0.5)))

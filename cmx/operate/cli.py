@@ -151,6 +151,7 @@ def up(
 @app.command()
 def status(url: UrlOpt = None, json_out: JsonOpt = False) -> None:
     """Nodes and tiers: occupancy, blocks, hit ratio, bandwidth, agent placement and queues."""
+    from cmx.api.models import PoolStatus, TiersView
     from cmx.operate.render import status_tables
 
     client = _client(url)
@@ -159,7 +160,7 @@ def status(url: UrlOpt = None, json_out: JsonOpt = False) -> None:
     if json_out:
         _print_json({**view, "pool": pool, "admin_url": client.url})
         return
-    for table in status_tables(view, pool):
+    for table in status_tables(TiersView.model_validate(view), PoolStatus.model_validate(pool)):
         out.print(table)
     out.print(f"[dim]{client.url} · dashboard at {client.url}/[/]")
 

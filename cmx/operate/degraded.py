@@ -1,8 +1,8 @@
 """Fallbacks the service runs on, named once: the actors report them, the admin API shows them
 in ``/readyz`` and as the ``cmx_degraded`` metric, ``cmx status`` prints them.
 
-A part that falls back logs a warning and carries ``"degraded": "<kind>: <why>"`` in its stats
-(the agent's, or a tier's extra figures).
+A part that falls back logs a warning and carries ``degraded = "<kind>: <why>"`` in its stats
+(``AgentStats.degraded``, ``TierStats.degraded``: ``cmx.stats``).
 """
 
 from __future__ import annotations

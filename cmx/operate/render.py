@@ -9,6 +9,8 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from cmx.api.models import AgentInfo, NodeView, PoolStatus, TiersView
+
 __all__ = ["copies_table", "human_bytes", "lookup_table", "status_tables"]
 
 _TIER_NAMES = {"hbm": "HBM G1", "dram": "DRAM G2", "nvme": "NVMe G3", "pool": "Pool G4"}
@@ -51,21 +53,20 @@ def _bar(share: float, width: int = 8) -> Text:
     return bar
 
 
-def _agent_line(node: dict[str, Any]) -> str:
-    agent = node.get("agent", {})
-    head = f"node {node['node'][:12]}"
-    if not agent.get("available"):
+def _agent_line(node: NodeView) -> str:
+    agent = node.agent
+    head = f"node {node.node[:12]}"
+    if not agent.available:
         return f"{head} · agent not answering"
-    return f"{head} · agent on {'DPU' if agent.get('dpu') else 'host'} · {agent.get('transport')}"
+    return f"{head} · agent on {'DPU' if agent.dpu else 'host'} · {agent.transport}"
 
 
-def _queues(node: dict[str, Any]) -> str:
-    q = node.get("agent", {}).get("queues", {})
-    return (f"queued moves: {q.get('load', 0)} load, {q.get('prefetch', 0)} prefetch, "
-            f"{q.get('demote', 0)} demote")
+def _queues(agent: AgentInfo) -> str:
+    q = agent.queues
+    return f"queued moves: {q.load} load, {q.prefetch} prefetch, {q.demote} demote"
 
 
-def _extra_notes(name: str, extra: dict[str, Any]) -> list[str]:
+def _extra_notes(name: str, extra: dict[str, int | float | str]) -> list[str]:
     """What a tier's extra figures say that needs an operator: its store, orphans, fallbacks."""
     notes = []
     if extra.get("store_id"):
@@ -74,7 +75,8 @@ def _extra_notes(name: str, extra: dict[str, Any]) -> list[str]:
         notes.append(f"{name}: DEGRADED, {extra['degraded']}")
     if extra.get("orphan_dirs"):
         notes.append(f"{name}: {extra['orphan_dirs']} orphaned store dir(s), "
-                     f"{human_bytes(extra.get('orphan_bytes', 0))} (`cmx orphans --collect`)")
+                     f"{human_bytes(float(extra.get('orphan_bytes', 0)))} "
+                     f"(`cmx orphans --collect`)")
     return notes
 
 
@@ -87,45 +89,46 @@ def _table(title: str) -> Table:
     return table
 
 
-def status_tables(view: dict[str, Any], pool: dict[str, Any] | None = None) -> list[Table]:
+def status_tables(view: TiersView, pool: PoolStatus | None = None) -> list[Table]:
     """One table per node (its tiers; the agent in the title), and one for the pool."""
     tables = []
-    for node in view.get("nodes", []):
+    for node in view.nodes:
         table = _table(_agent_line(node))
-        notes: list[str] = [_queues(node)] if node.get("agent", {}).get("available") else []
-        if node.get("agent", {}).get("degraded"):
-            notes.append(f"agent: DEGRADED, {node['agent']['degraded']}")
-        for tier in node.get("tiers", []):
-            name = _TIER_NAMES.get(tier["tier"], tier["tier"])
-            if not tier.get("available"):
+        notes: list[str] = [_queues(node.agent)] if node.agent.available else []
+        if node.agent.degraded:
+            notes.append(f"agent: DEGRADED, {node.agent.degraded}")
+        for tier in node.tiers:
+            name = _TIER_NAMES.get(tier.tier, tier.tier)
+            if not tier.available:
                 table.add_row(name, Text("not answering", style="red"), "", "", "", "", "")
-                notes.append(f"{name}: {tier.get('error')}")
+                notes.append(f"{name}: {tier.error}")
                 continue
-            if tier.get("emulated"):
+            if tier.emulated:
                 name += "*"
                 notes.append("* emulated on host memory (no GPU)")
-            if tier.get("pinned"):
-                notes.append(f"{name}: {tier['pinned']} block(s) pinned")
-            notes += _extra_notes(name, tier.get("extra") or {})
-            bw = tier.get("bandwidth") or {}
-            cap = tier["capacity_bytes"]
+            if tier.pinned:
+                notes.append(f"{name}: {tier.pinned} block(s) pinned")
+            notes += _extra_notes(name, tier.extra)
+            cap = tier.capacity_bytes
             table.add_row(
-                name, _bar(tier["used_bytes"] / cap if cap else 0.0),
-                f"{human_bytes(tier['used_bytes'])} / {human_bytes(cap)}", str(tier["blocks"]),
-                _pct(tier.get("hit_ratio")), _rate(bw.get("in_bytes_per_s")),
-                _rate(bw.get("out_bytes_per_s")))
+                name, _bar(tier.used_bytes / cap if cap else 0.0),
+                f"{human_bytes(tier.used_bytes)} / {human_bytes(cap)}", str(tier.blocks),
+                _pct(tier.hit_ratio), _rate(tier.bandwidth.in_bytes_per_s),
+                _rate(tier.bandwidth.out_bytes_per_s))
         if notes:
             table.caption = escape("\n".join(dict.fromkeys(notes)))
             table.caption_justify = "left"
         tables.append(table)
-    if pool and pool.get("enabled"):
-        table = _table(f"pool (G4) · {len(pool.get('nodes', []))} pool node(s) · "
-                       f"{pool.get('replication') or 1} cop(ies) per block")
-        for member in pool.get("nodes", []):
-            used, cap = member.get("used_bytes", 0), member.get("capacity_bytes", 0)
-            table.add_row(str(member.get("node", "?"))[:8], _bar(used / cap if cap else 0.0),
-                          f"{human_bytes(used)} / {human_bytes(cap)}",
-                          str(member.get("blocks", 0)), "", "", "")
+    if pool is not None and pool.enabled:
+        table = _table(f"pool (G4) · {len(pool.nodes)} pool node(s) · "
+                       f"{pool.replication or 1} cop(ies) per block")
+        for member in pool.nodes:
+            used, cap = member.used_bytes, member.capacity_bytes
+            row: list[Text | str] = (
+                [_bar(used / cap if cap else 0.0), f"{human_bytes(used)} / {human_bytes(cap)}",
+                 str(member.blocks)] if member.available
+                else [Text("not answering", style="red"), "", ""])
+            table.add_row(member.node[:8], *row, "", "", "")
         tables.append(table)
     return tables
 

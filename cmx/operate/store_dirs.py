@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from cmx.errors import CmxError
 from cmx.operate.degraded import Fallback, describe, direct_io_refused
+from cmx.stats import DiskStats
 
 __all__ = ["Claim", "NodeDisk", "Orphan", "StoreDirs", "StoreClaimedError"]
 
@@ -253,11 +254,11 @@ class NodeDisk:
         self._orphans = self.dirs.orphans()
         return removed
 
-    def figures(self) -> dict[str, object]:
-        """For the tier's stats: its store, the orphans last seen, a fallback in force."""
-        own = {"degraded": self.degraded} if self.degraded else {}
-        return {"store_id": self.claim.store_id, "orphan_dirs": len(self._orphans),
-                "orphan_bytes": sum(o.bytes for o in self._orphans), **own}
+    def stats(self) -> DiskStats:
+        """For the tier's stats: its store and the orphans last seen (a fallback in force is
+        ``degraded``)."""
+        return DiskStats(self.claim.store_id, len(self._orphans),
+                         sum(o.bytes for o in self._orphans))
 
     def release(self) -> None:
         self.claim.release()

@@ -26,6 +26,7 @@ import numpy as np
 
 from cmx.config import ServiceConfig
 from cmx.layout import KVLayout
+from cmx.stats import transport_of
 
 __all__ = ["BLOCK_BYTES", "ServiceLoads", "measure_service"]
 
@@ -174,10 +175,7 @@ def _memory(directory: Path, reps: int, blocks: int, out: ServiceLoads,
                 else:
                     out.add_tiny("dram@peer", n, peer)
                     out.add_tiny("dram", n, local)
-        try:
-            via = bc.cm.stats()["nodes"][bc.node_b]["agent"]["transport"]
-        except (KeyError, TypeError):  # the stats' shape is the service's to change
-            via = "unknown"
+        via = transport_of(bc.cm.stats(), bc.node_b)
         out.notes.append(f"peer loads through node b's agent, transport {via}")
 
 

@@ -17,7 +17,7 @@ import pytest
 from lifecycle_support import new_machine
 
 SCENARIO = """
-import json, time, sys, torch, ray
+import dataclasses, json, time, sys, torch, ray
 import numpy as np
 from ray.cluster_utils import Cluster
 from cmx import ContextMemory, KVLayout
@@ -61,8 +61,8 @@ while time.monotonic() < deadline:
 out["nvme_tiers"] = sorted({x.tier.value for x in ns.lookup(b).blocks})
 out["exact_nvme"] = bool(torch.equal(ns.load(b), kv_b))
 stats = ray.get(agent.stats.remote(), timeout=60)
-out["host_access"] = stats["host_access"]
-out["moved"] = stats["moved_bytes"]
+out["host_access"] = dataclasses.asdict(stats.host_access)
+out["moved"] = dict(stats.moved_bytes)
 out["block"] = block
 
 def probe(agent_self, names, path):

@@ -17,7 +17,7 @@ import pytest
 from lifecycle_support import new_machine
 
 SCENARIO = """
-import json, time, sys, torch, ray
+import dataclasses, json, time, sys, torch, ray
 from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from cmx import ContextMemory, KVLayout
@@ -82,10 +82,12 @@ while nodes_of(ns, q) != [b] and time.monotonic() < deadline:
     time.sleep(0.2)
 out["q_on"] = nodes_of(ns, q) == [b]
 out["a_loads_q"] = bool(torch.equal(ns.load(q), kv_q))
-out["stats_a"] = {k: v for k, v in ray.get(agent_a.stats.remote(), timeout=60).items()
-                  if k in ("moved_bytes", "host_access", "transport")}
-out["stats_b"] = {k: v for k, v in ray.get(agent_b.stats.remote(), timeout=60).items()
-                  if k in ("moved_bytes", "moved_via", "transport")}
+out["stats_a"] = {k: v for k, v in dataclasses.asdict(
+    ray.get(agent_a.stats.remote(), timeout=60)).items()
+    if k in ("moved_bytes", "host_access", "transport")}
+out["stats_b"] = {k: v for k, v in dataclasses.asdict(
+    ray.get(agent_b.stats.remote(), timeout=60)).items()
+    if k in ("moved_bytes", "moved_via", "transport")}
 
 def probe(agent_self, names):
     from cmx.storage.arena import SharedArena

@@ -21,9 +21,10 @@ from cmx.api.backend import ServiceBackend
 from cmx.api.ray_metrics import RayMetricsMirror
 from cmx.api.server import ServerThread
 from cmx.config import AdminConfig
+from cmx.tiers import Tier
 
 cm = ContextMemory.connect(num_cpus=1, include_dashboard=False)
-node = cm.stats()["nodes"][cm.node_id]
+node = cm.stats().nodes[cm.node_id]
 admin = AdminConfig(token="degraded-test-token-1234", sample_s=0.5, history_s=60.0)
 server = ServerThread(create_app(lambda: ServiceBackend(cm), admin, mirror=RayMetricsMirror()),
                       "127.0.0.1", 0).start()
@@ -33,7 +34,7 @@ tiers = httpx.get(server.url + "/api/v1/tiers", timeout=60).json()
 server.stop()
 cm.shutdown()
 print(json.dumps({
-    "agent": node["agent"].get("degraded"), "nvme": node["tiers"]["nvme"].get("degraded"),
+    "agent": node.agent.degraded, "nvme": node.tiers[Tier.NVME].degraded,
     "ready": ready, "api_agent": tiers["nodes"][0]["agent"].get("degraded"),
     "api_nvme": tiers["nodes"][0]["tiers"][2]["extra"].get("degraded"),
     "metrics": [l for l in metrics.splitlines() if l.startswith("cmx_degraded{")],

@@ -16,6 +16,7 @@ import json, time, torch
 from collections import Counter
 from cmx import ContextMemory, KVLayout
 from cmx.operate.orphans import collect_orphans, list_orphans
+from cmx.tiers import Tier
 
 layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16", block_tokens=16)
 blocks = 24
@@ -26,7 +27,7 @@ cm = ContextMemory.connect(num_cpus=1, include_dashboard=False)
 ns = cm.namespace("m", layout)
 
 def nvme():
-    return cm.stats()["nodes"][cm.node_id]["tiers"]["nvme"]
+    return cm.stats().nodes[cm.node_id].tiers[Tier.NVME]
 
 def until(done, timeout_s=90):
     deadline = time.monotonic() + timeout_s
@@ -36,7 +37,7 @@ def until(done, timeout_s=90):
 out = {"node": cm.node_id}
 if PHASE == 1:
     out["stored"] = ns.store(tokens, kv).wait()
-    until(lambda: nvme()["blocks"] >= blocks)
+    until(lambda: nvme().blocks >= blocks)
 else:
     until(lambda: ns.lookup(tokens).num_tokens >= len(tokens))
     match = ns.lookup(tokens)
@@ -44,12 +45,12 @@ else:
     out["tiers"] = dict(Counter(b.tier.value for b in match.blocks))
     out["exact"] = bool(torch.equal(ns.load(tokens), kv))
     out["orphans"] = sorted({o.name for found in list_orphans().values() for o in found})
-    out["orphan_dirs"] = nvme().get("orphan_dirs")
+    out["orphan_dirs"] = nvme().disk.orphan_dirs
     out["collected"] = sorted({o.name for r in collect_orphans().values() for o in r})
     out["dropped"] = cm.drop_namespace(ns.namespace)  # found by the tag kept on disk
     out["found_after_drop"] = ns.lookup(tokens).num_tokens
-out["nvme_blocks"] = nvme()["blocks"]
-out["store_id"] = nvme().get("store_id")
+out["nvme_blocks"] = nvme().blocks
+out["store_id"] = nvme().disk.store_id
 cm.shutdown()
 print(json.dumps(out))
 """

@@ -13,6 +13,8 @@ from support import LAYOUT, client_on
 
 from cmx import LayoutMismatchError
 from cmx.actors.links import RAY_NAMESPACE, actor_name
+from cmx.stats import AgentStats
+from cmx.tiers import Tier
 
 T = LAYOUT.block_tokens
 
@@ -21,7 +23,7 @@ def tokens(n_blocks: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 50_000, n_blocks * T, dtype=np.uint32)
 
 
-def agent_stats(node: str) -> dict[str, Any]:
+def agent_stats(node: str) -> AgentStats:
     agent = ray.get_actor(actor_name("agent", node), namespace=RAY_NAMESPACE)
     return ray.get(agent.stats.remote())
 
@@ -40,10 +42,10 @@ def test_store_on_one_node_load_bit_identical_on_the_other(
     where = ray.get(remote.lookup.remote("m-cross", LAYOUT, "t", toks))
     assert len(where) == 6 and all(node == head for _, node in where)
 
-    before = agent_stats(worker)["moved_via"].get("nixl-ucx", 0)
+    before = agent_stats(worker).moved_via.get("nixl-ucx", 0)
     got = ray.get(remote.load.remote("m-cross", LAYOUT, "t", toks))
     assert torch.equal(got, kv)
-    moved = agent_stats(worker)["moved_via"].get("nixl-ucx", 0) - before
+    moved = agent_stats(worker).moved_via.get("nixl-ucx", 0) - before
     assert moved >= 6 * LAYOUT.block_bytes
 
 
@@ -84,19 +86,19 @@ def test_every_byte_moved_went_through_an_agent(cm: Any) -> None:
     toks = tokens(3, seed=9)
     kv = LAYOUT.random_kv(len(toks), seed=9)
     ns = cm.namespace("m-bytes", LAYOUT, "t")
-    before = cm.stats()["nodes"][node]
+    before = cm.stats().nodes[node]
     assert ns.store(toks, kv).wait() == 3
     assert torch.equal(ns.load(toks), kv)
-    after = cm.stats()["nodes"][node]
-    moved = Counter(after["agent"]["moved_bytes"])
-    moved.subtract(before["agent"]["moved_bytes"])
+    after = cm.stats().nodes[node]
+    moved = Counter(after.agent.moved_bytes)
+    moved.subtract(before.agent.moved_bytes)
     n = 3 * LAYOUT.block_bytes
     assert moved["client->dram"] == n  # the three blocks stored, once each
     assert moved["dram->hbm"] == 0  # loaded from DRAM, where the store left them
-    for tier in ("hbm", "dram", "nvme"):
-        took = after["tiers"][tier]["bytes_in"] - before["tiers"][tier]["bytes_in"]
-        assert took == sum(v for k, v in moved.items() if k.endswith(f"->{tier}")), tier
-    assert after["tiers"]["hbm"]["emulated"] is True
+    for tier in (Tier.HBM, Tier.DRAM, Tier.NVME):
+        took = after.tiers[tier].store.bytes_written - before.tiers[tier].store.bytes_written
+        assert took == sum(v for k, v in moved.items() if k.endswith(f"->{tier.value}")), tier
+    assert after.tiers[Tier.HBM].emulated is True
 
 
 def test_tenants_never_see_each_others_blocks(cm: Any) -> None:

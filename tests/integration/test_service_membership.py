@@ -52,8 +52,7 @@ def test_join_with_dpu_then_leave(cluster: Any, cm: Any, config: Any) -> None:
     ns = cm.namespace("m-join", LAYOUT, "t")
     assert {b.node for b in ns.lookup(toks).blocks} == {host.node_id}
     assert loads_whole(ns, toks, kv)
-    nodes = cm.stats()["nodes"]
-    assert nodes[host.node_id]["agent"]["placement"]["dpu"] is True
+    assert cm.stats().nodes[host.node_id].agent.dpu is True
 
     # The host leaves: its copies are forgotten. The head's HBM kept what it loaded, so the
     # prefix still loads whole from there; nothing points at the departed node.

@@ -88,9 +88,9 @@ def _lose_and_return(cluster: Any, cm: Any, added: dict[str, Any]) -> None:
     for t in toks2:
         pool_copies = [c for c in two.lookup(t).blocks[0].copies if c.tier is Tier.POOL]
         assert len(pool_copies) == 2
-    pool = cm.stats()["pool"]
-    assert pool["blocks"] == 2 * N and pool["under_replicated"] == N  # r1 blocks have one
-    assert len(pool["nodes"]) == 3 and pool["used_bytes"] > 0
+    pool = cm.stats().pool
+    assert pool.blocks == 2 * N and pool.under_replicated == N  # r1 blocks have one
+    assert len(pool.members) == 3 and pool.used_bytes > 0
 
     # Only the pool has these blocks now; then one pool node is lost.
     drop_local_copies(cm, two, toks2)

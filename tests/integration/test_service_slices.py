@@ -28,7 +28,7 @@ def tokens(n_blocks: int, seed: int) -> np.ndarray:
 
 def moved(node: str) -> Counter[str]:
     agent = ray.get_actor(actor_name("agent", node), namespace=RAY_NAMESPACE)
-    return Counter(ray.get(agent.stats.remote())["moved_bytes"])
+    return Counter(ray.get(agent.stats.remote()).moved_bytes)
 
 
 def sel_bytes(layout: KVLayout, layers: Any, heads: Any) -> int:

@@ -46,9 +46,8 @@ class Figures:
 
     def _read(self) -> tuple[Counter[str], Counter[str], int]:
         s = ray.get(actor("agent", self.node).stats.remote())
-        assert s["transport"] == NIXL, "the agents have no NIXL here"
-        return (Counter(s["moved_bytes"]), Counter(s["moved_via"]),
-                int(s["transport_stats"]["bytes"]))
+        assert s.transport == NIXL, "the agents have no NIXL here"
+        return (Counter(s.moved_bytes), Counter(s.moved_via), s.transport_stats.bytes_read)
 
     def delta(self) -> tuple[Counter[str], Counter[str], int]:
         moved, via, nbytes = self._read()
@@ -124,11 +123,11 @@ def test_a_corrupt_copy_on_the_peer_is_a_miss_and_quarantined_there(cm: Any, con
     ray.get(client_on(worker, config).store.remote("m-nx-bad", LAYOUT, "t", toks, kv))
     ns = cm.namespace("m-nx-bad", LAYOUT, "t")
     victim = ns.keys(toks)[1]
-    quarantined = ray.get(actor("dram", worker).stats.remote())["quarantined"]
+    quarantined = ray.get(actor("dram", worker).stats.remote()).store.quarantined
     corrupt_in_dram(worker, victim)
     got = ns.load(toks, heads=1)
     assert torch.equal(got, kv[:, :, 1:2, :T])  # the prefix ends before the corrupt block
-    assert ray.get(actor("dram", worker).stats.remote())["quarantined"] == quarantined + 1
+    assert ray.get(actor("dram", worker).stats.remote()).store.quarantined == quarantined + 1
     assert ns.lookup(toks).num_blocks == 1
 
 

@@ -80,8 +80,8 @@ def test_a_client_killed_holding_a_loads_pins_leaves_nothing_pinned(
     ).remote(config)
     assert ray.get(hoarder.hold.remote("m-hoard", "t", toks), timeout=60) == 3
     hbm = actor_name("hbm", node)
-    expired = cm.link.call(hbm, "stats")["expired_leases"]
+    expired = cm.link.call(hbm, "stats").leases.expired
     assert held(cm, node)["hbm"][0] >= 3
     ray.kill(hoarder)
     assert until(lambda: held(cm, node)["hbm"] == (0, 0), config.lease_s + 10)
-    assert cm.link.call(hbm, "stats")["expired_leases"] - expired >= 3  # the leases ended them
+    assert cm.link.call(hbm, "stats").leases.expired - expired >= 3  # the leases ended them

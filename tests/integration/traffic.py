@@ -32,7 +32,7 @@ def held(cm: Any, node: str) -> dict[str, tuple[int, int]]:
             s = cm.link.call(actor_name(tier.value, node), "stats")
         except Exception:  # noqa: BLE001 - a tier restarting now is asked again later
             continue
-        out[tier.value] = (int(s["pinned"]), int(s["reserved"]))
+        out[tier.value] = (s.pinned, s.reserved)
     return out
 
 

@@ -63,7 +63,7 @@ def restart_tier(plane: Plane, node: str, tier: Tier) -> ArenaTierService:
 def held(plane: Plane, node: str, tier: Tier) -> tuple[int, int]:
     """(pinned blocks, reserved blocks) of a tier: what nobody may leave behind."""
     stats = plane.tiers[(node, tier)].stats()
-    return int(stats["pinned"]), int(stats["reserved"])
+    return stats.pinned, stats.reserved
 
 
 def check(plane: Plane) -> None:

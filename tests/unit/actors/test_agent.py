@@ -69,7 +69,7 @@ def test_store_then_load_locally_from_dram(plane: Plane) -> None:
     assert {b.source_tier for b in loaded} == {Tier.HBM}
     for tier in (Tier.HBM, Tier.DRAM):  # pins taken ahead and not used went back too
         stats = plane.tiers[("node-a", tier)].stats()
-        assert (stats["pinned"], stats["reserved"]) == (0, 0), tier
+        assert (stats.pinned, stats.reserved) == (0, 0), tier
     check(plane)
 
 
@@ -117,7 +117,7 @@ def test_corrupt_nvme_block_is_a_miss_and_quarantined(plane: Plane) -> None:
     data, loaded = load(plane, "node-a", keys[i : i + 1])
     assert loaded == [] and data.size == 0
     assert victim not in nvme.store
-    assert nvme.stats()["quarantined"] == 1
+    assert nvme.stats().store.quarantined == 1
     assert all(c.tier is not Tier.NVME for c in plane.lookup([victim])[0])
     check(plane)
 

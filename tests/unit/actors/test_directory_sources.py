@@ -29,7 +29,7 @@ def test_more_sources_than_sixteen_bits_count_are_followed() -> None:
     last = n - 1
     assert shard.lookup([key(last), key(0)]) == [[Copy(Tier.DRAM, node(last), 100, 1000 + last)],
                                                  [Copy(Tier.DRAM, node(0), 100, 1000)]]
-    assert shard.stats()["sources"] == n
+    assert shard.stats().sources == n
     shard.check_integrity()
 
 
@@ -41,7 +41,7 @@ def test_nodes_that_come_and_go_reuse_the_slots_of_those_that_left() -> None:
         gone = Source(node(i), Tier.DRAM)
         shard.resync(gone, "e1", 1, [stored(0), stored(i)])
         assert shard.drop_source(gone) == 2
-    assert shard.stats()["source_slots"] == 2
+    assert shard.stats().source_slots == 2
     assert len(shard) == 1
     shard.check_integrity()
 
@@ -53,7 +53,7 @@ def test_a_reused_slot_never_lends_the_new_source_the_old_ones_copies() -> None:
     shard.resync(b, "e1", 1, [stored(2)])
     assert shard.drop_source(a) == 2
     shard.resync(c, "e1", 1, [stored(3)])  # takes a's slot
-    assert shard.stats()["source_slots"] == 2
+    assert shard.stats().source_slots == 2
     assert shard.lookup([key(1), key(2), key(3)]) == [
         [], [Copy(Tier.DRAM, b.node, 100, 1002)], [Copy(Tier.DRAM, c.node, 100, 1003)]]
     assert shard.drop_source(a) == 0  # already gone: c keeps its copies

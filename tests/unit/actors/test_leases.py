@@ -115,7 +115,7 @@ def test_pins_a_caller_never_releases_expire_after_the_lease_time(plane: Plane) 
     plane.clock.advance(1)
     plane.tiers[("node-a", Tier.HBM)].heartbeat()
     assert held(plane, "node-a", Tier.HBM) == (0, 0)
-    assert plane.tiers[("node-a", Tier.HBM)].stats()["expired_leases"] == 3
+    assert plane.tiers[("node-a", Tier.HBM)].stats().leases.expired == 3
     agent.release([b.lease for b in result.blocks])  # late: changes nothing
     check(plane)
 
@@ -202,12 +202,12 @@ def test_a_pool_node_whose_read_fails_leaks_nothing(
             m.setattr(pool.io, "read_many", broken)
             assert pool.stage(keys, "agent:reader") == [None, None, None]
         stats = pool.stats()
-        assert (stats["pinned"], stats["reserved"]) == (0, 0)
+        assert (stats.pinned, stats.reserved) == (0, 0)
         staged = pool.stage(keys, "agent:reader")  # the disk is back: the blocks are too
         assert all(s is not None for s in staged)
         plane.clock.advance(LEASE_S)  # the reader died without unstaging
         pool.heartbeat()
-        assert (pool.stats()["pinned"], pool.stats()["expired_leases"]) == (0, 3)
+        assert (pool.stats().pinned, pool.stats().leases.expired) == (0, 3)
         pool.check_integrity()
     finally:
         pool.close()

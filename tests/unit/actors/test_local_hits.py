@@ -91,13 +91,13 @@ def test_blocks_only_hbm_holds_are_read_from_hbm_after_those_in_dram(plane: Plan
     load(plane, NODE, keys)  # the agent's load leaves an HBM copy of each
     plane.tiers[(NODE, Tier.DRAM)].evict(keys[1:])
     hbm = plane.tiers[(NODE, Tier.HBM)]
-    reads = hbm.stats()["hits"]
+    reads = hbm.stats().store.hits
     link: CountingLink = plane.link  # type: ignore[assignment]
     link.calls.clear()
     assert torch.equal(ns.load(toks), kv)
     assert [c for c in link.calls if not c[1].startswith("tell")] == [
         ("dram", "pin"), ("hbm", "pin")]
-    assert hbm.stats()["hits"] - reads == 2  # HBM asked for the two DRAM lacks, no more
+    assert hbm.stats().store.hits - reads == 2  # HBM asked for the two DRAM lacks, no more
     assert nothing_held(plane)
     check(plane)
 
@@ -111,7 +111,7 @@ def test_a_corrupt_local_copy_ends_the_prefix_and_is_quarantined(plane: Plane) -
     got = ns.load(toks)
     assert torch.equal(got, kv[:, :, :, :T])  # the intact block before it, never the bad one
     assert dram.contains(keys) == [True, False, True]
-    assert dram.stats()["quarantined"] == 1
+    assert dram.stats().store.quarantined == 1
     assert nothing_held(plane)
     check(plane)
 

@@ -259,7 +259,7 @@ def test_an_offer_with_a_tag_too_long_to_keep_is_refused_before_anything_is_held
             pool.ingest(actor_name("agent", "node-a"), offers)
         dram.unpin([p.lease for p in pins if p is not None])
         assert pool.contains(keys) == [False, False]
-        assert (pool.stats()["pinned"], pool.stats()["reserved"]) == (0, 0)
+        assert (pool.stats().pinned, pool.stats().reserved) == (0, 0)
         pool.check_integrity()
         check(plane)
     finally:

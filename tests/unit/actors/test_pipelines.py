@@ -178,7 +178,7 @@ def test_a_corrupt_window_gives_back_the_window_asked_ahead(plane: Plane) -> Non
     assert same_bits(got, kv[:, :, :, :T])
     assert "load 1" in link.events and "give_up" in link.events
     assert nothing_held(plane)
-    assert hbm.stats()["quarantined"] == 1
+    assert hbm.stats().store.quarantined == 1
     check(plane)
 
 

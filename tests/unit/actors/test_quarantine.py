@@ -63,7 +63,7 @@ def test_a_quarantine_sent_after_the_tier_restarted_keeps_the_copy_stored_since(
     fresh = restart_tier(plane, NODE, Tier.DRAM)  # a new incarnation, empty
     assert agent.store(keys, [None], payload) == 1  # a good copy, in the new one
     reader.quarantine(pins)  # names the old incarnation's copy: nothing here
-    assert fresh.contains(keys) == [True] and fresh.stats()["quarantined"] == 0
+    assert fresh.contains(keys) == [True] and fresh.stats().store.quarantined == 0
     pins = reader.pin_prefix(keys, "client:reader")
     assert bytes(reader.payload(pins[0])) == bytes(payload)
     reader.unpin(pins)
@@ -83,12 +83,12 @@ def test_a_quarantine_sent_after_the_pin_ended_keeps_the_copy_stored_since(
     dram.store.delete(keys[0])  # evicted, then stored again: the same slot, a new copy
     assert agent.store(keys, [None], payload) == 1
     reader.quarantine(pins)
-    assert dram.contains(keys) == [True] and dram.stats()["quarantined"] == 0
+    assert dram.contains(keys) == [True] and dram.stats().store.quarantined == 0
     again = reader.pin_prefix(keys, "client:reader")
     assert bytes(reader.payload(again[0])) == bytes(payload)
     reader.unpin(again)
     reader.quarantine(again)  # the copy a pin names, when it is the one held, goes
-    assert dram.contains(keys) == [False] and dram.stats()["quarantined"] == 1
+    assert dram.contains(keys) == [False] and dram.stats().store.quarantined == 1
     reader.close()
     check(plane)
 
@@ -118,7 +118,7 @@ def test_a_partial_nvme_load_quarantines_the_extent_it_read_not_one_written_sinc
     plane.link.after_unpin = replace_with_a_good_copy  # type: ignore[attr-defined]
     assert agent.read_selection(keys, ((0, 64),)) == [None]  # never the corrupt bytes
     assert plane.link.after_unpin is None  # type: ignore[attr-defined]
-    assert nvme.contains(keys) == [True] and nvme.stats()["quarantined"] == 0
+    assert nvme.contains(keys) == [True] and nvme.stats().store.quarantined == 0
     [s] = agent.read_selection(keys, ((0, 64),))
     assert s is not None and s.source_tier is Tier.NVME and bytes(s.data) == bytes(payload[:64])
     data, _ = load(plane, NODE, keys)

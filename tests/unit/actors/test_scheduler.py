@@ -59,6 +59,6 @@ def test_staging_budget_is_bounded() -> None:
         with pytest.raises(BusyError, match="staging budget"):
             with sched.staging(40, timeout_s=0.1):
                 pass
-        assert sched.stats()["staging_bytes_in_use"] == 80
-    assert sched.stats()["staging_bytes_in_use"] == 0
+        assert sched.stats().staging_bytes_in_use == 80
+    assert sched.stats().staging_bytes_in_use == 0
     sched.close()

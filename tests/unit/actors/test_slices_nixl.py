@@ -159,7 +159,7 @@ def test_a_corrupt_peer_dram_copy_is_a_miss_and_quarantined_there(plane: Plane) 
     got = load_slices(plane, "node-a", keys)
     assert len(got) == i  # the prefix ends at the corrupt block
     assert [b.data.tobytes() for b in got] == [e.tobytes() for e in expected(payload, i)]
-    assert plane.tiers[("node-b", Tier.DRAM)].stats()["quarantined"] == 1
+    assert plane.tiers[("node-b", Tier.DRAM)].stats().store.quarantined == 1
     assert plane.lookup([victim])[0] == []
     assert held(plane, "node-b", Tier.DRAM) == (0, 0)
     check(plane)
@@ -179,7 +179,7 @@ def test_a_corrupt_peer_nvme_chunk_is_a_miss_and_quarantined_there(plane: Plane)
         f.write(bytes([byte[0] ^ 0xFF]))
     got = load_slices(plane, "node-a", [victim])
     assert got == []
-    assert nvme.stats()["quarantined"] == 1 and victim not in nvme.store
+    assert nvme.stats().store.quarantined == 1 and victim not in nvme.store
     plane.agents["node-b"]._outbox().check_integrity()
     check(plane)
 
@@ -200,7 +200,7 @@ def test_bytes_damaged_in_flight_are_a_miss_and_the_source_copy_is_quarantined(
     monkeypatch.setattr(a.transport, "read_ranges", damaging)
     got = load_slices(plane, "node-a", keys)
     assert len(got) == 1 and got[0].data.tobytes() == expected(payload, 1)[0].tobytes()
-    assert plane.tiers[("node-b", Tier.DRAM)].stats()["quarantined"] == 1
+    assert plane.tiers[("node-b", Tier.DRAM)].stats().store.quarantined == 1
     assert plane.lookup([keys[1]])[0] == []
     assert held(plane, "node-b", Tier.DRAM) == (0, 0)
     check(plane)
@@ -292,7 +292,7 @@ def test_a_corrupt_pool_copy_is_a_miss_and_quarantined_there(
         f.write(bytes([byte[0] ^ 0xFF]))
     got = plane.agents["node-b"].load_slices(keys, plane.lookup(keys), RUNS)
     assert [s.data.tobytes() for s in got] == [e.tobytes() for e in expected(payload, 3)]
-    assert keys[3] not in pool.store and pool.stats()["quarantined"] == 1
+    assert keys[3] not in pool.store and pool.stats().store.quarantined == 1
     assert plane.lookup([keys[3]])[0] == []
     assert pool.leases.stats().pinned == 0
     pool.outbox().check_integrity()

@@ -56,8 +56,8 @@ def test_a_store_whose_dram_restarted_under_it_is_told_every_block_was_refused(
     handle = ns.store(toks, kv)
     assert handle.wait() == 0
     assert handle.refused == tuple(ns.keys(toks))
-    assert fresh[0].stats()["refused_commits"] == 2
-    assert plane.agents[NODE].stats()["store_commits"] == {"committed": 0, "refused": 2}
+    assert fresh[0].stats().refused_commits == 2
+    assert plane.agents[NODE].stats().store_commits == {"committed": 0, "refused": 2}
     assert ns.load(toks).shape[3] == 0
     check(plane)
 
@@ -79,7 +79,7 @@ def test_a_block_whose_slot_changed_after_its_copy_is_refused_and_its_copy_dropp
     assert handle.refused == tuple(ns.keys(toks)[:1])
     assert dram.contains(ns.keys(toks)) == [False, True]  # the bad copy went
     assert plane.tiers[(NODE, Tier.NVME)].contains(ns.keys(toks)) == [False, True]
-    assert plane.agents[NODE].stats()["store_commits"] == {"committed": 1, "refused": 1}
+    assert plane.agents[NODE].stats().store_commits == {"committed": 1, "refused": 1}
     assert ns.load(toks).shape[3] == 0  # the first block is not stored: nothing to load
     assert held(plane, NODE, Tier.DRAM) == (0, 0)
     check(plane)

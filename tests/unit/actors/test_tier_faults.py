@@ -111,14 +111,14 @@ def test_a_slot_whose_reservation_expired_is_fenced_for_a_lease_period(
     slow = svc.reserve([(k, None) for k in keys[:n]], "agent:slow")  # every slot
     plane.clock.advance(plane.config.lease_s + 1)  # the slow writer's leases expire
     assert svc.reserve([(keys[n], None)], "agent:fast") == [None]  # every slot is fenced
-    assert svc.stats()["fenced_slots"] == n
+    assert svc.stats().fenced_slots == n
     svc.check_integrity()
     assert svc.commit([(g.lease, BLOCK, 0) for g in slow if g is not None]) == 0
     plane.clock.advance(plane.config.lease_s)  # the fence is lifted
     [fast] = svc.reserve([(keys[n], None)], "agent:fast")
-    assert fast is not None and svc.stats()["fenced_slots"] == 0
+    assert fast is not None and svc.stats().fenced_slots == 0
     svc.abort([fast.lease])
-    assert svc.stats()["fenced_slots"] == 0  # a holder's abort frees the slot at once
+    assert svc.stats().fenced_slots == 0  # a holder's abort frees the slot at once
     check(plane)
 
 
@@ -127,7 +127,7 @@ def test_a_slot_whose_owner_was_released_is_fenced_too(plane: Plane) -> None:
     keys, _ = blocks(2, seed=8)
     hbm.reserve([(keys[0], None)], "client:gone")  # its load may still be filling the slot
     assert hbm.release_owner("client:gone") == 1
-    assert hbm.stats()["fenced_slots"] == 1
+    assert hbm.stats().fenced_slots == 1
     check(plane)
 
 
@@ -152,8 +152,8 @@ def test_a_late_writer_after_its_lease_expired_never_puts_its_bytes_under_anothe
     assert agent.commit_store(keys[4:], [None] * 4, done).committed == 4
     late = agent.commit_store(keys[:4], [None] * 4, [(g, BLOCK, 0) for g in slow if g])
     assert late.committed == 0 and late.refused == tuple(keys[:4])  # the writer learns it
-    assert agent.stats()["store_commits"] == {"committed": 4, "refused": 4}
-    assert plane.tiers[(NODE, Tier.DRAM)].stats()["refused_commits"] == 4
+    assert agent.stats().store_commits == {"committed": 4, "refused": 4}
+    assert plane.tiers[(NODE, Tier.DRAM)].stats().refused_commits == 4
     data, _ = load(plane, NODE, keys[4:])
     assert bytes(data) == bytes(payload[4 * BLOCK :])
     check(plane)
@@ -194,7 +194,7 @@ def test_a_load_whose_hbm_grants_expired_before_its_copy_never_lands_on_another_
         _, arena = agent._arenas[Tier.HBM]
         got = b"".join(bytes(arena.slot_view(b.slot)[: b.size]) for b in second.blocks)
         assert got == bytes(payload[2 * BLOCK :])  # the first load's late copies went elsewhere
-        assert hbm.stats()["fenced_slots"] == 2 and hbm.stats()["refused_commits"] == 2
+        assert hbm.stats().fenced_slots == 2 and hbm.stats().refused_commits == 2
         agent.release([b.lease for b in second.blocks])
         check(plane)
     finally:
@@ -229,7 +229,7 @@ def test_a_late_copy_over_a_client_store_fails_the_checksum_taken_of_the_engines
         assert landed()
         got = ns.load(toks)
         assert got.shape[3] == 0 or torch.equal(got, kv)  # a miss, never the late bytes
-        assert dram.stats()["quarantined"] == 1
+        assert dram.stats().store.quarantined == 1
         check(plane)
     finally:
         plane.close()
@@ -264,7 +264,7 @@ def test_a_disk_that_fills_under_a_demotion_drops_the_victims_and_the_store_goes
     nvme = plane.tiers[(NODE, Tier.NVME)]
     assert nvme.contains(keys) == [False] * 12  # nothing half-written is visible
     assert held(plane, NODE, Tier.DRAM) == (0, 0)
-    assert int(nvme.stats()["reserved"]) == 0
+    assert nvme.stats().reserved == 0
     data, _ = load(plane, NODE, keys[8:])
     assert bytes(data) == bytes(payload[8 * BLOCK :])
     check(plane)

@@ -48,7 +48,7 @@ def test_a_corrupt_peer_copy_is_quarantined_and_never_returned(plane: Plane) -> 
     assert len(loaded) == 1 and np.array_equal(data, payload[:BLOCK])
     assert keys[1] not in plane.tiers[("node-b", Tier.DRAM)].store
     assert (Tier.DRAM, "node-b") not in offered(plane, keys[1])
-    assert plane.tiers[("node-b", Tier.DRAM)].stats()["quarantined"] == 1
+    assert plane.tiers[("node-b", Tier.DRAM)].stats().store.quarantined == 1
     for _ in range(2):  # never offered again: a miss from then on
         data, loaded = load(plane, "node-a", keys[1:])
         assert loaded == []

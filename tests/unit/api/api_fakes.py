@@ -11,13 +11,29 @@ from cmx.config import AdminConfig
 from cmx.errors import UnavailableError
 from cmx.keys import BlockHash
 from cmx.metrics import Histogram
+from cmx.stats import (
+    NODE_TIERS,
+    AgentStats,
+    DirectoryStats,
+    LeaseStats,
+    NodeStats,
+    PoolStats,
+    QueueStats,
+    ServiceStats,
+    TierStats,
+    TransportStats,
+    Unreachable,
+)
+from cmx.storage.base import StoreStats
+from cmx.storage.nvme.dataplane import PlaneStats
 from cmx.tiers import Tier
 
 NODE_A = "a1" * 28
 NODE_B = "b2" * 28
 TOKEN = "test-token-0123456789"
 BLOCK = 32 << 10
-CAPACITY = {Tier.HBM: 8 * BLOCK, Tier.DRAM: 16 * BLOCK, Tier.NVME: 1024 * BLOCK}
+CAPACITY = {Tier.HBM: 8 * BLOCK, Tier.DRAM: 16 * BLOCK, Tier.NVME: 1024 * BLOCK,
+            Tier.POOL: 4096 * BLOCK}
 
 
 class FakeTier:
@@ -28,18 +44,34 @@ class FakeTier:
         self.epoch = "e1"
         self.down = False
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> TierStats | Unreachable:
         if self.down:
-            return {"error": f"cmx:{self.tier.value}:{self.node} did not answer"}
-        return {
-            "tier": self.tier.value, "node": self.node, "emulated": self.tier is Tier.HBM,
-            "epoch": self.epoch, "capacity_bytes": CAPACITY[self.tier],
-            "used_bytes": len(self.blocks) * BLOCK, "blocks": len(self.blocks),
-            "pinned": sum(1 for p in self.blocks.values() if p), "hits": self.hits,
-            "misses": self.misses, "evictions": self.evictions, "bytes_in": self.bytes_in,
-            "bytes_out": self.bytes_out, "directory_failures": 0, "directory_resyncs": 0,
-            **({"segments": 1, "io_engine": "pwritev"} if self.tier is Tier.NVME else {}),
-        }
+            return Unreachable(f"cmx:{self.tier.value}:{self.node} did not answer")
+        extra: dict[str, object] = ({"segments": 1, "io_engine": "pwritev"}
+                                    if self.tier is Tier.NVME else {})
+        store = StoreStats(CAPACITY[self.tier], len(self.blocks) * BLOCK, len(self.blocks),
+                           hits=self.hits, misses=self.misses, evictions=self.evictions,
+                           bytes_written=self.bytes_in, bytes_read=self.bytes_out, extra=extra)
+        pinned = sum(1 for p in self.blocks.values() if p)
+        return TierStats(self.tier, self.node, self.epoch, store, pinned, 0,
+                         LeaseStats(pinned, 0, 0, 0), emulated=self.tier is Tier.HBM)
+
+
+def agent_stats(node: str, latency: Histogram | None = None) -> AgentStats:
+    """An agent's stats as the service answers them: some bytes moved, some moves queued."""
+    return AgentStats(
+        agent=f"cmx-agent-{node[:12]}", node=node, placed_on=node, transport="nixl-ucx",
+        moved_bytes={"client->dram": 3 * BLOCK, "dram->nvme": BLOCK},
+        moved_via={"local": 3 * BLOCK, "nvme": BLOCK}, dropped_blocks={}, corrupt_blocks={},
+        latency={"store": (latency or Histogram()).snapshot(), "load": Histogram().snapshot()},
+        queues=QueueStats({"load": 1, "prefetch": 0, "demote": 2},
+                          {"load": 5, "prefetch": 0, "demote": 1}, 0, 1 << 20),
+        transport_stats=TransportStats(),
+        plane=PlaneStats("pwritev", 16, True, 0, 0, 0, 0, 0),
+    )
+
+
+NO_POOL = PoolStats({}, 1, 0, 0)
 
 
 class FakeBackend(Backend):
@@ -48,7 +80,7 @@ class FakeBackend(Backend):
         self.tiers = {(n, t): FakeTier(t, n) for n in self.node_ids
                       for t in (Tier.HBM, Tier.DRAM, Tier.NVME)}
         self.latency = Histogram()
-        self.pool: dict[str, Any] | None = None
+        self.pool = NO_POOL
         self.dropped: list[str] = []
         self.can_drop = False
         self.calls = 0
@@ -62,33 +94,15 @@ class FakeBackend(Backend):
 
     # -- Backend -------------------------------------------------------------------------------
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> ServiceStats:
         self.calls += 1
-        nodes = {}
-        for n in self.node_ids:
-            nodes[n] = {
-                "tiers": {t.value: self.tiers[(n, t)].stats()
-                          for t in (Tier.HBM, Tier.DRAM, Tier.NVME)},
-                "agent": {
-                    "agent": f"cmx-agent-{n[:12]}", "node": n, "transport": "nixl-ucx",
-                    "moved_bytes": {"client->dram": 3 * BLOCK, "dram->nvme": BLOCK},
-                    "moved_via": {"local": 3 * BLOCK, "nvme": BLOCK},
-                    "transport_stats": {"reads": 0, "bytes": 0, "seconds": 0.0, "failures": 0},
-                    "queues": {"queued": {"load": 1, "prefetch": 0, "demote": 2},
-                               "done": {"load": 5, "prefetch": 0, "demote": 1},
-                               "staging_bytes_in_use": 0, "staging_bytes": 1 << 20},
-                    "latency_s": {"store": self.latency.snapshot(),
-                                  "load": Histogram().snapshot()},
-                    "nvme_io": {"engine": "pwritev", "bytes_read": 0, "bytes_written": 0},
-                    "placement": {"node": n, "placed_on": n, "dpu": False},
-                },
-            }
-        out: dict[str, Any] = {"nodes": nodes, "directory": [
-            {"shard": 0, "blocks": 2, "copies": 3, "sources": 6, "resyncs": 0, "lookups": 4},
-            {"shard": 1, "error": "cmx:dir:1 did not answer"}]}
-        if self.pool is not None:
-            out["pool"] = self.pool
-        return out
+        nodes = {n: NodeStats(n, {t: self.tiers[(n, t)].stats() for t in NODE_TIERS},
+                              agent_stats(n, self.latency))
+                 for n in self.node_ids}
+        directory = (DirectoryStats(0, blocks=2, copies=3, sources=6, source_slots=6,
+                                    resyncs=0, lookups=4),
+                     Unreachable("cmx:dir:1 did not answer"))
+        return ServiceStats(nodes, directory, self.pool)
 
     def nodes(self) -> list[str]:
         return list(self.node_ids)

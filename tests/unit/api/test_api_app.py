@@ -7,13 +7,14 @@ from contextlib import contextmanager
 from typing import Any, get_args
 
 import pytest
-from api_fakes import BLOCK, NODE_A, NODE_B, TOKEN, FakeBackend, admin
+from api_fakes import BLOCK, NODE_A, NODE_B, TOKEN, FakeBackend, FakeTier, admin
 from fastapi.testclient import TestClient
 
 from cmx.api.app import create_app
 from cmx.api.models import Dtype
 from cmx.keys import Namespace, chain_keys
 from cmx.layout import DTYPE_BYTES, KVLayout
+from cmx.stats import PoolStats, TierStats, Unreachable
 from cmx.tiers import Tier
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -174,13 +175,18 @@ def test_pool_is_empty_without_one_and_shown_with_one(
     client: TestClient, backend: FakeBackend
 ) -> None:
     assert client.get("/api/v1/pool").json()["enabled"] is False
-    backend.pool = {"nodes": [{"node": "p1", "capacity_bytes": 100, "used_bytes": 40,
-                               "blocks": 2}], "replication": 2, "capacity_bytes": 100,
-                    "used_bytes": 40, "blocks": 2, "under_replicated": 1}
+    member = FakeTier(Tier.POOL, "p1")
+    member.blocks = {b"k1": 0, b"k2": 0}
+    member_stats = member.stats()
+    assert isinstance(member_stats, TierStats)
+    backend.pool = PoolStats({"p1": member_stats, "p2": Unreachable("p2 did not answer")},
+                             2, 2, 1)
     client.app.state.cmx.sampler.sample()  # type: ignore[attr-defined]
     pool = client.get("/api/v1/pool").json()
     assert pool["enabled"] is True and pool["replication"] == 2
-    assert pool["nodes"][0]["used_bytes"] == 40
+    assert pool["capacity_bytes"] == member_stats.capacity_bytes
+    assert [(n["node"], n["used_bytes"], n["available"]) for n in pool["nodes"]] == [
+        ("p1", 2 * BLOCK, True), ("p2", 0, False)]
     assert pool["detail"] == {"under_replicated": 1}
 
 

@@ -92,7 +92,7 @@ def test_ray_mirror_sets_gauges_adds_counter_deltas_and_replays_histograms() -> 
 
     def update() -> None:
         sample = Sample.of(0.0, backend.stats())
-        mirror.update(figures(tiers_view(sample, None), pool_view(sample.stats.get("pool"))))
+        mirror.update(figures(tiers_view(sample, None), pool_view(sample.stats.pool)))
 
     dram = backend.tiers[(NODE_A, Tier.DRAM)]
     dram.hits = 5

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+from api_fakes import NO_POOL, agent_stats
 
 from cmx.api.stats_samples import Sample, StatsSampler, rates_between
+from cmx.stats import LeaseStats, NodeStats, ServiceStats, TierStats, Unreachable
+from cmx.storage.base import StoreStats
+from cmx.tiers import Tier
 
 
-def stats(bytes_in: int, hits: int = 0, misses: int = 0, epoch: str = "e") -> dict[str, Any]:
-    tier = {"epoch": epoch, "capacity_bytes": 100, "used_bytes": 10, "hits": hits,
-            "misses": misses, "bytes_in": bytes_in, "bytes_out": 0}
-    return {"nodes": {"n": {"tiers": {"dram": tier, "nvme": {"error": "down"}}}}}
+def stats(bytes_in: int, hits: int = 0, misses: int = 0, epoch: str = "e") -> ServiceStats:
+    store = StoreStats(100, 10, 1, hits=hits, misses=misses, bytes_written=bytes_in)
+    dram = TierStats(Tier.DRAM, "n", epoch, store, 0, 0, LeaseStats(0, 0, 0, 0))
+    tiers = {Tier.DRAM: dram, Tier.NVME: Unreachable("down")}
+    return ServiceStats({"n": NodeStats("n", tiers, agent_stats("n"))}, (), NO_POOL)
 
 
 def test_rates_need_two_samples_of_the_same_incarnation() -> None:
@@ -30,7 +34,7 @@ def test_sampler_keeps_its_window_and_reuses_a_fresh_sample() -> None:
     now = [0.0]
     calls = []
 
-    def collect() -> dict[str, Any]:
+    def collect() -> ServiceStats:
         calls.append(now[0])
         return stats(int(now[0]) * 10)
 

@@ -1,5 +1,4 @@
-"""What the tests of a client's store share: a link that runs a store's last commit at once,
-and a way to act while a client copies a block, right after its first piece landed."""
+"""What the tests of a client's store share: the link they run over, and a way to act while a client copies a block, right after its first piece landed."""
 
 from __future__ import annotations
 
@@ -14,11 +13,8 @@ from cmx.links import LocalLink
 
 
 class StoreLink(LocalLink):
-    """LocalLink whose ``submit`` runs the call now and answers its result, as the ref a
-    store's last commit is waited on by (``ray.get`` of it is the test's to stand in for)."""
-
-    def submit(self, name: str, method: str, *args: Any) -> Any:
-        return self.call(name, method, *args)
+    """The in-process link a client's store runs over: its ``submit`` runs a commit at once
+    and ``result`` hands its answer over, as ``ray.get`` does."""
 
 
 def during_copy(monkeypatch: pytest.MonkeyPatch, act: Callable[[], None]) -> Callable[[], bool]:

@@ -1,9 +1,9 @@
-"""What the tests of a client's store share: the link they run over, and a way to act while a client copies a block, right after its first piece landed."""
+"""What the tests of a client's store share: the link they run over, and a way to act while
+a client copies a block, right after its first piece landed."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 

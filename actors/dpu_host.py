@@ -78,6 +78,10 @@ class HostEndpoint:
     def stats(self) -> PlaneStats:
         return self.nvme.stats()
 
+    def arenas(self) -> list[str]:
+        """The host arenas this endpoint maps and has registered now."""
+        return sorted(self._arenas)
+
     def _slot(self, arena: str, slot: int) -> Any:
         if arena not in self._arenas:
             raise CmxError(f"host arena {arena} is not attached to endpoint {self.name}")

@@ -150,11 +150,12 @@ class AgentStats:
     # Where a copy failed its checksum -> blocks, each then quarantined at its source: "nvme"
     # (the agent's own NVMe read), "peer" (a peer's staged copy), "consumer" (the load's caller).
     corrupt_blocks: Mapping[str, int]
-    store_commits: Mapping[str, int]  # a store's blocks "committed" or "refused"
     latency: Mapping[str, LatencyStats]  # "store", "load", "stage", "prefetch"
     queues: QueueStats
     transport_stats: TransportStats
     plane: PlaneStats  # its NVMe reads and writes
+    # A store's blocks "committed" or "refused" (lease ended, tier restarted, bytes changed).
+    store_commits: Mapping[str, int] = field(default_factory=dict)
     host_access: HostAccessStats | None = None  # on a DPU
     degraded: str | None = None  # a fallback in force, ``cmx.operate.degraded.describe``
 

@@ -121,10 +121,9 @@ def test_no_copy_lands_in_a_host_tier_that_restarted_between_two_steps(plane: Pl
     assert agent.store([k2], [None], p2) == 1  # the agent re-resolves the new incarnation
     with pytest.raises(StaleEpochError):  # step two: the copy into the old incarnation
         agent._copy_in(grants, p1, BLOCK)
-    endpoint = agent.endpoint.stats()  # type: ignore[attr-defined]
-    assert endpoint["arenas"] == sorted(
-        [new.info().arena, plane.tiers[(A, Tier.HBM)].info().arena])
-    assert old.info().arena not in endpoint["arenas"]
+    arenas = agent.endpoint.arenas()  # type: ignore[attr-defined]
+    assert arenas == sorted([new.info().arena, plane.tiers[(A, Tier.HBM)].info().arena])
+    assert old.info().arena not in arenas
     assert not dram_holds(new, k1)
     data, loaded = load_on_dpu(plane, [k2])
     assert len(loaded) == 1 and np.array_equal(data, p2)

@@ -130,3 +130,55 @@ def _dpu_takeover(cluster: Any, config: Any, added: list[Any]) -> None:
     ray.kill(remote)
     added.remove(host)
     cluster.remove_node(host)
+
+
+REPLICA = """
+import json, sys, torch, ray
+from cmx import ContextMemory, KVLayout
+from cmx.actors.links import RAY_NAMESPACE, actor_name
+from cmx.actors.service import stop_service
+from cmx.config import ServiceConfig
+from cmx.deploy.config import ServeOptions
+from cmx.deploy.model import ModelInfo
+from cmx.deploy.service import join_service
+
+layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=16, dtype="float16", block_tokens=16)
+model = ModelInfo(path="", name="tiny", layout=layout, weights="w", vocab_size=100,
+                  max_model_len=256)
+config = ServiceConfig(block_bytes=layout.block_bytes, hbm_bytes=1 << 20, dram_bytes=1 << 20,
+                       nvme_bytes=8 << 20, nvme_dir=sys.argv[1])
+# A replica's process: Ray is up (Serve started it), and nothing has started the service.
+ray.init(num_cpus=2, include_dashboard=False, namespace=RAY_NAMESPACE)
+node = ray.get_runtime_context().get_node_id()
+def running():
+    try:
+        ray.get_actor(actor_name("dram", node), namespace=RAY_NAMESPACE)
+        return True
+    except ValueError:
+        return False
+out = {"before": running()}
+link = join_service(ServeOptions(service=config, service_wait_s=120), model)
+out["after"] = running()
+tokens = list(range(64))
+kv = torch.randn(layout.shape(64), generator=torch.Generator().manual_seed(5)).to(torch.float16)
+ns = link.cm.namespace(model.name, layout, "tenant", model.weights)
+out["stored"] = ns.store(tokens, kv).wait()
+out["found"] = ns.lookup(tokens).num_tokens
+out["exact"] = bool(torch.equal(ns.load(tokens), kv))
+stop_service()
+ray.shutdown()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(600)
+def test_a_replica_starts_the_service_where_none_runs(tmp_path: Path) -> None:
+    """A Serve replica (``serve deploy`` or a RayService) on a cluster where nothing started
+    the context memory service starts it itself, with slots of the model's block, and its
+    stores are found and loaded back."""
+    m = new_machine(tmp_path, with_token=False)
+    out = m.python(REPLICA.replace("sys.argv[1]", repr(str(tmp_path / "nvme"))),
+                   timeout_s=400, RAY_ADDRESS="")
+    assert (out["before"], out["after"]) == (False, True)
+    assert (out["stored"], out["found"], out["exact"]) == (4, 64, True)
+    shutil.rmtree(m.ray_tmp, ignore_errors=True)

@@ -7,9 +7,10 @@ through its scheduler: loads before prefetches before demotions.
 
 Public calls, each bounded:
 
-- ``grant_store(keys, parents, owner)`` / ``commit_store(keys, parents, done)``: a writer on
-  this node (the client) copies blocks straight into the DRAM slots granted to it, once,
-  between the two calls; the agent demotes what the grants evict and places what commits.
+- ``grant_store(keys, parents, owner)`` / ``commit_store(keys, parents, done, ..., owner)``:
+  a writer on this node (the client) copies blocks straight into the DRAM slots granted to
+  it, once, between the two calls; the agent demotes what the grants evict and places what
+  commits, holding it pinned for ``owner`` until placed (``agent_stores.py``).
 - ``store(keys, parents, payload)``: blocks into this node's DRAM (evicted DRAM blocks demote
   to NVMe first, if NVMe admission lets them in); with write-through placement, admitted
   blocks go to NVMe as well. Returns when committed and visible to lookups.
@@ -36,25 +37,23 @@ from dataclasses import replace
 
 import numpy as np
 
-from cmx.actors.agent_demote import Demotion
 from cmx.actors.agent_fetch import RemoteFills, StagedAhead
 from cmx.actors.agent_nvme import Extent, make_nvme_plane
 from cmx.actors.agent_peers import PeerServing
-from cmx.actors.agent_pool import PoolWrites
 from cmx.actors.agent_slices import SliceServing
+from cmx.actors.agent_stores import Stores
 from cmx.actors.arena_tier import ArenaInfo, Grant, Pinned
 from cmx.actors.directory import Copy
 from cmx.actors.links import actor_name
 from cmx.actors.scheduler import Priority, Scheduler
 from cmx.actors.transport import PeerInfo, TransferError, make_transport
-from cmx.checksum import checksum
 from cmx.config import ServiceConfig
 from cmx.errors import CmxError
 from cmx.keys import BlockHash
 from cmx.metrics import Histogram
 from cmx.policies.admission import make_admission
 from cmx.policies.placement import make_placement
-from cmx.protocol import Loaded, LoadResult, StoreCommit
+from cmx.protocol import Loaded, LoadResult
 from cmx.stats import AgentStats
 from cmx.storage.arena import SharedArena
 from cmx.tiers import Tier
@@ -65,7 +64,7 @@ log = logging.getLogger(__name__)
 
 
 
-class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites, SliceServing):
+class OffloadAgent(RemoteFills, PeerServing, Stores, SliceServing):
     def __init__(self, node: str, config: ServiceConfig, link: object) -> None:
         self.node = node
         self.config = config
@@ -98,113 +97,6 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites, SliceServing)
         self._pool_checked = float("-inf")
         for tier in (Tier.HBM, Tier.DRAM):
             self._attach_when_up(tier)
-
-    # -- store ---------------------------------------------------------------------------------
-
-    def store(
-        self, keys: Sequence[BlockHash], parents: Sequence[BlockHash | None], payload: np.ndarray,
-        namespace: str = "", replicas: int | None = None,
-    ) -> int:
-        """Copy ``len(keys)`` blocks of ``payload`` (concatenated) into DRAM; returns committed.
-
-        Blocks the pool's admission policy lets in are copied to their pool owners too
-        (``replicas`` of them, default ``config.pool_replication``) before this returns.
-
-        Blocks go in windows of half the DRAM arena, so a store larger than DRAM streams
-        through it: each window's reservations evict (and demote) the blocks of the last.
-        """
-        if not keys:
-            return 0
-        size = payload.nbytes // len(keys)
-        window = max(1, self._arenas[Tier.DRAM][0].num_slots // 2)
-        done = 0
-        for start in range(0, len(keys), window):
-            stop = min(start + window, len(keys))
-            done += self._store_window(
-                keys[start:stop], parents[start:stop], payload[start * size : stop * size], size,
-                namespace, replicas or self.config.pool_replication,
-            )
-        return done
-
-    def _store_window(
-        self, keys: Sequence[BlockHash], parents: Sequence[BlockHash | None],
-        payload: np.ndarray, size: int, namespace: str, replicas: int,
-    ) -> int:
-        grants = self.grant_store(keys, parents, self.owner)
-        try:
-            done = self._copy_in(grants, payload, size)
-        except BaseException:
-            self._give_back(Tier.DRAM, abort=[g.lease for g in grants if g is not None])
-            raise
-        return self.commit_store(keys, parents, done, namespace, replicas).committed
-
-    def grant_store(
-        self, keys: Sequence[BlockHash], parents: Sequence[BlockHash | None], owner: str,
-    ) -> list[Grant | None]:
-        """DRAM slots for ``keys`` (None: already stored, or no room), reserved for ``owner``,
-        their evicted blocks already demoted: a writer on this node copies each block into
-        its slot, in the arena of the grant's epoch, then calls ``commit_store``."""
-        start_time = time.perf_counter()
-        grants: list[Grant | None] = self._call(
-            Tier.DRAM, "reserve", list(zip(keys, parents)), owner)
-        try:
-            self._demote_victims(Tier.DRAM, grants)
-        except BaseException:
-            self._give_back(Tier.DRAM, abort=[g.lease for g in grants if g is not None])
-            raise
-        self.latency["grant_store"].observe(time.perf_counter() - start_time)
-        return grants
-
-    def commit_store(
-        self, keys: Sequence[BlockHash], parents: Sequence[BlockHash | None],
-        done: Sequence[tuple[Grant, int, int]], namespace: str = "", replicas: int | None = None,
-    ) -> StoreCommit:
-        """Commit the written slots (grant, size, checksum of each) and place the blocks: NVMe
-        with write-through, the pool if admitted. A block whose grant's lease ended, or whose
-        DRAM incarnation since restarted, is refused; so is one that write-through finds no
-        longer matching its checksum (that copy is dropped). Its time is the agent's "store"
-        latency: the writer's copy is the writer's."""
-        start_time = time.perf_counter()
-        ok: list[bool] = self._call(Tier.DRAM, "commit_each",
-                                    [(g.lease, n, c) for g, n, c in done], namespace)
-        stored = [(g.key, n, c) for (g, n, c), good in zip(done, ok) if good]
-        refused = [g.key for (g, _, _), good in zip(done, ok) if not good]
-        self.moved["client->dram"] += sum(n for _, n, _ in stored)
-        self.moved_via["local"] += sum(n for _, n, _ in stored)
-        for key in keys:
-            self.nvme_admission.record(key)
-        through = [s for s in stored
-                   if Tier.NVME in self.placement_policy.on_store(self.nvme_admission.admit(s[0]))]
-        changed = self._write_nvme(Tier.DRAM, through, parents_of(keys, parents),
-                                   dict.fromkeys(keys, namespace))
-        self._pool_write([k for k, _, _ in stored if self._admit(k) and k not in changed],
-                         parents_of(keys, parents), replicas or self.config.pool_replication,
-                         namespace)
-        refused += changed
-        self.commits["committed"] += len(stored) - len(changed)
-        self.commits["refused"] += len(refused)
-        self.latency["store"].observe(time.perf_counter() - start_time)
-        return StoreCommit(len(stored) - len(changed), tuple(refused))
-
-    def _copy_in(
-        self, grants: Sequence[Grant | None], payload: np.ndarray, size: int
-    ) -> list[tuple[Grant, int, int]]:
-        """Copy each granted block of ``payload`` into its slot, in the arena of its grant's
-        epoch; (grant, size, checksum) of each."""
-        futures = []
-        for i, grant in enumerate(grants):
-            if grant is None:
-                continue
-            src = payload[i * size : (i + 1) * size]
-            dst = self._arena(grant.epoch).slot_view(grant.slot)
-
-            def copy(grant: Grant = grant, src: np.ndarray = src,
-                     dst: np.ndarray = dst) -> tuple[Grant, int, int]:
-                np.copyto(dst[: src.nbytes], src)
-                return grant, src.nbytes, checksum(src)
-
-            futures.append(self.scheduler.submit(Priority.DEMOTE, copy))
-        return [f.result() for f in futures]
 
     # -- load ----------------------------------------------------------------------------------
 
@@ -400,8 +292,3 @@ class OffloadAgent(RemoteFills, PeerServing, Demotion, PoolWrites, SliceServing)
         self.transport.close()
         self.nvme.close()
 
-
-def parents_of(
-    keys: Sequence[BlockHash], parents: Sequence[BlockHash | None]
-) -> dict[BlockHash, BlockHash | None]:
-    return dict(zip(keys, parents))

@@ -1,7 +1,8 @@
 """What the offload agent's parts share: its state and the plumbing every part calls.
 
-The agent is split by concern (``agent.py`` stores and loads, ``agent_peers.py`` serves other
-nodes, ``agent_demote.py`` moves evicted blocks down, ``agent_pool.py`` writes to the pool);
+The agent is split by concern (``agent.py`` loads, ``agent_stores.py`` stores,
+``agent_peers.py`` serves other nodes, ``agent_demote.py`` moves evicted blocks down,
+``agent_pool.py`` writes to the pool);
 each part is a mixin over this base, which holds the state and the calls into the tiers:
 the arenas of every tier incarnation still in use (``_arena(epoch)``), and the ways leases end
 (``_give_back`` on error paths, waited for; ``_let_go``, one way, off a load's path).

@@ -65,19 +65,21 @@ class NvmeTransfers(AgentBase):
     def _write_nvme(
         self, tier: Tier, items: Sequence[tuple[BlockHash, int, int | None]],
         parents: dict[BlockHash, BlockHash | None], tags: dict[BlockHash, str],
-        sources: Sequence[Any] | None = None,
+        sources: Sequence[Any] | None = None, pins: Sequence[Pinned | None] | None = None,
     ) -> list[BlockHash]:
         """Write blocks to NVMe: from ``sources`` (slots of ``tier``'s arena whose blocks are
-        no longer in it), or pinned in ``tier`` by key. All the writes are in flight at once;
+        no longer in it), from the caller's ``pins`` of them in ``tier`` (the caller ends
+        them), or else pinned in ``tier`` by key here. All the writes are in flight at once;
         a block whose bytes do not match ``items``' checksum is not committed, and a copy
         pinned in ``tier`` is quarantined there. ``tags``: namespace ids, kept on disk with
         the blocks. Returns the keys of the blocks whose bytes did not match."""
         changed: list[BlockHash] = []
         if not items:
             return changed
-        pins: list[Pinned | None] = []
+        mine: list[Pinned | None] = []  # pinned here, unpinned here
         if sources is None:
-            pins = self._call(tier, "pin", [k for k, _, _ in items], self.owner)
+            if pins is None:
+                pins = mine = self._call(tier, "pin", [k for k, _, _ in items], self.owner)
             srcs = [self._slot_source(p.epoch, p.slot) if p is not None else None for p in pins]
         else:
             srcs = list(sources)
@@ -110,12 +112,12 @@ class NvmeTransfers(AgentBase):
             self.latency["nvme_books"].observe(t1 - t0 + time.perf_counter() - t2)
             self.moved[f"{tier.value}->nvme"] += sum(c[1] for c in commits)
             self.moved_via["nvme"] += sum(c[1] for c in commits)
-            if bad := [p for p in pins if p is not None and p.key in changed]:
+            if bad := [p for p in pins or () if p is not None and p.key in changed]:
                 self._call(tier, "quarantine_pinned", bad)  # while pinned: that copy goes
             return changed
         finally:
             self._give_back(Tier.NVME, abort=[e.lease for e in extents if e is not None])
-            self._give_back(tier, unpin=[p.lease for p in pins if p is not None])
+            self._give_back(tier, unpin=[p.lease for p in mine if p is not None])
 
     def _slot_source(self, epoch: str, slot: int) -> Any:
         """What an NVMe write reads a memory slot's bytes from: the slot, mapped here."""

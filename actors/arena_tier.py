@@ -173,38 +173,43 @@ class ArenaTierService(LeasedPins):
                     wait: bool = True) -> list[bool]:
         """``commit``, answering per item whether it was committed (False: its lease had
         ended, or is of an earlier incarnation of this tier)."""
-        return [k is not None for k in self._commit(items, namespace, wait)]
+        return [k is not None for k, _ in self._commit(items, namespace, wait, None)]
 
-    def _commit(self, items: Sequence[tuple[int, int, int]], namespace: str,
-                wait: bool) -> list[BlockHash | None]:
-        keys: list[BlockHash | None] = []
+    def commit_pinned(
+        self, items: Sequence[tuple[int, int, int]], namespace: str = "",
+        wait: bool = True, owner: str = "",
+    ) -> list[Pinned | None]:
+        """``commit``, then ``pin`` for ``owner`` what was committed, in one round trip: what
+        a load asks last, and what a write-through store asks before its NVMe writes. Each
+        block is pinned as it is committed, so a reservation running beside this never
+        evicts it in between. None for a lease that is not an open reservation here."""
+        self.leases.expire()
+        return [p for _, p in self._commit(items, namespace, wait, owner)]
+
+    def _commit(self, items: Sequence[tuple[int, int, int]], namespace: str, wait: bool,
+                owner: str | None) -> list[tuple[BlockHash | None, Pinned | None]]:
+        """Commit each item (by lease); with an ``owner``, each is pinned for it under the
+        store's lock, from the moment it is visible."""
+        done: list[tuple[BlockHash | None, Pinned | None]] = []
         for lease, size, csum in items:
             held = self.leases.take(lease)
             with self._lock:
                 res = self._reservations.pop(lease, None) if held is not None else None
             if res is None:
                 self._refused += 1
-                keys.append(None)
+                done.append((None, None))
                 continue
             if namespace:
                 self._tags[res.key] = namespace
-            self.store.commit(res, size, csum)
-            keys.append(res.key)
+            with self.store._lock:
+                self.store.commit(res, size, csum)
+                pin = self._pin_one(res.key, owner) if owner is not None else None
+            done.append((res.key, pin))
         if wait:
             self.publisher.flush()
         else:
             self.publisher.flush_soon()
-        return keys
-
-    def commit_pinned(
-        self, items: Sequence[tuple[int, int, int]], namespace: str = "",
-        wait: bool = True, owner: str = "",
-    ) -> list[Pinned | None]:
-        """``commit``, then ``pin`` for ``owner`` what was committed: what a load asks last,
-        in one round trip. None for a lease that is not an open reservation here."""
-        keys = self._commit(items, namespace, wait)
-        pins = iter(self.pin([k for k in keys if k is not None], owner))
-        return [next(pins) if k is not None else None for k in keys]
+        return done
 
     def abort(self, leases: Sequence[int]) -> None:
         """Give back reservations their holder will not write: the slots are free at once."""
@@ -232,20 +237,18 @@ class ArenaTierService(LeasedPins):
 
     def pin(self, keys: Sequence[BlockHash], owner: str = ADMIN) -> list[Pinned | None]:
         self.leases.expire()
-        out: list[Pinned | None] = []
-        for key in keys:
-            if key in self._doomed or not self.store.pin(key):
-                out.append(None)
-                continue
-            ref = self.store.locate(key)
-            csum = self.store.checksum_of(key)
-            if ref is None or csum is None:  # removed between pin and locate: not under a pin
-                self._unpin_key(key)
-                out.append(None)
-                continue
-            lease = self.leases.grant(owner, LeaseKind.PIN, key, self._unpin_later(key))
-            out.append(Pinned(key, ref.slot, ref.size, csum, self.epoch, lease, ref.copy))
-        return out
+        return [self._pin_one(key, owner) for key in keys]
+
+    def _pin_one(self, key: BlockHash, owner: str) -> Pinned | None:
+        if key in self._doomed or not self.store.pin(key):
+            return None
+        ref = self.store.locate(key)
+        csum = self.store.checksum_of(key)
+        if ref is None or csum is None:  # removed between pin and locate: not under a pin
+            self._unpin_key(key)
+            return None
+        lease = self.leases.grant(owner, LeaseKind.PIN, key, self._unpin_later(key))
+        return Pinned(key, ref.slot, ref.size, csum, self.epoch, lease, ref.copy)
 
     def acquire(
         self, items: Sequence[tuple[BlockHash, BlockHash | None]], owner: str

@@ -12,11 +12,20 @@ Protocol, per window of half the DRAM tier (so a store larger than DRAM streams 
    block's checksum is taken of the engine's bytes as they are copied (``copy_block``),
    never read back from the slot: a writer whose lease ran out may still copy into that
    slot, and its late bytes must fail the checksum where they are used, not pass it.
-3. ``agent.commit_store(keys, parents, done)``: committed and visible to lookups, then written
-   through to NVMe and the pool as placement and admission say; a ``StoreCommit`` names the
-   blocks refused (a lease that ended, a DRAM tier that restarted, bytes that no longer
-   match). The last window's commit goes on behind ``StoreHandle``; an earlier one is waited
-   for, as the next window's grants may evict its blocks.
+3. ``agent.commit_store(keys, parents, done, namespace, replication, owner)``: committed and
+   visible to lookups, each block pinned for the store's owner as it is committed, then
+   written through to NVMe and the pool as placement and admission say, then unpinned; a
+   ``StoreCommit`` names the blocks refused (a lease that ended, a DRAM tier that restarted,
+   bytes that no longer match).
+
+Window k+1 is granted and copied while window k commits and writes through: k's pins keep
+k+1's grants from evicting its blocks before they reach NVMe (unpinned, 128 of 1,024
+write-through blocks were evicted between their commit and their write-through and lost).
+At most two windows are in flight: k-1's commit is waited for before k+1's grants, so the
+slots k+1 needs are free or hold blocks already written through, and the last window's
+commit alone goes on behind ``StoreHandle``. A window whose grants come back short while
+the window before it still commits is asked again, its rest, once that commit is done: as a
+store without overlap would ask.
 """
 
 from __future__ import annotations
@@ -93,33 +102,51 @@ def store_into_dram(
     kv: Any, namespace: str, owner: str, replication: int | None,
 ) -> StoreHandle:
     """Store ``keys`` whose KV [L, 2, H, len(keys)*T, D] is ``kv``; returns once the bytes
-    are in DRAM, before they are committed.
-
-    Each window's commit (and its write-through to NVMe) is waited for before the next
-    window's grants: those may evict its blocks, and a block evicted between its commit and
-    its write-through reached NVMe only if its demotion admitted it (copying window k while
-    window k-1 committed lost 128 of 1,024 write-through blocks so)."""
+    are in DRAM, before the last window is committed (the module's protocol)."""
     window = max(1, cm.config.dram_bytes // cm.config.block_bytes // 2)
     T = layout.block_tokens
-    result = StoreCommit(0)
-    ref = None
-    copying = waiting = 0.0
+    commits = _Commits(cm)
+    copying = 0.0
     for start in range(0, len(keys), window):
         stop = min(start + window, len(keys))
         window_keys, window_parents = list(keys[start:stop]), list(parents[start:stop])
-        t0 = time.perf_counter()
+        commits.wait_until(1)  # window k-1's, before window k+1's grants
+        t0, waited = time.perf_counter(), commits.waiting_s
         done = _copy_window(cm, layout, window_keys, window_parents,
-                            kv[:, :, :, start * T : stop * T], owner)
-        t1 = time.perf_counter()
-        copying += t1 - t0
-        args = (window_keys, window_parents, done, namespace, replication)
-        ref = cm.link.submit(_agent(cm), "commit_store", *args)
-        if stop < len(keys):  # the next window's grants may evict these blocks: commit first
-            result = _add(result, cm.link.result(ref, cm.config.load_timeout_s))
-            ref = None
-            waiting += time.perf_counter() - t1
-    return StoreHandle(ref, len(keys), cm.config.load_timeout_s, result, cm.link,
-                       StoreTimes(copying, waiting))
+                            kv[:, :, :, start * T : stop * T], owner, commits)
+        copying += time.perf_counter() - t0 - (commits.waiting_s - waited)
+        commits.submit(window_keys, window_parents, done, namespace, replication, owner)
+    commits.wait_until(1)
+    return StoreHandle(commits.last(), len(keys), cm.config.load_timeout_s, commits.result,
+                       cm.link, StoreTimes(copying, commits.waiting_s))
+
+
+class _Commits:
+    """A store's window commits in flight, oldest first, and what those done answered."""
+
+    def __init__(self, cm: Any) -> None:
+        self._cm = cm
+        self._refs: list[Any] = []
+        self.result = StoreCommit(0)
+        self.waiting_s = 0.0  # waiting for commits, in all
+
+    def submit(self, *args: Any) -> None:
+        self._refs.append(self._cm.link.submit(_agent(self._cm), "commit_store", *args))
+
+    def wait_until(self, in_flight: int) -> bool:
+        """Wait for the oldest commits until at most ``in_flight`` are left; whether any
+        was waited for."""
+        t0 = time.perf_counter()
+        waited = len(self._refs) > in_flight
+        while len(self._refs) > in_flight:
+            ref = self._refs.pop(0)
+            self.result = _add(self.result,
+                               self._cm.link.result(ref, self._cm.config.load_timeout_s))
+        self.waiting_s += time.perf_counter() - t0
+        return waited
+
+    def last(self) -> Any:
+        return self._refs.pop() if self._refs else None
 
 
 def _add(a: StoreCommit, b: StoreCommit) -> StoreCommit:
@@ -132,15 +159,19 @@ def _agent(cm: Any) -> str:
 
 def _copy_window(
     cm: Any, layout: KVLayout, keys: list[BlockHash], parents: list[BlockHash | None],
-    kv: Any, owner: str,
+    kv: Any, owner: str, commits: _Commits,
 ) -> list[tuple[Any, int, int]]:
     """Copy the blocks of ``kv`` into the DRAM slots granted for them: (grant, size,
     checksum) of each written. What was granted is given back if a copy fails."""
-    grants = cm.link.call(_agent(cm), "grant_store", keys, parents, owner,
-                          timeout_s=cm.config.load_timeout_s)
+    grants = _grant(cm, keys, parents, owner)
     T = layout.block_tokens
     done: list[tuple[Any, int, int]] = []
     try:
+        short = [i for i, g in enumerate(grants) if g is None]
+        if short and commits.wait_until(0):  # the window before may hold the slots: ask again
+            again = _grant(cm, [keys[i] for i in short], [parents[i] for i in short], owner)
+            for i, grant in zip(short, again):
+                grants[i] = grant
         for i, grant in enumerate(grants):
             if grant is None:
                 continue
@@ -153,6 +184,12 @@ def _copy_window(
                      [g.lease for g in grants if g is not None])
         raise
     return done
+
+
+def _grant(cm: Any, keys: list[BlockHash], parents: list[BlockHash | None],
+           owner: str) -> list[Any]:
+    return list(cm.link.call(_agent(cm), "grant_store", keys, parents, owner,
+                             timeout_s=cm.config.load_timeout_s))
 
 
 def copy_block(layout: KVLayout, slot: Any, kv: Any) -> Checksum:

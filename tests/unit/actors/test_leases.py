@@ -86,7 +86,7 @@ def test_a_store_whose_demotion_fails_leaves_its_keys_storable(plane: Plane) -> 
 def test_a_store_whose_copy_raises_leaves_its_keys_storable(
     plane: Plane, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import cmx.actors.agent as agent_module
+    import cmx.actors.agent_stores as agent_module
 
     agent = plane.agents["node-a"]
     keys, payload = blocks(2, seed=35)

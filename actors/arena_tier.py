@@ -244,7 +244,8 @@ class ArenaTierService(LeasedPins):
                 out.append(None)
                 continue
             lease = self.leases.grant(owner, LeaseKind.PIN, key, self._unpin_later(key))
-            out.append(Pinned(key, ref.slot, ref.size, csum, self.epoch, lease, ref.copy))
+            out.append(Pinned(key, ref.slot, ref.size, csum, self.epoch, lease, ref.copy,
+                              self._tags.get(key, "")))
         return out
 
     def acquire(

@@ -37,6 +37,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from cmx.actors.agent_base import pin_tag
 from cmx.actors.agent_fetch import RemoteFills, StagedAhead
 from cmx.actors.agent_nvme import Extent, make_nvme_plane
 from cmx.actors.agent_peers import PeerServing
@@ -53,7 +54,7 @@ from cmx.keys import BlockHash
 from cmx.metrics import Histogram
 from cmx.policies.admission import make_admission
 from cmx.policies.placement import make_placement
-from cmx.protocol import Loaded, LoadResult
+from cmx.protocol import Loaded, LoadResult, copy_tag
 from cmx.stats import AgentStats
 from cmx.storage.arena import SharedArena
 from cmx.tiers import Tier
@@ -106,7 +107,8 @@ class OffloadAgent(RemoteFills, PeerServing, Stores, SliceServing):
     ) -> LoadResult:
         """The longest prefix of ``keys`` pinned in HBM for ``owner`` (default: this agent);
         the caller reads the slots and ends the pins with ``release``, or they expire. The
-        HBM copies made are tagged with ``namespace`` (the blocks' namespace id).
+        HBM copies made are tagged with ``namespace`` (the blocks' namespace id), or where the
+        caller names none with the tag of the copy each was read from.
 
         Whatever fails part-way gives back what it was granted: a load never leaves a pin or
         a reservation behind but the returned prefix's."""
@@ -119,7 +121,7 @@ class OffloadAgent(RemoteFills, PeerServing, Stores, SliceServing):
         try:
             loaded: dict[int, Loaded] = {
                 i: Loaded(keys[i], p.slot, p.size, Tier.HBM, self.node, "local", p.checksum,
-                          p.lease)
+                          p.lease, p.namespace)
                 for i, p in hits.items()
             }
             if granted:
@@ -207,13 +209,13 @@ class OffloadAgent(RemoteFills, PeerServing, Stores, SliceServing):
                     log.warning("load from %s@%s failed: %s", tier.value, node[:8], exc)
         if failed := [granted[i].lease for i in granted if i not in filled]:
             self._call(Tier.HBM, "abort", failed)
-        commits = [(granted[i].lease, b.size, b.checksum) for i, b in filled.items()]
+        tags = {i: copy_tag(namespace, b.namespace) for i, b in filled.items()}
+        commits = [(tags[i], (granted[i].lease, b.size, b.checksum)) for i, b in filled.items()]
         # A load's caller reads its blocks at once; other nodes learn of the copy a moment
         # later. A prefetch returns once lookups see it.
-        pins = self._call(Tier.HBM, "commit_pinned", commits, namespace,
-                          priority is not Priority.LOAD, owner)
-        return {i: replace(b, lease=p.lease) for (i, b), p in zip(filled.items(), pins)
-                if p is not None}
+        pins = self._commit_tagged(Tier.HBM, commits, priority is not Priority.LOAD, owner)
+        return {i: replace(b, lease=p.lease, namespace=tags[i])
+                for (i, b), p in zip(filled.items(), pins) if p is not None}
 
     def _fill_from(
         self, tier: Tier, node: str, keys: Sequence[BlockHash], idx: list[int],
@@ -234,7 +236,7 @@ class OffloadAgent(RemoteFills, PeerServing, Stores, SliceServing):
             for (i, pin), good in zip(got, ok):
                 if good:
                     out[i] = Loaded(keys[i], granted[i].slot, pin.size, tier, node, via,
-                                    pin.checksum)
+                                    pin.checksum, namespace=pin_tag(pin))
                     self.moved[f"{tier.value}->hbm"] += pin.size
                     self.moved_via[via] += pin.size
             return out

@@ -27,10 +27,10 @@ from cmx.metrics import Histogram
 from cmx.policies.admission import AdmissionPolicy
 from cmx.policies.placement import PlacementPolicy
 from cmx.storage.arena import SharedArena
-from cmx.storage.nvme.dataplane import ExtentPlane
+from cmx.storage.nvme.dataplane import Extent, ExtentPlane
 from cmx.tiers import Tier
 
-__all__ = ["AgentBase", "StaleEpochError"]
+__all__ = ["AgentBase", "StaleEpochError", "pin_tag"]
 
 # Batch calls of a tier that do nothing for no keys: those answering a list, and the others.
 _EMPTY_LIST_CALLS = frozenset({"pin", "reserve", "acquire", "commit_pinned"})
@@ -84,6 +84,22 @@ class AgentBase:
                 self._check_epoch(calls[i][0], answer)
                 results[i] = answer
         return results
+
+    def _commit_tagged(self, tier: Tier, commits: Sequence[tuple[str, tuple[int, int, int]]],
+                       wait: bool, owner: str) -> list[Pinned | None]:
+        """``commit_pinned`` in ``tier`` of each (namespace id, (lease, size, checksum)): one
+        call per namespace, all in flight at once; the pins in the order of ``commits``."""
+        groups: dict[str, list[int]] = {}
+        for n, (tag, _) in enumerate(commits):
+            groups.setdefault(tag, []).append(n)
+        answers = self._call_many([
+            (tier, "commit_pinned", ([commits[n][1] for n in idx], tag, wait, owner))
+            for tag, idx in groups.items()])
+        out: list[Pinned | None] = [None] * len(commits)
+        for idx, pins in zip(groups.values(), answers):
+            for n, pin in zip(idx, pins):
+                out[n] = pin
+        return out
 
     def _pin_memory(self, keys: Sequence[BlockHash], owner: str
                     ) -> list[tuple[Tier, list[Pinned | None]]]:
@@ -182,3 +198,8 @@ def _empty_answer(method: str, args: tuple[object, ...]) -> Any:
         if method in _EMPTY_NONE_CALLS:
             return None
     return _NO_ANSWER
+
+
+def pin_tag(pin: Pinned | Extent) -> str:
+    """The namespace id of a pinned copy: a memory tier's pin, or an NVMe extent."""
+    return pin.namespace if isinstance(pin, Pinned) else pin.tag

@@ -188,7 +188,7 @@ class RemoteFills(AgentBase):
                     corrupt.append(s)
                     continue
                 out[i] = Loaded(keys[i], granted[i].slot, s.size, s.source_tier, node,
-                                self.transport.name, s.checksum)
+                                self.transport.name, s.checksum, namespace=s.namespace)
                 self.moved[f"{s.source_tier.value}@peer->hbm"] += s.size
                 self.moved_via[self.transport.name] += s.size
             if corrupt:  # after unstaging: a pinned copy cannot be dropped at once

@@ -42,7 +42,8 @@ class PeerServing(NvmeTransfers):
                     unused.append(p.lease)
                     continue
                 region = self._epochs[p.epoch][0].arena
-                out[i] = Staged(keys[i], tier, region, p.slot, p.size, p.checksum, tier, p.lease)
+                out[i] = Staged(keys[i], tier, region, p.slot, p.size, p.checksum, tier, p.lease,
+                                p.namespace)
             if unused:
                 self._give_back(tier, unpin=unused)
         todo = [i for i, s in enumerate(out) if s is None]
@@ -73,7 +74,7 @@ class PeerServing(NvmeTransfers):
 
     def _promote(self, keys: list[BlockHash], owner: str) -> dict[int, Staged]:
         """NVMe -> DRAM for blocks a peer wants; each returned block is pinned in DRAM for
-        ``owner``."""
+        ``owner``. The DRAM copy keeps the NVMe copy's namespace id (a drop finds it)."""
         pins = self._call(Tier.NVME, "pin", keys, self.owner)
         present = [(i, p) for i, p in enumerate(pins) if p is not None]
         grants = []
@@ -89,14 +90,14 @@ class PeerServing(NvmeTransfers):
             self._give_back(Tier.DRAM, abort=[g.lease for g in grants
                                               if g is not None and g.lease not in done])
             grants = []
-            repinned = self._call(Tier.DRAM, "commit_pinned",
-                                  [(g.lease, p.size, p.checksum) for _, p, g in ok], "", True,
-                                  owner)
+            repinned = self._commit_tagged(
+                Tier.DRAM, [(p.tag, (g.lease, p.size, p.checksum)) for _, p, g in ok], True,
+                owner)
             self.moved["nvme->dram"] += sum(p.size for _, p, _ in ok)
             self.moved_via["nvme"] += sum(p.size for _, p, _ in ok)
             return {
                 i: Staged(g.key, Tier.DRAM, self._epochs[rp.epoch][0].arena, rp.slot, rp.size,
-                          rp.checksum, Tier.NVME, rp.lease)
+                          rp.checksum, Tier.NVME, rp.lease, rp.namespace)
                 for (i, _, g), rp in zip(ok, repinned)
                 if rp is not None and rp.epoch in self._epochs
             }

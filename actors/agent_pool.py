@@ -14,7 +14,7 @@ from cmx.actors.scheduler import Priority
 from cmx.errors import UnavailableError
 from cmx.keys import BlockHash
 from cmx.policies.rendezvous import owners
-from cmx.protocol import Loaded, Offer
+from cmx.protocol import Loaded, Offer, copy_tag
 from cmx.tiers import Tier
 
 __all__ = ["PoolWrites"]
@@ -47,7 +47,8 @@ class PoolWrites(AgentBase):
         replicas: int, namespace: str = "",
     ) -> int:
         """Have each block's pool owners pull it from this node's DRAM; returns copies made.
-        The pool nodes keep ``namespace`` (the blocks' namespace id) with them, on disk."""
+        The pool nodes keep ``namespace`` (the blocks' namespace id; where it is "", the DRAM
+        copy's) with them, on disk."""
         members = self._pool_members()
         if not members or not keys:
             return 0
@@ -59,7 +60,7 @@ class PoolWrites(AgentBase):
                     continue
                 region = self._epochs[p.epoch][0].arena
                 offer = Offer(key, parents.get(key), region, p.slot, p.size, p.checksum,
-                              namespace)
+                              copy_tag(namespace, p.namespace))
                 for owner in owners(key, members, replicas):
                     by_owner.setdefault(owner, []).append(offer)
             made = 0

@@ -248,7 +248,8 @@ class ArenaTierService(LeasedPins):
             self._unpin_key(key)
             return None
         lease = self.leases.grant(owner, LeaseKind.PIN, key, self._unpin_later(key))
-        return Pinned(key, ref.slot, ref.size, csum, self.epoch, lease, ref.copy)
+        return Pinned(key, ref.slot, ref.size, csum, self.epoch, lease, ref.copy,
+                      self._tags.get(key, ""))
 
     def acquire(
         self, items: Sequence[tuple[BlockHash, BlockHash | None]], owner: str

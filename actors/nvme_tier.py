@@ -141,7 +141,7 @@ class NvmeTierService(LeasedPins):
                 continue
             lease = self.leases.grant(owner, LeaseKind.PIN, key, self._unpin_later(key))
             out.append(Extent(key, self.store.segment_path(entry.seg), entry.offset,
-                              entry.length, entry.checksum, lease, entry.chunk_sums))
+                              entry.length, entry.checksum, lease, entry.chunk_sums, entry.tag))
         return out
 
     def _unpin_key(self, key: BlockHash) -> None:

@@ -108,10 +108,14 @@ class PoolNodeService:
     # -- writes into the pool ------------------------------------------------------------------
 
     def ingest(self, source: str, offers: Sequence[Offer]) -> int:
-        """Pull ``offers`` from the actor ``source``; returns blocks now stored here."""
+        """Pull ``offers`` from the actor ``source``; returns blocks now stored here. A block
+        held here untagged takes the offer's namespace id instead (on disk, its bytes kept)."""
         for o in offers:
             check_tag(o.namespace)  # before anything is held: a bad tag changes nothing
         todo = [o for o in offers if o.key not in self.store]
+        if self._adopt_tags([o for o in offers if o.key in self.store and o.namespace]):
+            self.store.flush()
+            self.publisher.flush()
         if not todo:
             return 0
         grants = []
@@ -135,6 +139,11 @@ class PoolNodeService:
         self.publisher.flush()
         return stored
 
+    def _adopt_tags(self, offers: Sequence[Offer]) -> int:
+        """Tag the blocks of ``offers`` held here untagged with their offer's namespace id (a
+        drop then finds them); returns how many took it."""
+        return sum(self.store.adopt_tag(o.key, o.namespace, o.checksum) for o in offers)
+
     # -- reads out of the pool -----------------------------------------------------------------
 
     def stage(self, keys: Sequence[BlockHash], owner: str) -> list[Staged | None]:
@@ -154,7 +163,7 @@ class PoolNodeService:
                 continue
             lease = self.leases.grant(owner, LeaseKind.PIN, key, self._unstage_later(key))
             out.append(Staged(key, Tier.POOL, region, ref.slot, ref.size, ref.checksum or 0,
-                              Tier.POOL, lease))
+                              Tier.POOL, lease, extent_tag(self.store, key)))
         return out
 
     def read_selection(self, keys: Sequence[BlockHash], runs: Runs) -> list[SlicedBlock | None]:

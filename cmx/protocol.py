@@ -4,7 +4,8 @@ and the messages of a load. Core types: the client imports these, never ``cmx.ac
 - ``actor_name``: every actor of the service by name in the Ray namespace ``cmx``;
   ``arena_name``: the shared memory of a memory tier's incarnation.
 - ``Copy`` and ``shard_of``: where a block's copies are, and which directory shard knows.
-- ``best_copy``: the one rule for which copy a reader on a node should use.
+- ``best_copy``: the one rule for which copy a reader on a node should use; ``copy_tag``: the
+  one rule for the namespace id a new copy carries.
 - ``Pinned``: a block a memory tier pinned for a reader, read in the arena of its epoch;
   ``Loaded`` / ``LoadResult``: a load's blocks, pinned in this node's HBM arena for the caller;
   ``Staged`` / ``Offer``: blocks a peer or the offering node pinned for one transfer.
@@ -22,7 +23,7 @@ from cmx.tiers import Tier
 __all__ = [
     "RAY_NAMESPACE", "Copy", "LoadResult", "Loaded", "Offer", "Pinned", "Priority", "Staged",
     "StoreCommit",
-    "actor_name", "arena_name", "best_copy", "shard_of",
+    "actor_name", "arena_name", "best_copy", "copy_tag", "shard_of",
 ]
 
 RAY_NAMESPACE = "cmx"
@@ -64,6 +65,12 @@ def best_copy(copies: Sequence[Copy], node: str) -> Copy:
     return min(copies, key=lambda c: (c.node != node, c.tier.rank))
 
 
+def copy_tag(named: str, source: str) -> str:
+    """The namespace id a new copy of a block carries (a namespace drop finds it by it): the
+    one its maker names, else the one of the copy it is made from; "" where neither knows."""
+    return named or source
+
+
 @dataclass(frozen=True)
 class Pinned:
     """A block a memory tier pinned for a reader (a lease of the reader's owner)."""
@@ -75,6 +82,7 @@ class Pinned:
     epoch: str  # read ``slot`` in the arena of this epoch (``arena_name``)
     lease: int  # unpin by it
     copy: int = 0  # which copy of the key in that epoch: a quarantine names it, not the key
+    namespace: str = ""  # the copy's namespace id ("" for none): copies made from it keep it
 
 
 class Priority(enum.IntEnum):
@@ -95,6 +103,7 @@ class Staged:
     checksum: int
     source_tier: Tier  # where it was before staging (NVMe blocks are promoted first)
     lease: int = 0  # of the pin on the peer: ``unstage`` ends it
+    namespace: str = ""  # the staged copy's namespace id: the reader's copy keeps it
 
 
 @dataclass(frozen=True)
@@ -122,6 +131,7 @@ class Loaded:
     via: str  # "local", "nvme", or the transport's name
     checksum: int = 0  # of the payload: the reader checks it before using the bytes
     lease: int = 0  # of the HBM pin: end it with ``release``
+    namespace: str = ""  # the namespace id its HBM copy carries ("" for none)
 
 
 @dataclass(frozen=True)

@@ -172,6 +172,24 @@ class NvmeBooks:
             self.index.reserving.discard(r.key)
             self.segs.finish_write(r.seg, r.extent, None)
 
+    def adopt_tag(self, key: bytes, tag: str, checksum: int) -> bool:
+        """Give a committed block stored without a tag ``tag``, its bytes untouched: a new
+        record of the same extent (durable at the next flush; the old record ends). False, and
+        nothing changes, where the block is absent, tagged already, holds other bytes than
+        ``checksum`` says, or lies in a segment whose records can no longer be appended."""
+        with self.lock:
+            entry = self.index.get(key)
+            if (not tag or entry is None or entry.tag or entry.checksum != checksum
+                    or self.segs.segs[entry.seg].broken):
+                return False
+            tagged = self.index.retag(entry, tag)
+            self.segs.supersede(entry.seg, key, entry.seq)
+            self.durability.note(tagged)
+            self.durability.note(RecordDel(key, entry.seq, entry.seg))
+            # Announced again: a directory that knows the block untagged learns its tag.
+            self._emit(EventKind.STORED, BlockHash(key), tagged.length, tagged.checksum)
+            return True
+
     # -- reads ---------------------------------------------------------------------------------
 
     def lookup(self, key: bytes, min_room: int | None = None

@@ -53,6 +53,7 @@ class Extent:
     checksum: int = 0  # of the payload, once committed
     lease: int = 0  # of the pin or reservation that hands it out: end it by this id
     chunk_sums: bytes = b""  # of a pinned block: XXH3-64 per 128 KiB chunk, for slice reads
+    tag: str = ""  # of a pinned block: its namespace id, which copies made from it keep
 
     @property
     def length(self) -> int:

@@ -137,6 +137,14 @@ class ExtentBooks(BooksFront):
         with self.books.op():
             self.books.abort(pending.reservation)
 
+    def adopt_tag(self, key: bytes, tag: str, checksum: int) -> bool:
+        """Tag a block stored untagged, its bytes untouched (``NvmeBooks.adopt_tag``); durable
+        at the next ``flush``. A tag too long to keep is a ValueError before any change."""
+        key = check_key(key)
+        check_tag(tag)
+        with self.books.op():
+            return self.books.adopt_tag(key, tag, checksum)
+
     # -- reads ---------------------------------------------------------------------------------
 
     def pin(self, key: bytes) -> bool:

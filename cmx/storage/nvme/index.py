@@ -81,6 +81,14 @@ class BlockIndex:
         self.entries[entry.key] = moved
         return moved
 
+    def retag(self, entry: BlockEntry, tag: str) -> BlockEntry:
+        """The block, where it lies, recorded anew with ``tag`` under a new sequence number;
+        its place in recency order kept."""
+        tagged = replace(entry, seq=self.next_seq, tag=tag)
+        self.next_seq += 1
+        self.entries[entry.key] = tagged
+        return tagged
+
     def remove(self, entry: BlockEntry) -> None:
         del self.entries[entry.key]
         self.policy.remove(entry.key)

@@ -202,6 +202,11 @@ class SegmentSet:
         seg.killed[seq] = key
         self._maybe_retire(seg)
 
+    def supersede(self, seg_id: int, key: bytes, seq: int) -> None:
+        """Record ``seq`` of a block that stays in segment ``seg_id`` ended: a newer record of
+        the same extent replaces it (its bytes stay live)."""
+        self.segs[seg_id].killed[seq] = key
+
     def seal(self, seg: Segment) -> None:
         seg.sealed = True
         if seg is self.active:

@@ -11,18 +11,13 @@ from pathlib import Path
 import pytest
 from plane import Plane, make_plane
 from scenarios import BLOCK, blocks, check, small_config
+from tagging import NS, PoolMembers, drop, held_in, reannounce, restart_directory, start_pool
 
-from cmx.actors.directory import DirectoryShard
 from cmx.actors.links import actor_name
 from cmx.actors.nvme_tier import NvmeTierService
-from cmx.actors.pool import PoolNodeService
-from cmx.actors.service import Controller
-from cmx.client import ContextMemory
 from cmx.keys import BlockHash
 from cmx.protocol import Offer
 from cmx.tiers import Tier
-
-NS = "0123456789abcdef"  # a namespace id, as blocks are tagged with
 
 
 def reopen_nvme(plane: Plane, node: str, root: str) -> NvmeTierService:
@@ -33,11 +28,6 @@ def reopen_nvme(plane: Plane, node: str, root: str) -> NvmeTierService:
                            lease_s=cfg.lease_s, clock=plane.clock)
     plane.tiers[(node, Tier.NVME)] = plane.link._targets[actor_name("nvme", node)] = tier  # type: ignore[attr-defined]
     return tier
-
-
-def restart_directory(plane: Plane) -> None:
-    for i in range(len(plane.shards)):
-        plane.shards[i] = plane.link._targets[actor_name("dir", i)] = DirectoryShard(i)  # type: ignore[attr-defined]
 
 
 def tagged_on_nvme(plane: Plane, node: str) -> set[BlockHash]:
@@ -95,46 +85,6 @@ def test_a_drops_nvme_evictions_are_durable_before_the_tier_is_closed(tmp_path: 
 
 
 # -- copies in HBM and in the pool -------------------------------------------------------------
-
-
-class PoolMembers(Controller):
-    """The controller's answer to who is in the pool, without the cluster it watches."""
-
-    def __init__(self, members: list[str]) -> None:
-        self.pool = set(members)
-
-
-def start_pool(plane: Plane, node: str, root: str = "") -> PoolNodeService:
-    """The pool node ``node`` on its store directory (what its disk holds comes back)."""
-    cfg = plane.config
-    root = root or f"{cfg.nvme_dir}/pool-{node}"
-    pool = PoolNodeService(node, node, root, 64 * BLOCK, BLOCK,
-                           8 * BLOCK, plane.link, cfg.directory_shards, cfg.transport,
-                           segment_bytes=cfg.nvme_segment_bytes, lease_s=cfg.lease_s,
-                           clock=plane.clock)
-    plane.link._targets[actor_name("pool", node)] = pool  # type: ignore[attr-defined]
-    return pool
-
-
-def drop(plane: Plane) -> int:
-    """``ContextMemory.drop_namespace`` of NS, over the plane's link."""
-    cm = ContextMemory(plane.config, "node-a", owns_ray=False)
-    cm.link = plane.link  # type: ignore[assignment]
-    return cm.drop_namespace(NS)
-
-
-def reannounce(plane: Plane, *more: object) -> None:
-    """Every tier's (and pool node's) next heartbeat: the restarted shards learn it all again."""
-    for tier in [*plane.tiers.values(), *more]:
-        assert tier.heartbeat()  # type: ignore[attr-defined]
-
-
-def held_in(plane: Plane, keys: list[BlockHash]) -> set[Tier]:
-    """The tiers the directory lists copies of ``keys`` in, once every tier's events are in
-    (a load tells the directory of its copies behind its answer)."""
-    for tier in plane.tiers.values():
-        tier.publisher.flush()
-    return {c.tier for copies in plane.lookup(list(keys)) for c in copies}
 
 
 @pytest.mark.parametrize("how", ["load", "prefetch", "load from a peer"])

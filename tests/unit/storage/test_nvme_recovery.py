@@ -199,3 +199,31 @@ def test_bad_tags_are_refused_and_change_nothing(tmp_path):
         store.delete_tagged("")
     assert len(store) == 0
     store.close()
+
+
+@pytest.mark.parametrize("reopen", ["crash", "close", "rebuild"])
+def test_a_tag_adopted_by_an_untagged_block_survives_reopen_its_bytes_kept(tmp_path, reopen):
+    store = open_store(tmp_path, **KEEP)
+    fill(store, range(3))
+    fill(store, [3], tag="fedcba9876543210")
+    store.flush()
+    sums = {i: store.books.index.get(key(i)).checksum for i in range(4)}
+    written = store.stats().bytes_written
+    assert store.books.adopt_tag(key(0), "0123456789abcdef", sums[0])
+    assert not store.books.adopt_tag(key(1), "0123456789abcdef", sums[1] ^ 1)  # other bytes
+    assert not store.books.adopt_tag(key(3), "0123456789abcdef", sums[3])  # tagged already
+    assert not store.books.adopt_tag(key(9), "0123456789abcdef", 0)  # absent
+    assert store.stats().bytes_written == written
+    store.flush()
+    if reopen == "crash":
+        crash(store)
+    else:
+        store.close()
+        if reopen == "rebuild":
+            os.unlink(tmp_path / "index.arrow")
+    store = open_store(tmp_path, **KEEP)
+    assert_holds(store, range(4))
+    assert [store.tag_of(key(i)) for i in range(4)] == [
+        "0123456789abcdef", "", "", "fedcba9876543210"]
+    assert store.delete_tagged("0123456789abcdef") == 1
+    store.close()

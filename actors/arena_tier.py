@@ -41,7 +41,7 @@ from cmx.actors.directory import Entry, Source
 from cmx.actors.events import EventPublisher
 from cmx.actors.fences import SlotFences
 from cmx.actors.leases import ADMIN, Clock, LeasedPins, LeaseKind, Leases
-from cmx.errors import BlockStateError, StoreFullError
+from cmx.errors import BlockStateError, StoreClosedError, StoreFullError
 from cmx.keys import BlockHash
 from cmx.protocol import Pinned, arena_name
 from cmx.stats import TierStats
@@ -263,8 +263,8 @@ class ArenaTierService(LeasedPins):
     def _unpin_key(self, key: BlockHash) -> None:
         try:
             self.store.unpin(key)
-        except BlockStateError:
-            return  # the block went with a close
+        except (BlockStateError, StoreClosedError):
+            return  # the block went with a close, or the tier is stopping: nothing stays pinned
         if key in self._doomed and self._drop(key):
             self._doomed.discard(key)
             self.publisher.flush()

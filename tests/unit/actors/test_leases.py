@@ -219,3 +219,16 @@ def test_a_load_without_its_hbm_tier_fails_and_holds_nothing(plane: Plane) -> No
     with _Down(plane, "node-a", "hbm"), pytest.raises(UnavailableError):
         plane.agents["node-a"].load(keys, plane.lookup(keys))
     assert held(plane, "node-a", Tier.DRAM) == (0, 0)
+
+
+def test_a_release_that_reaches_a_closed_tier_is_quiet(plane: Plane) -> None:
+    """A client's one-way release can reach a tier that is being stopped (``shutdown``): its
+    store is closed, nothing stays pinned, and the release must not raise (Ray logs an unhandled
+    error for every such call)."""
+    keys, payload = blocks(2, seed=37)
+    agent = plane.agents["node-a"]
+    agent.store(keys, [None, keys[0]], payload)
+    result = agent.load(keys, plane.lookup(keys))
+    assert len(result.blocks) == 2
+    plane.tiers[("node-a", Tier.HBM)].close()
+    agent.release([b.lease for b in result.blocks])  # raised StoreClosedError

@@ -12,6 +12,7 @@ import os
 
 import numpy as np
 import pytest
+from crash_plane import PlaneFiles, crash_images
 from nvme_helpers import BLOCK, key, open_store, payload
 
 from cmx.storage.nvme.errors import StoreIOError
@@ -184,3 +185,61 @@ def test_a_crash_before_the_adopt_is_flushed_keeps_the_block_untagged(tmp_path):
     assert_holds(store, [0])
     assert store.tag_of(key(0)) == ""
     store.close()
+
+
+@pytest.mark.parametrize("how", ["crash", "crash-rebuild"])
+@pytest.mark.parametrize("snapshot_at", ["before the adopt", "before its flush"])
+def test_a_snapshot_around_the_adopt_keeps_the_tag_and_the_bytes(tmp_path, how, snapshot_at):
+    """A snapshot taken before the adopt (its records in the journal after it), or between
+    the adopt and its flush (the snapshot holds the tagged record): a crash keeps both."""
+    store = open_store(tmp_path, **WIDE)
+    put(store, 0)
+    put(store, 1)
+    store.flush()
+    if snapshot_at == "before the adopt":
+        store.books.durability.snapshot()
+    assert store.books.adopt_tag(key(1), TAG, store.books.index.get(key(1)).checksum)
+    if snapshot_at == "before its flush":
+        store.books.durability.snapshot()
+    store.flush()
+    store = reopen(store, tmp_path, how)
+    assert_holds(store, [0, 1])
+    assert [store.tag_of(key(0)), store.tag_of(key(1))] == ["", TAG]
+    assert store.delete_tagged(TAG) == 1
+    store.close()
+
+
+def test_a_power_loss_anywhere_in_the_adopt_flush_keeps_the_bytes(tmp_path):
+    """Every image a power loss could leave during the flush of an adopt (with a new block
+    in the same segment): the acknowledged blocks come back with their bytes, the tagged one
+    untagged or tagged; once that flush returned, tagged."""
+    files = PlaneFiles(tmp_path / "run")
+    os.mkdir(files.root)
+    store = open_store(files.root, files=files, **WIDE)
+    put(store, 0)
+    put(store, 1)
+    store.flush()
+    start = len(files.log)
+    assert store.books.adopt_tag(key(0), TAG, store.books.index.get(key(0)).checksum)
+    put(store, 2)
+    store.flush()
+    end = len(files.log)
+    crash(store)
+    checked = 0
+    for upto, mode, write in crash_images(files.log):
+        if upto < start:
+            continue
+        into = tmp_path / f"img-{upto}-{mode}"
+        os.mkdir(into)
+        write(str(into))
+        again = open_store(into, **WIDE)
+        held = [i for i in (0, 1, 2) if key(i) in again]
+        assert held[:2] == [0, 1], (upto, mode)
+        for i in held:
+            np.testing.assert_array_equal(again.get(key(i)), payload(key(i), N + i))
+        assert again.tag_of(key(0)) in (("", TAG) if upto < end else (TAG,)), (upto, mode)
+        assert again.tag_of(key(1)) == ""
+        again.check_integrity()
+        again.close()
+        checked += 1
+    assert checked > 3, checked

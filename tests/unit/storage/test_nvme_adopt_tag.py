@@ -126,7 +126,7 @@ def test_a_block_tagged_in_the_flush_its_segment_fails_is_dropped(tmp_path):
     store.close()
 
 
-@pytest.mark.parametrize("how", ["crash", "close", "rebuild"])
+@pytest.mark.parametrize("how", ["crash", "crash-rebuild", "close", "rebuild"])
 def test_replay_puts_no_old_tag_on_a_block_deleted_and_stored_again(tmp_path, how):
     """Adopt logged, the block deleted, the key stored again untagged with other bytes: the
     journal replays in order, so the new block comes back untagged with its own bytes."""
@@ -243,3 +243,24 @@ def test_a_power_loss_anywhere_in_the_adopt_flush_keeps_the_bytes(tmp_path):
         again.close()
         checked += 1
     assert checked > 3, checked
+
+
+@pytest.mark.parametrize("how", ["crash", "crash-rebuild", "close", "rebuild"])
+@pytest.mark.parametrize("snapshot", [False, True])
+def test_a_block_dropped_after_it_adopted_a_tag_stays_dropped(tmp_path, how, snapshot):
+    """Adopt, then the namespace's blocks deleted: neither the untagged record the adopt
+    ended nor the tagged one comes back, even when a snapshot restarted the journal in
+    between and the index is rebuilt from the segments' record logs."""
+    store = open_store(tmp_path, **WIDE)
+    put(store, 0)
+    put(store, 1)
+    store.flush()
+    assert store.books.adopt_tag(key(0), TAG, store.books.index.get(key(0)).checksum)
+    store.flush()
+    if snapshot:
+        store.books.durability.snapshot()
+    assert store.delete_tagged(TAG) == 1
+    store.flush()
+    store = reopen(store, tmp_path, how)
+    assert_holds(store, [1])
+    store.close()

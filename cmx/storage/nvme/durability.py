@@ -16,8 +16,9 @@ lock. A flush, in this order (every step after the previous one is on disk):
 A segment whose fdatasync fails in 1 is broken (``SegmentSet.break_``): its blocks not yet
 recorded are dropped, never acknowledged, through ``drop``. A record that only tags anew an
 extent recorded before (``note_retag``) is not one of them: its bytes were synced with the
-record it ends, so the block stays, and its record log is rewritten at the next snapshot. A failed journal append or sync
-puts the records back and makes the next flush a snapshot, which does not depend on them.
+record it ends, so the block stays, and its record log is rewritten at the next snapshot.
+A failed journal append or sync puts the records back and makes the next flush a snapshot,
+which does not depend on them.
 Either way the flush raises ``StoreIOError``; everything an earlier flush acknowledged stays.
 
 Locks: the flush lock (one flush or snapshot at a time) is taken before the books' lock,

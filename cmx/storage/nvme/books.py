@@ -184,8 +184,7 @@ class NvmeBooks:
                 return False
             tagged = self.index.retag(entry, tag)
             self.segs.supersede(entry.seg, key, entry.seq)
-            self.durability.note(tagged)
-            self.durability.note(RecordDel(key, entry.seq, entry.seg))
+            self.durability.note_retag(tagged, RecordDel(key, entry.seq, entry.seg))
             # Announced again: a directory that knows the block untagged learns its tag.
             self._emit(EventKind.STORED, BlockHash(key), tagged.length, tagged.checksum)
             return True

@@ -14,8 +14,11 @@ lock. A flush, in this order (every step after the previous one is on disk):
    the journal every block since: a lost snapshot is rebuilt from both.
 
 A segment whose fdatasync fails in 1 is broken (``SegmentSet.break_``): its blocks not yet
-recorded are dropped, never acknowledged, through ``drop``. A failed journal append or sync
-puts the records back and makes the next flush a snapshot, which does not depend on them.
+recorded are dropped, never acknowledged, through ``drop``. A record that only tags anew an
+extent recorded before (``note_retag``) is not one of them: its bytes were synced with the
+record it ends, so the block stays, and its record log is rewritten at the next snapshot.
+A failed journal append or sync puts the records back and makes the next flush a snapshot,
+which does not depend on them.
 Either way the flush raises ``StoreIOError``; everything an earlier flush acknowledged stays.
 
 Locks: the flush lock (one flush or snapshot at a time) is taken before the books' lock,
@@ -57,11 +60,20 @@ class Durability:
         self._snapshot_every = snapshot_every
         self._drop = drop  # the books' removal of blocks a failed sync left unrecorded
         self.pending: list[Record] = []  # records waiting for the next flush
+        # Seq of each pending record that re-records an extent already on disk (a tag
+        # adopted), to the seq of the record it ends: its bytes are no newer than that one's.
+        self._retags: dict[int, int] = {}
         self.snapshot_due = False
 
     def note(self, record: Record) -> None:
         """A change of the books, durable at the next flush (caller holds the books' lock)."""
         self.pending.append(record)
+
+    def note_retag(self, record: BlockEntry, ended: RecordDel) -> None:
+        """A new record of a block's extent that ends the record ``ended`` (caller holds the
+        books' lock): a failed sync of its segment drops it only where it drops ``ended``."""
+        self.pending += [record, ended]
+        self._retags[record.seq] = ended.seq
 
     def flush(self) -> None:
         with self.flush_lock:
@@ -75,6 +87,7 @@ class Durability:
                     gen = self.journal.generation
                     self.journal.append(_encode(r, gen) for r in records)
                     self.journal.sync()
+                self._forget_retags(records)
             except BaseException as exc:
                 # The journal may now hold torn or unsynced records: the next flush writes a
                 # snapshot, which does not depend on them.
@@ -102,6 +115,7 @@ class Durability:
                 tombstones = self._segs.tombstones()
             write_snapshot(self.files, self.snapshot_path, entries, new_gen, next_segment,
                            next_seq)
+            self._forget_retags(records)
         except BaseException:
             self._restore(records, dirty)
             raise
@@ -142,7 +156,7 @@ class Durability:
         for seg_id, puts in by_seg.items():
             target = self._segs.segs.get(seg_id)
             if target is None or target.broken:
-                lost.update(r.seq for r in puts)
+                lost.update(self._unrecorded(target, puts))
                 continue
             target.records_unsynced = True
             try:
@@ -153,6 +167,26 @@ class Durability:
         if lost:
             self._drop([r for r in records if isinstance(r, BlockEntry) and r.seq in lost])
         return [r for r in records if not (isinstance(r, BlockEntry) and r.seq in lost)], failure
+
+    def _unrecorded(self, target: Segment | None, puts: list[BlockEntry]) -> set[int]:
+        """The seqs of ``puts`` (in record order) whose bytes a failed sync of their segment
+        may have lost: each but a retag of a record synced before, which the journal alone
+        carries until a snapshot rewrites the segment's record log."""
+        lost: set[int] = set()
+        with self._lock:
+            for r in puts:
+                ended = self._retags.get(r.seq)
+                if target is not None and ended is not None and ended not in lost:
+                    target.records_stale = True
+                else:
+                    lost.add(r.seq)
+                    self._retags.pop(r.seq, None)
+        return lost
+
+    def _forget_retags(self, records: list[Record]) -> None:
+        with self._lock:
+            for r in records:
+                self._retags.pop(r.seq, None)
 
     def _sync_records(self) -> StoreIOError | None:
         """Make every record log durable before a snapshot lets the journal go (see above);

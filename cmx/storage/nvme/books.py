@@ -88,7 +88,7 @@ class NvmeBooks:
                                      snapshot_every, self._drop_unrecorded)
         self.space = Space(self.lock, self.index, self.segs, mover or LocalMover(io), capacity,
                            compact_threshold,
-                           self.remove, self.quarantine, self.durability.note, self.flush)
+                           self.remove, self.quarantine, self.durability.note_move, self.flush)
 
     def open(self) -> None:
         """Recover the index from the directory (see recovery.py); then the books are open."""

@@ -9,6 +9,7 @@ Every scenario ends with the exact bytes of every acknowledged block read back a
 from __future__ import annotations
 
 import errno
+import os
 
 import pytest
 from nvme_helpers import BLOCK, key, open_store
@@ -39,8 +40,10 @@ def test_a_failed_sync_of_the_compaction_target_keeps_the_moved_block(tmp_path, 
     assert files.failed == 1
     assert books.index.get(key(0)).seg == src.id  # back at its source extent
     assert books.segs.segs.get(src.id) is src and not src.retired  # its space not freed
+    assert os.path.exists(src.path)
     assert_holds(store, [0, 2])
     store.flush()
+    assert os.path.exists(src.path) and not src.retired
     crash(store)
     if how.endswith("rebuild"):
         (tmp_path / "index.arrow").unlink()

@@ -86,6 +86,11 @@ class Durability:
         self.pending += [moved, RecordDel(source.key, source.seq, source.seg)]
         self._moves[moved.seq] = source
 
+    def moving(self, entry: BlockEntry) -> bool:
+        """Whether ``entry`` is a compaction's copy not yet durable (caller holds the books'
+        lock)."""
+        return entry.seq in self._moves
+
     def flush(self) -> None:
         with self.flush_lock:
             if self.snapshot_due or self.journal.records >= self._snapshot_every:

@@ -13,7 +13,7 @@ import os
 
 import pytest
 from nvme_helpers import BLOCK, key, open_store
-from test_nvme_adopt_tag import FailingFiles, assert_holds, crash, put
+from test_nvme_adopt_tag import TAG, FailingFiles, assert_holds, crash, put
 
 from cmx.storage.nvme.errors import StoreIOError
 
@@ -58,4 +58,34 @@ def test_a_failed_sync_of_the_compaction_target_keeps_the_moved_block(tmp_path, 
     crash(store)
     store = open_store(tmp_path, **NARROW)
     assert_holds(store, [0, 2])
+    store.close()
+
+
+def test_a_block_whose_move_is_not_durable_adopts_no_tag_until_it_is(tmp_path):
+    """The journal write of a compaction's records fails: the moved block keeps its bytes,
+    and adopts a tag only once a flush made the move durable (a failed sync of the copy
+    would have to put it back untagged)."""
+    files = FailingFiles()
+    store = open_store(tmp_path, files=files, **NARROW)
+    for i in range(3):
+        put(store, i)
+    store.flush()
+    assert store.delete(key(1))
+    store.flush()
+    books = store.books
+    src = books.segs.segs[books.index.get(key(0)).seg]
+    files.armed = ("pwrite", "journal.log", errno.ENOSPC)
+    with pytest.raises(StoreIOError):
+        books.space._compact(src)
+    assert files.failed == 1
+    checksum = books.index.get(key(0)).checksum
+    assert not books.adopt_tag(key(0), TAG, checksum)
+    assert_holds(store, [0, 2])
+    store.flush()
+    assert books.adopt_tag(key(0), TAG, checksum)
+    store.flush()
+    crash(store)
+    store = open_store(tmp_path, **NARROW)
+    assert_holds(store, [0, 2])
+    assert store.tag_of(key(0)) == TAG
     store.close()

@@ -88,7 +88,7 @@ class NvmeBooks:
                                      snapshot_every, self._drop_unrecorded)
         self.space = Space(self.lock, self.index, self.segs, mover or LocalMover(io), capacity,
                            compact_threshold,
-                           self.remove, self.quarantine, self.durability.note, self.flush)
+                           self.remove, self.quarantine, self.durability.note_move, self.flush)
 
     def open(self) -> None:
         """Recover the index from the directory (see recovery.py); then the books are open."""
@@ -176,11 +176,12 @@ class NvmeBooks:
         """Give a committed block stored without a tag ``tag``, its bytes untouched: a new
         record of the same extent (durable at the next flush; the old record ends). False, and
         nothing changes, where the block is absent, tagged already, holds other bytes than
-        ``checksum`` says, or lies in a segment whose records can no longer be appended."""
+        ``checksum`` says, lies in a segment whose records can no longer be appended, or was
+        moved by a compaction not yet durable (a failed sync would put it back untagged)."""
         with self.lock:
             entry = self.index.get(key)
             if (not tag or entry is None or entry.tag or entry.checksum != checksum
-                    or self.segs.segs[entry.seg].broken):
+                    or self.segs.segs[entry.seg].broken or self.durability.moving(entry)):
                 return False
             tagged = self.index.retag(entry, tag)
             self.segs.supersede(entry.seg, key, entry.seq)

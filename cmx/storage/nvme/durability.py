@@ -17,6 +17,8 @@ A segment whose fdatasync fails in 1 is broken (``SegmentSet.break_``): its bloc
 recorded are dropped, never acknowledged, through ``drop``. A record that only tags anew an
 extent recorded before (``note_retag``) is not one of them: its bytes were synced with the
 record it ends, so the block stays, and its record log is rewritten at the next snapshot.
+Nor is a block compaction copied there (``note_move``): it goes back to the extent it was
+copied from, whose record stays and whose segment is kept until a move of it is durable.
 A failed journal append or sync puts the records back and makes the next flush a snapshot,
 which does not depend on them.
 Either way the flush raises ``StoreIOError``; everything an earlier flush acknowledged stays.
@@ -63,6 +65,9 @@ class Durability:
         # Seq of each pending record that re-records an extent already on disk (a tag
         # adopted), to the seq of the record it ends: its bytes are no newer than that one's.
         self._retags: dict[int, int] = {}
+        # Seq of each pending record of a block compaction copied, to the entry it was
+        # copied from: where the block goes back if the copy's sync fails.
+        self._moves: dict[int, BlockEntry] = {}
         self.snapshot_due = False
 
     def note(self, record: Record) -> None:
@@ -74,6 +79,17 @@ class Durability:
         books' lock): a failed sync of its segment drops it only where it drops ``ended``."""
         self.pending += [record, ended]
         self._retags[record.seq] = ended.seq
+
+    def note_move(self, moved: BlockEntry, source: BlockEntry) -> None:
+        """A block compaction copied from ``source``'s extent to ``moved``'s (caller holds the
+        books' lock): a failed sync of the copy's segment puts it back at ``source``."""
+        self.pending += [moved, RecordDel(source.key, source.seq, source.seg)]
+        self._moves[moved.seq] = source
+
+    def moving(self, entry: BlockEntry) -> bool:
+        """Whether ``entry`` is a compaction's copy not yet durable (caller holds the books'
+        lock)."""
+        return entry.seq in self._moves
 
     def flush(self) -> None:
         with self.flush_lock:
@@ -153,10 +169,11 @@ class Durability:
             if isinstance(r, BlockEntry):
                 by_seg.setdefault(r.seg, []).append(r)
         lost: set[int] = set()
+        unmoved: set[int] = set()  # seqs of the records moves back to their source keep
         for seg_id, puts in by_seg.items():
             target = self._segs.segs.get(seg_id)
             if target is None or target.broken:
-                lost.update(self._unrecorded(target, puts))
+                lost.update(self._unrecorded(target, puts, unmoved))
                 continue
             target.records_unsynced = True
             try:
@@ -164,29 +181,39 @@ class Durability:
             except StoreIOError as exc:  # the journal still records them: rewrite it later
                 failure = failure or exc
                 target.records_stale = True
-        if lost:
+        if lost:  # a block moved back is no longer at the lost record: not dropped
             self._drop([r for r in records if isinstance(r, BlockEntry) and r.seq in lost])
-        return [r for r in records if not (isinstance(r, BlockEntry) and r.seq in lost)], failure
+        return [r for r in records if r.seq not in (lost if isinstance(r, BlockEntry)
+                                                    else unmoved)], failure
 
-    def _unrecorded(self, target: Segment | None, puts: list[BlockEntry]) -> set[int]:
+    def _unrecorded(self, target: Segment | None, puts: list[BlockEntry],
+                    unmoved: set[int]) -> set[int]:
         """The seqs of ``puts`` (in record order) whose bytes a failed sync of their segment
         may have lost: each but a retag of a record synced before, which the journal alone
-        carries until a snapshot rewrites the segment's record log."""
+        carries until a snapshot rewrites the segment's record log. A block compaction
+        copied there goes back to its source; the seq of the source's record, which stays,
+        is added to ``unmoved``."""
         lost: set[int] = set()
         with self._lock:
             for r in puts:
                 ended = self._retags.get(r.seq)
+                source = self._moves.pop(r.seq, None)
                 if target is not None and ended is not None and ended not in lost:
                     target.records_stale = True
-                else:
-                    lost.add(r.seq)
-                    self._retags.pop(r.seq, None)
+                    continue
+                lost.add(r.seq)
+                self._retags.pop(r.seq, None)
+                if source is not None and self._index.get(r.key) is r:
+                    self._index.unmove(r, source)
+                    self._segs.unmove(r, source)
+                    unmoved.add(source.seq)
         return lost
 
     def _forget_retags(self, records: list[Record]) -> None:
         with self._lock:
             for r in records:
                 self._retags.pop(r.seq, None)
+                self._moves.pop(r.seq, None)
 
     def _sync_records(self) -> StoreIOError | None:
         """Make every record log durable before a snapshot lets the journal go (see above);

@@ -81,6 +81,11 @@ class BlockIndex:
         self.entries[entry.key] = moved
         return moved
 
+    def unmove(self, moved: BlockEntry, source: BlockEntry) -> None:
+        """The block lies at ``source`` again: its move to ``moved`` did not become durable."""
+        assert self.entries.get(moved.key) is moved
+        self.entries[moved.key] = source
+
     def retag(self, entry: BlockEntry, tag: str) -> BlockEntry:
         """The block, where it lies, recorded anew with ``tag`` under a new sequence number;
         its place in recency order kept."""

@@ -37,6 +37,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from cmx.storage.nvme.entry import BlockEntry
 from cmx.storage.nvme.files import FileOps
 from cmx.storage.nvme.io import IoEngine
 from cmx.storage.nvme.journal import SEGMENT_MAGIC, RecordLog
@@ -207,6 +208,18 @@ class SegmentSet:
         the same extent replaces it (its bytes stay live)."""
         self.segs[seg_id].killed[seq] = key
 
+    def unmove(self, moved: BlockEntry, source: BlockEntry) -> None:
+        """A block's copy to ``moved`` did not become durable: its bytes there are dead, and
+        it is live at ``source`` again, whose segment (retired, maybe) stays."""
+        dst, src = self.segs[moved.seg], self.segs[source.seg]
+        dst.live -= moved.extent
+        dst.keys.discard(moved.key)
+        self._maybe_retire(dst)
+        src.live += source.extent
+        src.keys.add(source.key)
+        del src.killed[source.seq]
+        src.retired = src.durable = False
+
     def seal(self, seg: Segment) -> None:
         seg.sealed = True
         if seg is self.active:
@@ -244,6 +257,8 @@ class SegmentSet:
 
     def mark_durable(self, segs: list[Segment]) -> None:
         for seg in segs:
+            if not seg.retired:  # live again: a move out of it was undone
+                continue
             seg.durable = True
             if seg.io_refs == 0 and seg.id in self.segs:
                 self.delete(seg)

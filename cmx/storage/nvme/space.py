@@ -9,6 +9,8 @@ against ``capacity_bytes``, so a put of an extent of ``e`` bytes waits until
 2. When dead space reaches ``compact_threshold_bytes``, the segment with the most dead space
    is compacted: its live blocks are read, verified, rewritten at the log head and the segment
    retired. The copies may use the one segment of slack above capacity; nothing else does.
+   The retired segment is deleted only once the moves are durable: a failed sync of the
+   copies' segment puts each block back where it was (``Durability.note_move``).
 3. Otherwise the policy's next victim is evicted (unpinned, committed blocks only). Blocks
    written together mostly leave together, so eviction alone usually empties whole segments
    and compaction only copies what hits kept alive in old segments.
@@ -37,7 +39,6 @@ from cmx.errors import StoreFullError
 from cmx.storage.nvme.entry import BlockEntry
 from cmx.storage.nvme.extentio import ExtentIo
 from cmx.storage.nvme.index import BlockIndex
-from cmx.storage.nvme.records import RecordDel
 from cmx.storage.nvme.segments import Segment, SegmentSet
 
 __all__ = ["ExtentMove", "LocalMover", "Mover", "Space"]
@@ -48,7 +49,7 @@ class Space:
                  mover: Mover, capacity: int, compact_threshold: int,
                  remove: Callable[[BlockEntry], None],
                  quarantine: Callable[[BlockEntry], None],
-                 note: Callable[[BlockEntry | RecordDel], None],
+                 note_move: Callable[[BlockEntry, BlockEntry], None],
                  flush: Callable[[], None]) -> None:
         self.lock = threading.Lock()  # the space lock
         self._books = lock
@@ -59,7 +60,7 @@ class Space:
         self.compact_threshold = compact_threshold
         self._remove = remove  # the books' removal: index, segment, record, event
         self._quarantine = quarantine
-        self._note = note  # a record for the next flush
+        self._note_move = note_move  # a block's new record, for the next flush
         self._flush = flush
         self.evictions = self.compactions = self.compacted_bytes = 0
 
@@ -170,8 +171,7 @@ class Space:
             return 0
         new = self._index.move(entry, m.dst.id, m.dst_offset)
         self._segs.drop(entry.seg, entry.key, entry.extent, entry.seq)
-        self._note(new)
-        self._note(RecordDel(entry.key, entry.seq, entry.seg))
+        self._note_move(new, entry)
         return entry.extent
 
 

@@ -11,7 +11,11 @@ from cmx.actors.arena_tier import ArenaTierService
 from cmx.actors.directory import Copy, DirectoryShard, shard_of
 from cmx.actors.links import LocalLink, actor_name
 from cmx.actors.nvme_tier import NvmeTierService
+from cmx.client import ContextMemory, NamespaceClient
 from cmx.config import ServiceConfig
+from cmx.keys import Namespace
+from cmx.layout import KVLayout
+from cmx.node_plane import NodePlane
 from cmx.tiers import Tier
 
 
@@ -92,3 +96,11 @@ def make_plane(config: ServiceConfig, nodes: tuple[str, ...] = ("node-a", "node-
     for node in nodes:
         agents[node] = targets[actor_name("agent", node)] = OffloadAgent(node, config, link)
     return Plane(config, link, shards, agents, tiers, clock)
+
+
+def namespace_client(plane: Plane, node: str, layout: KVLayout, tenant: str) -> NamespaceClient:
+    """A client of ``node`` as an engine holds one, its calls made over the plane's link."""
+    cm = ContextMemory(plane.config, node, owns_ray=False)
+    cm.link = plane.link  # type: ignore[assignment]
+    cm.plane = NodePlane(plane.link, node, 5.0)
+    return NamespaceClient(cm, Namespace("m", layout, tenant))

@@ -10,13 +10,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from plane import Plane, make_plane
+from plane import Plane, make_plane, namespace_client
 from scenarios import LAYOUT, check, held, load, restart_tier, small_config
 
 from cmx.actors.links import LocalLink
-from cmx.client import ContextMemory, NamespaceClient
-from cmx.keys import Namespace
-from cmx.node_plane import NodePlane
+from cmx.client import NamespaceClient
 from cmx.protocol import arena_name
 from cmx.tiers import Tier
 
@@ -48,10 +46,7 @@ def plane(tmp_path) -> Iterator[Plane]:
 
 
 def client(plane: Plane) -> NamespaceClient:
-    cm = ContextMemory(plane.config, NODE, owns_ray=False)
-    cm.link = plane.link  # type: ignore[assignment]
-    cm.plane = NodePlane(plane.link, NODE, 5.0)
-    return NamespaceClient(cm, Namespace("m", LAYOUT, "t"))
+    return namespace_client(plane, NODE, LAYOUT, "t")
 
 
 def stored(plane: Plane, ns: NamespaceClient, n: int, seed: int) -> tuple[Any, torch.Tensor]:

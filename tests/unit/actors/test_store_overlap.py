@@ -12,13 +12,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from plane import Plane, make_plane
+from plane import Plane, make_plane, namespace_client
 from scenarios import BLOCK, LAYOUT, check, held, small_config
 
 from cmx.actors.links import LocalLink
-from cmx.client import ContextMemory, NamespaceClient
-from cmx.keys import Namespace
-from cmx.node_plane import NodePlane
+from cmx.client import NamespaceClient
 from cmx.tiers import Tier
 
 NODE = f"overlap-{uuid.uuid4().hex[:6]}"  # arenas named apart from other suites' on this host
@@ -130,10 +128,7 @@ def plane(tmp_path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Plane]:
 
 
 def client(plane: Plane) -> NamespaceClient:
-    cm = ContextMemory(plane.config, NODE, owns_ray=False)
-    cm.link = plane.link  # type: ignore[assignment]
-    cm.plane = NodePlane(plane.link, NODE, 5.0)
-    return NamespaceClient(cm, Namespace("m", LAYOUT, "overlap"))
+    return namespace_client(plane, NODE, LAYOUT, "overlap")
 
 
 def kv_of(n: int, seed: int) -> tuple[Any, torch.Tensor]:

@@ -20,9 +20,14 @@ agent keeps no earlier incarnation either, so a copy into a grant or pin of a re
 tier raises ``StaleEpochError`` before a byte moves (an agent on its host instead lets such
 a copy land in the old, still mapped arena, whose commit is then refused).
 
-Not served here yet: partial (layer or head) loads, which read host slots directly, and an
-endpoint that restarts while its tiers do not (the agent re-resolves on a tier's new epoch
-only).
+Partial (layer or head) loads: each block is checked whole on the host, where its bytes
+are (``HostEndpoint.select``; an NVMe copy as the checksummed chunks that cover the runs,
+gathered into a slot of the endpoint's registered staging region), and only the selected
+bytes cross: read here over NIXL for this node's client, or read by a peer straight from the
+host's memory, as the whole-block peer path does.
+
+Not served here yet: an endpoint that restarts while its tiers do not (the agent re-resolves
+on a tier's new epoch only).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import replace
@@ -52,11 +58,14 @@ from cmx.actors.dpu_host import RayEndpoint, host_endpoint_actor
 from cmx.actors.links import RAY_NAMESPACE, RayLink, actor_name
 from cmx.actors.scheduler import Priority
 from cmx.actors.service import AgentActor
+from cmx.actors.slice_expose import SliceOutbox, outbox_slots
 from cmx.actors.transport import Move, PeerInfo, Region, TransferError
 from cmx.buffers import aligned_empty
 from cmx.checksum import checksum
 from cmx.config import ServiceConfig
+from cmx.keys import BlockHash
 from cmx.protocol import Staged
+from cmx.selection import Runs, runs_bytes
 from cmx.stats import AgentStats, HostAccessStats
 from cmx.storage.nvme.chunks import block_sums
 from cmx.storage.nvme.dataplane import Extent, ExtentPlane
@@ -104,7 +113,20 @@ def start_host_endpoint(node: str, config: ServiceConfig) -> Any:
     return host_endpoint_actor().options(
         name=actor_name("host-endpoint", node), namespace=RAY_NAMESPACE, get_if_exists=True,
         max_concurrency=8, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-    ).remote(f"cmx-host-{node[:12]}-{uuid.uuid4().hex[:6]}")
+    ).remote(f"cmx-host-{node[:12]}-{uuid.uuid4().hex[:6]}", slot_bytes=config.block_bytes,
+             staging_slots=outbox_slots(config.block_bytes))
+
+
+class HostOutbox(SliceOutbox):
+    """The outbox of partial loads from NVMe, in the host's memory: the endpoint's staging
+    region, registered there; this agent keeps only its slots' leases."""
+
+    def __init__(self, region: Region, lease_s: float) -> None:
+        self._books(region, lease_s, time.monotonic)
+
+    def view(self, slot: int) -> np.ndarray:
+        raise HostAccessForbidden(
+            f"no view of host staging {self.region.name}: it is read through NIXL")
 
 
 class DpuAgent(OffloadAgent):
@@ -127,6 +149,7 @@ class DpuAgent(OffloadAgent):
             MAX_BOUNCE_SLOTS, config.staging_bytes // slot_bytes)))
         self.transport.register(self.bounce.region, self.bounce.buffer)
         self._bounce_lock = threading.Lock()  # one pull through the bounce slots at a time
+        self._outbox_lock = threading.Lock()  # the host staging's books are made once
         self.bounced = 0  # bytes from peers that passed through the bounce slots
 
     # -- the host's arenas: names to address, never mapped -------------------------------------
@@ -263,6 +286,55 @@ class DpuAgent(OffloadAgent):
             w.result()
         self.bounced += sum(s.size for _, s, _, _ in landed)
         return {i for i, _, _, _ in landed}
+
+    # -- partial loads: checked on the host, only the selected bytes cross ---------------------
+
+    def _outbox(self) -> SliceOutbox:
+        with self._outbox_lock:
+            box: SliceOutbox | None = getattr(self, "_slice_outbox", None)
+            if box is None:
+                staging = self.host.staging()
+                box = self._slice_outbox = HostOutbox(
+                    Region(staging.arena, staging.base, staging.slot_bytes, staging.num_slots),
+                    self.config.lease_s)
+            return box
+
+    def _pinned_selection_checksum(self, pin: Pinned, runs: Runs) -> int | None:
+        return self.host.select(self._name(pin.epoch), pin.slot, pin.size, pin.checksum, runs)
+
+    def _pinned_selection(self, pin: Pinned, runs: Runs) -> np.ndarray | None:
+        want = self._pinned_selection_checksum(pin, runs)
+        if want is None:
+            return None
+        return self._crossed(self.host.read_runs(self._name(pin.epoch), pin.slot, runs), want)
+
+    def _extent_into_outbox(self, ext: Extent, runs: Runs, box: SliceOutbox,
+                            slot: int) -> int | None:
+        return self.host.select_extent(ext, runs, slot)
+
+    def _extent_selection(self, ext: Extent, runs: Runs) -> np.ndarray | None:
+        """Gathered on the host into a staging slot held for the read, then read over NIXL."""
+        box = self._outbox()
+        took = box.take(self.owner, BlockHash(ext.key))
+        if took is None:
+            raise TransferError("every host staging slot is in use")
+        slot, lease = took
+        try:
+            want = self._extent_into_outbox(ext, runs, box, slot)
+            if want is None:
+                return None
+            data = self.host.read_runs(box.region.name, slot, ((0, runs_bytes(runs)),))
+            return self._crossed(data, want)
+        finally:
+            box.end([lease])
+
+    @staticmethod
+    def _crossed(data: np.ndarray, want: int) -> np.ndarray:
+        """``data`` read over NIXL, checked against the checksum the host took of it: a
+        mismatch is the crossing's fault, not the copy's, so it is a failed transfer."""
+        if checksum(data) != want:
+            raise TransferError("a selection changed between the host and this agent")
+        return data
 
     # -- plumbing ------------------------------------------------------------------------------
 

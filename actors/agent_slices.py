@@ -43,7 +43,7 @@ from cmx.checksum import checksum
 from cmx.errors import CmxError
 from cmx.keys import BlockHash
 from cmx.protocol import Copy
-from cmx.selection import Runs, SlicedBlock, check_runs
+from cmx.selection import Runs, SlicedBlock, check_runs, runs_bytes
 from cmx.storage.nvme.dataplane import Extent
 from cmx.tiers import Tier
 
@@ -209,14 +209,14 @@ class SliceServing(AgentBase):
                 for i, p in enumerate(pins):
                     if p is None or out[i] is not None or p.epoch not in self._epochs:
                         continue
-                    info, arena = self._epochs[p.epoch]
-                    payload = arena.slot_view(p.slot)[: p.size]
-                    if checksum(payload) != p.checksum:
+                    info = self._epochs[p.epoch][0]
+                    sum_of_selection = self._pinned_selection_checksum(p, runs)
+                    if sum_of_selection is None:
                         bad.append(keys[i])
                         continue
                     out[i] = ExposedSlice(keys[i], info.arena,
                                           exposed_ranges(p.slot * info.slot_bytes, runs),
-                                          selection_checksum(payload, runs), tier, p.lease)
+                                          sum_of_selection, tier, p.lease)
                     kept.add(p.lease)
                 if bad:  # while pinned: the copy read goes at its last unpin
                     log.warning("%d %s copies failed their checksum", len(bad), tier.value)
@@ -236,7 +236,6 @@ class SliceServing(AgentBase):
         ``owner``; and the positions of those left for later (no free slot)."""
         pins: list[Extent | None] = self._call(Tier.NVME, "pin", keys, self.owner)
         box = self._outbox()
-        reader = ExtentSlices(self.nvme)
         out: list[ExposedSlice | None] = [None] * len(keys)
         later: list[int] = []
         bad: list[BlockHash] = []
@@ -251,17 +250,18 @@ class SliceServing(AgentBase):
                     continue
                 slot, lease = took
                 jobs.append((i, slot, lease, self.scheduler.submit(
-                    Priority.LOAD, functools.partial(reader.read, p, runs, box.view(slot)))))
+                    Priority.LOAD, functools.partial(self._extent_into_outbox, p, runs, box,
+                                                     slot))))
             for i, slot, lease, fut in jobs:
-                data: np.ndarray | None = fut.result()
-                if data is None:
+                sum_of_selection: int | None = fut.result()
+                if sum_of_selection is None:
                     box.end([lease])
                     bad.append(keys[i])
                     continue
-                out[i] = ExposedSlice(keys[i], box.region.name,
-                                      ((box.offset(slot), data.nbytes),), checksum(data),
-                                      Tier.NVME, lease)
-                self.moved_via["nvme"] += data.nbytes
+                nbytes = runs_bytes(runs)
+                out[i] = ExposedSlice(keys[i], box.region.name, ((box.offset(slot), nbytes),),
+                                      sum_of_selection, Tier.NVME, lease)
+                self.moved_via["nvme"] += nbytes
         except BaseException:
             box.end([lease for _, _, lease, _ in jobs])
             raise
@@ -284,8 +284,7 @@ class SliceServing(AgentBase):
                         continue
                     if p.epoch not in self._epochs:
                         continue
-                    payload = self._arena(p.epoch).slot_view(p.slot)[: p.size]
-                    data = slice_memory(payload, p.checksum, runs)
+                    data = self._pinned_selection(p, runs)
                     if data is None:
                         corrupt.setdefault(tier, []).append(p)
                         continue
@@ -302,12 +301,11 @@ class SliceServing(AgentBase):
     def _slice_nvme(self, keys: list[BlockHash], runs: Runs) -> list[SlicedBlock | None]:
         """Selections of blocks on this node's NVMe: only the chunks that cover the runs."""
         pins: list[Extent | None] = self._call(Tier.NVME, "pin", keys, self.owner)
-        reader = ExtentSlices(self.nvme)
         out: list[SlicedBlock | None] = [None] * len(keys)
         bad: list[Extent] = []
         try:
-            jobs = [(i, p, self.scheduler.submit(Priority.LOAD,
-                                                 functools.partial(reader.read, p, runs)))
+            jobs = [(i, p, self.scheduler.submit(
+                        Priority.LOAD, functools.partial(self._extent_selection, p, runs)))
                     for i, p in enumerate(pins) if p is not None]
             for i, p, fut in jobs:
                 data: np.ndarray | None = fut.result()
@@ -322,3 +320,31 @@ class SliceServing(AgentBase):
             log.warning("%d NVMe copies failed a chunk checksum", len(bad))
             self._call(Tier.NVME, "quarantine_extents", bad)
         return out
+
+    # -- where a copy's bytes are: an agent on its host reads them here ----------------------
+
+    def _pinned_selection(self, pin: Pinned, runs: Runs) -> np.ndarray | None:
+        """The ``runs`` of a copy pinned in a memory arena, or None if the copy fails its
+        block checksum."""
+        payload = self._arena(pin.epoch).slot_view(pin.slot)[: pin.size]
+        return slice_memory(payload, pin.checksum, runs)
+
+    def _pinned_selection_checksum(self, pin: Pinned, runs: Runs) -> int | None:
+        """The checksum of the ``runs`` of a copy pinned in a memory arena, or None if the
+        copy fails its block checksum."""
+        payload = self._arena(pin.epoch).slot_view(pin.slot)[: pin.size]
+        if checksum(payload) != pin.checksum:
+            return None
+        return selection_checksum(payload, runs)
+
+    def _extent_selection(self, ext: Extent, runs: Runs) -> np.ndarray | None:
+        """The ``runs`` of the block at ``ext``, read as the chunks that cover them, or None
+        if a chunk fails its checksum."""
+        return ExtentSlices(self.nvme).read(ext, runs)
+
+    def _extent_into_outbox(self, ext: Extent, runs: Runs, box: SliceOutbox,
+                            slot: int) -> int | None:
+        """The ``runs`` of the block at ``ext`` gathered into ``slot`` of ``box``: their
+        checksum, or None if a chunk fails its checksum."""
+        data = ExtentSlices(self.nvme).read(ext, runs, box.view(slot))
+        return None if data is None else checksum(data)

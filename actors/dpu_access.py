@@ -11,32 +11,36 @@ for a view of host memory raises ``HostAccessForbidden``, and ``forbid_host_acce
 mapping a host arena or opening a host file in its process raise too.
 
 Protocol, in call order: ``attach(info)`` for each tier incarnation before its slots are
-used; then any number of ``read``, ``write``, ``copy``, ``read_extent``, ``write_extent``;
-``close`` last. Every call returns once the bytes are where it says, or raises; none returns
-with part of a slot moved silently.
+used; then any number of ``read``, ``read_runs``, ``write``, ``copy``, ``read_extent``,
+``write_extent``; ``close`` last. Every call returns once the bytes are where it says, or
+raises; none returns with part of a slot moved silently.
 """
 
 from __future__ import annotations
 
-import queue
+import itertools
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
 from cmx.actors.arena_tier import ArenaInfo
+from cmx.actors.dpu_bounce import BouncePool
 from cmx.actors.transport import TransferError
 from cmx.errors import CmxError
+from cmx.selection import Runs, gather, runs_bytes
 from cmx.storage.arena import SharedArena
 from cmx.storage.nvme.dataplane import Extent, ExtentPlane
 
-__all__ = ["BouncePool", "HostAccess", "HostAccessForbidden", "HostArenaRetired", "HostPeer",
-           "HostRegion", "LocalAccess", "NixlAccess", "NoHostFiles", "forbid_host_access"]
+__all__ = ["STAGING_TIER", "BouncePool", "HostAccess", "HostAccessForbidden", "HostArenaRetired",
+           "HostPeer", "HostRegion", "LocalAccess", "NixlAccess", "NoHostFiles",
+           "forbid_host_access"]
+
+STAGING_TIER = "staging"  # the ``tier`` of a host endpoint's staging region, no tier's arena
 
 
 class HostArenaRetired(TransferError):
@@ -89,6 +93,10 @@ class HostAccess(ABC):
         """A copy of the first ``nbytes`` of a host slot, in the agent's memory."""
 
     @abstractmethod
+    def read_runs(self, arena: str, slot: int, runs: Runs) -> np.ndarray:
+        """A copy of the ``runs`` (offset, length) of a host slot, concatenated in order."""
+
+    @abstractmethod
     def write(self, arena: str, slot: int, data: np.ndarray) -> None:
         """``data`` into the front of a host slot."""
 
@@ -128,6 +136,9 @@ class LocalAccess(HostAccess):
     def read(self, arena: str, slot: int, nbytes: int) -> np.ndarray:
         return self.view(arena, slot)[:nbytes].copy()
 
+    def read_runs(self, arena: str, slot: int, runs: Runs) -> np.ndarray:
+        return gather(self.view(arena, slot), runs)
+
     def write(self, arena: str, slot: int, data: np.ndarray) -> None:
         np.copyto(self.view(arena, slot)[: data.nbytes], data.view(np.uint8).reshape(-1))
 
@@ -155,6 +166,8 @@ class Endpoint(Protocol):
     def read_extent(self, extent: Extent, arena: str, slot: int) -> None: ...
     def write_extent(self, extent: Extent, arena: str, slot: int) -> None: ...
     def move_extents(self, pairs: list[tuple[Extent, Extent]]) -> list[bool | None]: ...
+    def select(self, arena: str, slot: int, size: int, want: int, runs: Runs) -> int | None: ...
+    def select_extent(self, extent: Extent, runs: Runs, slot: int) -> int | None: ...
 
 
 PIECE_BYTES = 2 << 20  # one UCX descriptor: several in flight per transfer
@@ -227,6 +240,20 @@ class NixlAccess(HostAccess):
                 out[off:off + n] = buf[:n]
         return out
 
+    def read_runs(self, arena: str, slot: int, runs: Runs) -> np.ndarray:
+        """Only the runs cross: each window of the bounce buffer in one READ, a descriptor
+        per run (or piece of one)."""
+        region = self._region(arena)
+        if any(off < 0 or off + n > region.slot_bytes for off, n in runs):
+            raise ValueError(f"runs {list(runs)[:4]}... leave a slot of {region.slot_bytes}")
+        out = np.empty(runs_bytes(runs), np.uint8)
+        with self.bounce.take() as buf:
+            for at, ranges in self._run_windows(region, slot, runs):
+                n = sum(length for _, length in ranges)
+                self._move_ranges("READ", buf, ranges)
+                out[at:at + n] = buf[:n]
+        return out
+
     def write(self, arena: str, slot: int, data: np.ndarray) -> None:
         flat = data.view(np.uint8).reshape(-1)
         with self.bounce.take() as buf:
@@ -243,6 +270,25 @@ class NixlAccess(HostAccess):
     def read_extent(self, extent: Extent, arena: str, slot: int) -> None:
         self._region(arena).address(slot)
         self._endpoint.read_extent(extent, arena, slot)
+
+    def select(self, arena: str, slot: int, size: int, want: int, runs: Runs) -> int | None:
+        """The checksum of the ``runs`` of a host slot's block, taken on the host after the
+        whole block matched ``want`` there; None if it did not."""
+        self._region(arena).address(slot)
+        return self._endpoint.select(arena, slot, size, want, runs)
+
+    def select_extent(self, extent: Extent, runs: Runs, slot: int) -> int | None:
+        """The ``runs`` of an NVMe block gathered on the host into its staging ``slot``
+        (the covering chunks checked there): their checksum, or None."""
+        self.staging().address(slot)
+        return self._endpoint.select_extent(extent, runs, slot)
+
+    def staging(self) -> HostRegion:
+        """The host endpoint's staging region (slots for partial loads from NVMe)."""
+        found = [r for r in self._regions.values() if r.tier == STAGING_TIER]
+        if not found:
+            raise TransferError("the host endpoint has no staging region")
+        return found[0]
 
     def write_extent(self, extent: Extent, arena: str, slot: int) -> None:
         self._region(arena).address(slot)
@@ -266,15 +312,36 @@ class NixlAccess(HostAccess):
         for off in range(0, nbytes, size):
             yield off, min(size, nbytes - off)
 
+    def _run_windows(self, region: HostRegion, slot: int, runs: Runs
+                     ) -> Iterator[tuple[int, list[tuple[int, int]]]]:
+        """The runs of a slot as (offset in the output, host ranges) windows, each at most a
+        bounce buffer, each range at most a descriptor's piece."""
+        size = self.bounce.size
+        at, used, ranges = 0, 0, []
+        for off, length in runs:
+            while length:
+                n = min(length, PIECE_BYTES, size - used)
+                ranges.append((region.address(slot, off), n))
+                off, length, used = off + n, length - n, used + n
+                if used == size:
+                    yield at, ranges
+                    at, used, ranges = at + used, 0, []
+        if ranges:
+            yield at, ranges
+
     def _move(self, op: str, buf: np.ndarray, remote: int, nbytes: int) -> None:
         """``op`` between the front of bounce buffer ``buf`` and host memory at ``remote``."""
-        local_base = buf.ctypes.data
-        offs = range(0, nbytes, PIECE_BYTES)
-        sizes = [min(PIECE_BYTES, nbytes - o) for o in offs]
+        self._move_ranges(op, buf, [(remote + o, min(PIECE_BYTES, nbytes - o))
+                                    for o in range(0, nbytes, PIECE_BYTES)])
+
+    def _move_ranges(self, op: str, buf: np.ndarray, ranges: list[tuple[int, int]]) -> None:
+        """``op`` between the front of bounce buffer ``buf``, filled in order, and the host
+        memory ``ranges`` (address, length)."""
+        nbytes = sum(n for _, n in ranges)
+        ends = itertools.accumulate(n for _, n in ranges)
         local = self._nixl.get_xfer_descs(
-            [(local_base + o, n, 0) for o, n in zip(offs, sizes)], "DRAM")
-        far = self._nixl.get_xfer_descs([(remote + o, n, 0) for o, n in zip(offs, sizes)],
-                                        "DRAM")
+            [(buf.ctypes.data + end - n, n, 0) for end, (_, n) in zip(ends, ranges)], "DRAM")
+        far = self._nixl.get_xfer_descs([(r, n, 0) for r, n in ranges], "DRAM")
         handle = self._nixl.initialize_xfer(op, local, far, self._host)
         try:
             if self._nixl.transfer(handle) == "ERR":
@@ -292,60 +359,6 @@ class NixlAccess(HostAccess):
             self.bytes_read += nbytes
         else:
             self.bytes_written += nbytes
-
-
-class BouncePool:
-    """Bounce buffers in the agent's own memory, registered with NIXL once: a move holds one
-    for its duration (``take``); ``every`` holds them all, so that no move runs meanwhile."""
-
-    def __init__(self, nixl: Any, size: int, count: int, timeout_s: float) -> None:
-        from cmx.buffers import aligned_empty
-
-        if size <= 0 or count <= 0:
-            raise ValueError(f"{count} bounce buffers of {size} bytes")
-        self.size = size
-        self.count = count
-        self._timeout_s = timeout_s
-        self._memory = aligned_empty(size * count)
-        self._memory[:] = 0  # faulted in once, not on the first transfers
-        nixl.register_memory([(self._memory.ctypes.data, size * count, 0, "")], "DRAM")
-        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
-        for i in range(count):
-            self._free.put(i)
-        self._lock = threading.Lock()
-        self._in_use = 0
-        self.peak = 0  # the most buffers in use at once
-
-    @contextmanager
-    def take(self) -> Iterator[np.ndarray]:
-        i = self._get()
-        with self._lock:
-            self._in_use += 1
-            self.peak = max(self.peak, self._in_use)
-        try:
-            yield self._memory[i * self.size:(i + 1) * self.size]
-        finally:
-            with self._lock:
-                self._in_use -= 1
-            self._free.put(i)
-
-    @contextmanager
-    def every(self) -> Iterator[None]:
-        held: list[int] = []
-        try:
-            for _ in range(self.count):
-                held.append(self._get())
-            yield
-        finally:
-            for i in held:
-                self._free.put(i)
-
-    def _get(self) -> int:
-        try:
-            return self._free.get(timeout=self._timeout_s)
-        except queue.Empty:
-            raise TransferError(
-                f"no bounce buffer came free within {self._timeout_s:g} s") from None
 
 
 class NoHostFiles(ExtentPlane):

@@ -6,6 +6,12 @@ it maps the arenas there, registers each with a NIXL agent (UCX backend, with a 
 thread, so that the DPU's reads and writes are served while this process moves nothing) and
 publishes the agent's metadata; NVMe extents move between the segment files and the host's
 slots through NIXL's POSIX backend (io_uring), as the DPU asks.
+
+Partial loads: a block's selection is checked where the whole block is, here (a memory copy
+against its block checksum, an NVMe copy as the checksummed chunks that cover the runs, read
+into a slot of the endpoint's registered staging region), and the endpoint answers the
+checksum of the selected bytes; only those bytes then cross, read by the DPU (or by a peer)
+over NIXL and checked where they land, as ``cmx.selection`` describes.
 """
 
 from __future__ import annotations
@@ -13,8 +19,13 @@ from __future__ import annotations
 from typing import Any
 
 from cmx.actors.arena_tier import ArenaInfo
-from cmx.actors.dpu_access import HostPeer, HostRegion
+from cmx.actors.dpu_access import STAGING_TIER, HostPeer, HostRegion
+from cmx.actors.slice_expose import selection_checksum
+from cmx.actors.slice_reads import ExtentSlices
+from cmx.buffers import aligned_empty
+from cmx.checksum import checksum
 from cmx.errors import CmxError
+from cmx.selection import Runs
 from cmx.storage.arena import SharedArena
 from cmx.storage.nvme.dataplane import Extent, ExtentPlane, PlaneStats
 
@@ -22,7 +33,11 @@ __all__ = ["HostEndpoint", "RayEndpoint", "host_endpoint_actor"]
 
 
 class HostEndpoint:
-    def __init__(self, name: str, io_engine: str = "nixl") -> None:
+    """``staging_slots`` slots of ``slot_bytes`` (a block each) of the host's memory,
+    registered with NIXL: where partial loads gather a block's selection from NVMe."""
+
+    def __init__(self, name: str, io_engine: str = "nixl", slot_bytes: int = 0,
+                 staging_slots: int = 0) -> None:
         from cmx.actors.nixl_transport import PROGRESS_DELAY_US, _progress_thread_delay
         from cmx.nixl_api import nixl_api
 
@@ -33,6 +48,15 @@ class HostEndpoint:
         self.nvme = ExtentPlane(io_engine)
         # arena -> its mapping, its region, its NIXL registration
         self._arenas: dict[str, tuple[SharedArena, HostRegion, Any]] = {}
+        self._staging = aligned_empty(slot_bytes * staging_slots)
+        self._staging[:] = 0  # faulted in once, not on the first reads
+        self._staging_region: tuple[HostRegion, ...] = ()
+        if self._staging.nbytes:
+            base = self._staging.ctypes.data
+            self._staging_reg = self._nixl.register_memory(
+                [(base, self._staging.nbytes, 0, "")], "DRAM")
+            self._staging_region = (HostRegion(f"{name}-staging", base, slot_bytes,
+                                               staging_slots, STAGING_TIER),)
 
     def attach(self, info: ArenaInfo) -> HostRegion:
         """Map and register ``info``'s arena (once); its region as the DPU addresses it.
@@ -62,7 +86,7 @@ class HostEndpoint:
 
     def peer(self) -> HostPeer:
         return HostPeer(self.name, self._nixl.get_agent_metadata(),
-                        tuple(r for _, r, _ in self._arenas.values()))
+                        tuple(r for _, r, _ in self._arenas.values()) + self._staging_region)
 
     def read_extent(self, extent: Extent, arena: str, slot: int) -> None:
         self.nvme.read_many([extent], [self._slot(arena, slot)])
@@ -74,6 +98,23 @@ class HostEndpoint:
         """Compaction's copies on the host: each block from its old extent to its new one,
         verified (None: its bytes failed their checksum, it was not copied)."""
         return self.nvme.copy_many(pairs)
+
+    def select(self, arena: str, slot: int, size: int, want: int, runs: Runs) -> int | None:
+        """The checksum of the ``runs`` of the block of ``size`` bytes in a host slot, or
+        None if the block fails its checksum ``want`` (the caller quarantines it)."""
+        payload = self._slot(arena, slot)[:size]
+        if checksum(payload) != want:
+            return None
+        return selection_checksum(payload, runs)
+
+    def select_extent(self, extent: Extent, runs: Runs, slot: int) -> int | None:
+        """The ``runs`` of the block at ``extent`` gathered into staging slot ``slot``, read
+        as the chunks that cover them: their checksum, or None if a chunk fails its own."""
+        if not self._staging_region or not 0 <= slot < self._staging_region[0].num_slots:
+            raise CmxError(f"no staging slot {slot} at host endpoint {self.name}")
+        n = self._staging_region[0].slot_bytes
+        data = ExtentSlices(self.nvme).read(extent, runs, self._staging[slot * n:(slot + 1) * n])
+        return None if data is None else checksum(data)
 
     def stats(self) -> PlaneStats:
         return self.nvme.stats()
@@ -91,6 +132,9 @@ class HostEndpoint:
         self.nvme.close()
         for name in list(self._arenas):
             self._let_go(name)
+        if self._staging_region:
+            self._nixl.deregister_memory(self._staging_reg)
+            self._staging_region = ()
 
 
 def host_endpoint_actor() -> Any:
@@ -126,3 +170,11 @@ class RayEndpoint:
 
     def move_extents(self, pairs: list[tuple[Extent, Extent]]) -> list[bool | None]:
         return self._get(self._handle.move_extents.remote(pairs))  # type: ignore[no-any-return]
+
+    def select(self, arena: str, slot: int, size: int, want: int, runs: Runs) -> int | None:
+        return self._get(  # type: ignore[no-any-return]
+            self._handle.select.remote(arena, slot, size, want, runs))
+
+    def select_extent(self, extent: Extent, runs: Runs, slot: int) -> int | None:
+        return self._get(  # type: ignore[no-any-return]
+            self._handle.select_extent.remote(extent, runs, slot))

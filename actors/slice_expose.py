@@ -33,8 +33,8 @@ from cmx.keys import BlockHash
 from cmx.selection import Runs, runs_bytes
 from cmx.tiers import Tier
 
-__all__ = ["ExposedSlice", "Exposure", "SliceOutbox", "exposed_ranges", "read_descriptors",
-           "selection_checksum"]
+__all__ = ["ExposedSlice", "Exposure", "SliceOutbox", "exposed_ranges", "outbox_slots",
+           "read_descriptors", "selection_checksum"]
 
 OUTBOX_BYTES = 64 << 20  # an owner's registered staging for selections read from NVMe
 OUTBOX_MAX_SLOTS = 16
@@ -103,6 +103,11 @@ def read_descriptors(exposed: Sequence[ExposedSlice], bases: Mapping[str, int],
             np.array(local, dtype=np.uint64).reshape(-1, 3))
 
 
+def outbox_slots(block_bytes: int) -> int:
+    """How many blocks an outbox holds: up to OUTBOX_BYTES, at least two."""
+    return max(2, min(OUTBOX_MAX_SLOTS, OUTBOX_BYTES // block_bytes))
+
+
 class SliceOutbox:
     """Registered slots where an owner gathers selections it read from NVMe, leased to the
     reader that pulls them (a reader that never releases its slot loses it at expiry)."""
@@ -110,9 +115,14 @@ class SliceOutbox:
     def __init__(self, name: str, slot_bytes: int, slots: int, lease_s: float,
                  clock: Clock = time.monotonic) -> None:
         self.buffer = aligned_empty(slot_bytes * slots)
-        self.region = Region(name, self.buffer.ctypes.data, slot_bytes, slots)
+        self._books(Region(name, self.buffer.ctypes.data, slot_bytes, slots), lease_s, clock)
+
+    def _books(self, region: Region, lease_s: float, clock: Clock) -> None:
+        """The slots' leases and free list (an outbox whose memory is elsewhere has only
+        these)."""
+        self.region = region
         self.leases = Leases(lease_s, clock)
-        self._free = list(range(slots))
+        self._free = list(range(region.num_slots))
         self._lock = threading.Lock()
 
     @classmethod
@@ -120,8 +130,7 @@ class SliceOutbox:
                    lease_s: float) -> SliceOutbox:
         """An outbox of up to OUTBOX_BYTES, registered with ``transport``: it is in the
         ``PeerInfo`` the owner publishes from now on."""
-        slots = max(2, min(OUTBOX_MAX_SLOTS, OUTBOX_BYTES // block_bytes))
-        box = cls(name, block_bytes, slots, lease_s)
+        box = cls(name, block_bytes, outbox_slots(block_bytes), lease_s)
         transport.register(box.region, box.buffer)
         return box
 

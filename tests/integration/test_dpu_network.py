@@ -3,7 +3,8 @@
 A cluster of its own, in a process of its own: a host node and a node labelled as its DPU.
 The host's agent runs on the DPU in a process that refuses to map host memory or open host
 files; blocks stored through it come back exact from the host's DRAM and, after a DRAM
-eviction demoted them, from the host's NVMe, every byte through NIXL. The DPU agent's
+eviction demoted them, from the host's NVMe, every byte through NIXL; so do one head and one
+layer of them (partial loads, checked on the host). The DPU agent's
 process holds no mapping of the host's arenas, and an attempt to map one or to open a
 segment file there raises HostAccessForbidden.
 """
@@ -48,6 +49,7 @@ a, kv_a = prefix(1, 4)
 out["stored_a"] = ns.store(a, kv_a).wait()
 out["dram_tiers"] = sorted({b.tier.value for b in ns.lookup(a).blocks})
 out["exact_dram"] = bool(torch.equal(ns.load(a), kv_a))
+out["head_dram"] = bool(torch.equal(ns.load(a, heads=1), kv_a[:, :, 1:2]))
 b, kv_b = prefix(2, 4)
 out["stored_b"] = ns.store(b, kv_b).wait()
 c_, kv_c = prefix(3, 8)  # eight more: DRAM's eight slots turn over, b is demoted to NVMe
@@ -59,6 +61,7 @@ while time.monotonic() < deadline:
         break
     time.sleep(0.2)
 out["nvme_tiers"] = sorted({x.tier.value for x in ns.lookup(b).blocks})
+out["layer_nvme"] = bool(torch.equal(ns.load(b, layers=1), kv_b[1:2]))
 out["exact_nvme"] = bool(torch.equal(ns.load(b), kv_b))
 stats = ray.get(agent.stats.remote(), timeout=60)
 out["host_access"] = dataclasses.asdict(stats.host_access)
@@ -105,9 +108,11 @@ def test_a_dpu_agent_moves_every_host_byte_through_nixl(tmp_path: Path) -> None:
     assert out["placement"]["placed_on"] == out["dpu"] and out["placement"]["dpu"] is True
     assert out["stored_a"] == 4 and out["dram_tiers"] == ["dram"]
     assert out["exact_dram"] is True
+    assert out["head_dram"] is True  # one head of each block, checked on the host
     assert (out["stored_b"], out["stored_c"]) == (4, 8)
     assert out["nvme_tiers"] == ["nvme"]
     assert out["exact_nvme"] is True
+    assert out["layer_nvme"] is True  # one layer, gathered in the host's staging
     access, block = out["host_access"], out["block"]
     assert access["name"] == "nixl-dpu"
     # Stores and the DRAM hit are the client's own copies on the host (its shared memory);

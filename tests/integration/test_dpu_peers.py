@@ -2,10 +2,10 @@
 
 A cluster of its own, in a process of its own: host A with its DPU, and host B. A's agent
 runs on the DPU in a process that refuses to map host memory or open host files. B loads a
-prefix that lives only on A (B's transport reads A's host memory, as A's host endpoint
-registered it with NIXL), and A loads a prefix that lives only on B (A's DPU pulls it into
-memory of its own, checks it, and writes it to A's host HBM over NIXL): exact bytes both
-ways, and the DPU's process still maps no host arena.
+prefix that lives only on A, one head of it and then whole (B's transport reads A's host
+memory, as A's host endpoint registered it with NIXL), and A loads a prefix that lives only
+on B (A's DPU pulls it into memory of its own, checks it, and writes it to A's host HBM over
+NIXL): exact bytes both ways, and the DPU's process still maps no host arena.
 """
 
 from __future__ import annotations
@@ -54,6 +54,9 @@ class Client:
     def load_exact(self, tokens, kv):
         return bool(torch.equal(self.ns.load(tokens), kv))
 
+    def load_head(self, tokens, kv):
+        return bool(torch.equal(self.ns.load(tokens, heads=1), kv[:, :, 1:2]))
+
 
 far = ray.remote(Client).options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
     b_node.node_id, soft=False)).remote(config)
@@ -74,6 +77,7 @@ ns = cm.namespace("m", layout)
 p, kv_p = prefix(1, 6)  # lives only on A
 out["stored_p"] = ns.store(p, kv_p).wait()
 out["p_on"] = nodes_of(ns, p) == [a]
+out["b_head_p"] = ray.get(far.load_head.remote(p, kv_p), timeout=300)  # before a whole load
 out["b_loads_p"] = ray.get(far.load_exact.remote(p, kv_p), timeout=300)
 q, kv_q = prefix(2, 6)  # lives only on B
 out["stored_q"] = ray.get(far.store.remote(q, kv_q), timeout=300)
@@ -119,6 +123,7 @@ def test_a_dpu_node_serves_and_pulls_blocks_between_nodes_over_nixl(tmp_path: Pa
                    timeout_s=540, RAY_ADDRESS="")
     assert out["placement"]["placed_on"] == out["dpu"] and out["placement"]["dpu"] is True
     assert out["stored_p"] == 6 and out["p_on"] is True
+    assert out["b_head_p"] is True  # one head of two: checked on A's host, read from its memory
     assert out["b_loads_p"] is True  # B read A's host memory, registered by A's endpoint
     assert out["stored_q"] == 6 and out["q_on"] is True
     assert out["a_loads_q"] is True  # A's DPU pulled Q and wrote it to A's host HBM
@@ -126,6 +131,7 @@ def test_a_dpu_node_serves_and_pulls_blocks_between_nodes_over_nixl(tmp_path: Pa
     assert a["host_access"]["name"] == "nixl-dpu"
     assert a["transport"] == b["transport"] == "nixl-ucx"
     assert b["moved_bytes"].get("dram@peer->hbm", 0) == 6 * block
+    assert b["moved_bytes"].get("dram@peer->selection", 0) == 6 * block // 2
     assert b["moved_via"].get("nixl-ucx", 0) >= 6 * block
     assert a["moved_bytes"].get("dram@peer->hbm", 0) == 6 * block
     assert a["host_access"]["bounced_from_peers"] == 6 * block

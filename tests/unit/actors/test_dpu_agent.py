@@ -9,54 +9,25 @@ test reads node-a's slots the way its host does, through the tiers' own arenas.
 
 from __future__ import annotations
 
-import os
-import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
-from plane import Plane, make_plane
-from scenarios import BLOCK, blocks, check, load, restart_tier, small_config
+from dpu_plane import A, B, dpu, dpu_plane
+from plane import Plane
+from scenarios import BLOCK, blocks, check, load, restart_tier
 
 from cmx.actors.agent_base import StaleEpochError
-from cmx.actors.agent_dpu import DpuAgent
-from cmx.actors.dpu_host import HostEndpoint
-from cmx.actors.links import actor_name
 from cmx.keys import BlockHash
 from cmx.protocol import Loaded
 from cmx.tiers import Tier
-
-A, B = f"dpu-{os.getpid()}", f"peer-{os.getpid()}"  # node-a on a DPU; node-b
-
-
-@contextmanager
-def dpu_plane(transport: str, root: Path, **changes: object) -> Iterator[Plane]:
-    """node-a's agent on a DPU; between the agents NIXL, or the Ray fallback's path."""
-    # Names of this process's own: a tier that starts unlinks every arena of its node's name.
-    p = make_plane(small_config(root, transport=transport, **changes), nodes=(A, B))
-    p.agents[A].close()
-    endpoint = HostEndpoint(f"test-endpoint-{transport}-{uuid.uuid4().hex[:6]}")
-    dpu = DpuAgent(A, p.config, p.link, endpoint)
-    p.agents[A] = p.link._targets[actor_name("agent", A)] = dpu  # type: ignore[attr-defined]
-    try:
-        yield p
-    finally:
-        p.close()
-        endpoint.close()
 
 
 @pytest.fixture(params=["nixl", "ray"])
 def plane(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Plane]:
     with dpu_plane(request.param, tmp_path) as p:
         yield p
-
-
-def dpu(plane: Plane) -> DpuAgent:
-    agent = plane.agents[A]
-    assert isinstance(agent, DpuAgent)
-    return agent
 
 
 def load_on_dpu(plane: Plane, keys: list[BlockHash]) -> tuple[np.ndarray, list[Loaded]]:

@@ -1,0 +1,47 @@
+"""An in-process plane whose node-a runs its agent on a DPU: the agent reaches its host only
+through a host endpoint (its arenas and staging registered with NIXL); node-b's agent is an
+ordinary one."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from plane import Plane, make_plane
+from scenarios import small_config
+
+from cmx.actors.agent_dpu import DpuAgent
+from cmx.actors.dpu_host import HostEndpoint
+from cmx.actors.links import actor_name
+from cmx.actors.slice_expose import outbox_slots
+
+__all__ = ["A", "B", "dpu", "dpu_plane"]
+
+A, B = f"dpu-{os.getpid()}", f"peer-{os.getpid()}"  # node-a on a DPU; node-b
+
+
+@contextmanager
+def dpu_plane(transport: str, root: Path, **changes: object) -> Iterator[Plane]:
+    """node-a's agent on a DPU; between the agents NIXL, or the Ray fallback's path."""
+    # Names of this process's own: a tier that starts unlinks every arena of its node's name.
+    p = make_plane(small_config(root, transport=transport, **changes), nodes=(A, B))
+    p.agents[A].close()
+    endpoint = HostEndpoint(f"test-endpoint-{transport}-{uuid.uuid4().hex[:6]}",
+                            slot_bytes=p.config.block_bytes,
+                            staging_slots=outbox_slots(p.config.block_bytes))
+    agent = DpuAgent(A, p.config, p.link, endpoint)
+    p.agents[A] = p.link._targets[actor_name("agent", A)] = agent  # type: ignore[attr-defined]
+    try:
+        yield p
+    finally:
+        p.close()
+        endpoint.close()
+
+
+def dpu(plane: Plane) -> DpuAgent:
+    agent = plane.agents[A]
+    assert isinstance(agent, DpuAgent)
+    return agent

@@ -26,8 +26,9 @@ gathered into a slot of the endpoint's registered staging region), and only the 
 bytes cross: read here over NIXL for this node's client, or read by a peer straight from the
 host's memory, as the whole-block peer path does.
 
-Not served here yet: an endpoint that restarts while its tiers do not (the agent re-resolves
-on a tier's new epoch only).
+An endpoint that restarts while its tiers do not (Ray restarts its actor in place) has none
+of its registrations: ``NixlAccess`` finds that on the first move that fails, attaches every
+arena in use to the new endpoint and makes the move once more.
 """
 
 from __future__ import annotations
@@ -50,11 +51,11 @@ from cmx.actors.arena_tier import Grant, Pinned
 from cmx.actors.dpu_access import (
     Endpoint,
     HostAccessForbidden,
-    NixlAccess,
     NoHostFiles,
     forbid_host_access,
 )
 from cmx.actors.dpu_host import RayEndpoint, host_endpoint_actor
+from cmx.actors.dpu_nixl import NixlAccess
 from cmx.actors.links import RAY_NAMESPACE, RayLink, actor_name
 from cmx.actors.scheduler import Priority
 from cmx.actors.service import AgentActor

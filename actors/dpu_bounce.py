@@ -1,5 +1,5 @@
 """Bounce buffers: memory of the agent's own, registered with NIXL once, that bytes between
-the agent and its host pass through (``dpu_access.NixlAccess``)."""
+the agent and its host pass through (``dpu_nixl.NixlAccess``)."""
 
 from __future__ import annotations
 

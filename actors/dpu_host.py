@@ -22,6 +22,7 @@ from cmx.actors.arena_tier import ArenaInfo
 from cmx.actors.dpu_access import STAGING_TIER, HostPeer, HostRegion
 from cmx.actors.slice_expose import selection_checksum
 from cmx.actors.slice_reads import ExtentSlices
+from cmx.actors.transport import TransferError
 from cmx.buffers import aligned_empty
 from cmx.checksum import checksum
 from cmx.errors import CmxError
@@ -141,11 +142,13 @@ def host_endpoint_actor() -> Any:
     """``HostEndpoint`` as a Ray actor class (Ray imported only where it is used)."""
     import ray
 
-    return ray.remote(num_cpus=0)(HostEndpoint)
+    # Restarted in place if its process dies: the DPU's access attaches its arenas again.
+    return ray.remote(num_cpus=0, max_restarts=-1)(HostEndpoint)
 
 
 class RayEndpoint:
-    """A host endpoint actor called as ``dpu_access.Endpoint``: each call bounded."""
+    """A host endpoint actor called as ``dpu_access.Endpoint``: each call bounded, and any
+    failure of Ray's (the actor restarting, a timeout) a TransferError."""
 
     def __init__(self, handle: Any, timeout_s: float = 60.0) -> None:
         self._handle = handle
@@ -154,7 +157,10 @@ class RayEndpoint:
     def _get(self, ref: Any) -> Any:
         import ray
 
-        return ray.get(ref, timeout=self._timeout_s)
+        try:
+            return ray.get(ref, timeout=self._timeout_s)
+        except ray.exceptions.RayError as exc:
+            raise TransferError(f"host endpoint: {exc}") from exc
 
     def peer(self) -> HostPeer:
         return self._get(self._handle.peer.remote())  # type: ignore[no-any-return]

@@ -24,8 +24,9 @@ from cmx.actors.dpu_access import (
     HostPeer,
     HostRegion,
     LocalAccess,
-    NixlAccess,
 )
+from cmx.actors.dpu_nixl import NixlAccess
+from cmx.actors.transport import TransferError
 from cmx.checksum import checksum
 from cmx.storage.arena import SharedArena
 from cmx.storage.nvme.dataplane import Extent
@@ -34,10 +35,10 @@ from cmx.tiers import Tier
 SLOT = 4 << 20
 
 
-def _serve(conn: Any) -> None:
+def _serve(conn: Any, name: str = "test-host-endpoint") -> None:
     from cmx.actors.dpu_host import HostEndpoint
 
-    endpoint = HostEndpoint("test-host-endpoint")
+    endpoint = HostEndpoint(name)
     while True:
         method, args = conn.recv()
         if method == "stop":
@@ -55,8 +56,11 @@ class PipeEndpoint:
         self.conn = conn
 
     def _call(self, method: str, *args: object) -> Any:
-        self.conn.send((method, args))
-        answer = self.conn.recv()
+        try:
+            self.conn.send((method, args))
+            answer = self.conn.recv()
+        except (EOFError, OSError) as exc:  # the endpoint's process is gone, as Ray says it
+            raise TransferError(f"host endpoint: {exc!r}") from exc
         if isinstance(answer, Exception):
             raise answer
         return answer
@@ -258,3 +262,54 @@ def test_moves_through_several_bounce_buffers_at_once_keep_every_byte(
         assert access.bounce.peak <= 3
     finally:
         access.close()
+
+
+class RestartingEndpoint(PipeEndpoint):
+    """The endpoint in a child process that can die and come back under its name, as Ray
+    restarts the endpoint's actor in place: the same handle, none of its registrations."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.proc: Any = None
+        self.start()
+
+    def start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, self.name), daemon=True)
+        self.proc.start()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(30)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            self.conn.send(("stop", ()))
+            self.proc.join(30)
+
+
+def test_an_endpoint_that_restarts_gets_every_arena_back_and_the_move_is_made_again() -> None:
+    dram, hbm = SharedArena.create(8 * SLOT, SLOT), SharedArena.create(8 * SLOT, SLOT)
+    endpoint = RestartingEndpoint("test-host-endpoint-restarts")
+    access = NixlAccess("test-dpu-agent-5", endpoint, bounce_bytes=1 << 20, timeout_s=20)
+    block = np.random.default_rng(13).integers(0, 256, SLOT, dtype=np.uint8)
+    try:
+        for info in _infos(dram, hbm):
+            access.attach(info)
+        access.write(dram.name, 1, block)
+        endpoint.kill()  # between two moves: the registrations die with the process
+        endpoint.start()
+        access.copy((dram.name, 1), (hbm.name, 2), SLOT)  # fails once, then made again
+        assert np.array_equal(hbm.slot_view(2), block)
+        assert np.array_equal(access.read(hbm.name, 2, SLOT), block)
+        assert {r.arena for r in endpoint.peer().regions} == {dram.name, hbm.name}
+        endpoint.kill()  # and now it stays down: a typed error, within the bound
+        with pytest.raises(TransferError):
+            access.read(dram.name, 1, SLOT)
+    finally:
+        access.close()
+        endpoint.stop()
+        for arena in (dram, hbm):
+            arena.close()
+            arena.unlink()

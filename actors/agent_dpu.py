@@ -36,7 +36,6 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import replace
@@ -56,10 +55,11 @@ from cmx.actors.dpu_access import (
 )
 from cmx.actors.dpu_host import RayEndpoint, host_endpoint_actor
 from cmx.actors.dpu_nixl import NixlAccess
+from cmx.actors.dpu_staging import HostOutbox, host_staging_slots
 from cmx.actors.links import RAY_NAMESPACE, RayLink, actor_name
 from cmx.actors.scheduler import Priority
 from cmx.actors.service import AgentActor
-from cmx.actors.slice_expose import SliceOutbox, outbox_slots
+from cmx.actors.slice_expose import SliceOutbox
 from cmx.actors.transport import Move, PeerInfo, Region, TransferError
 from cmx.buffers import aligned_empty
 from cmx.checksum import checksum
@@ -115,19 +115,7 @@ def start_host_endpoint(node: str, config: ServiceConfig) -> Any:
         name=actor_name("host-endpoint", node), namespace=RAY_NAMESPACE, get_if_exists=True,
         max_concurrency=8, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
     ).remote(f"cmx-host-{node[:12]}-{uuid.uuid4().hex[:6]}", slot_bytes=config.block_bytes,
-             staging_slots=outbox_slots(config.block_bytes))
-
-
-class HostOutbox(SliceOutbox):
-    """The outbox of partial loads from NVMe, in the host's memory: the endpoint's staging
-    region, registered there; this agent keeps only its slots' leases."""
-
-    def __init__(self, region: Region, lease_s: float) -> None:
-        self._books(region, lease_s, time.monotonic)
-
-    def view(self, slot: int) -> np.ndarray:
-        raise HostAccessForbidden(
-            f"no view of host staging {self.region.name}: it is read through NIXL")
+             staging_slots=host_staging_slots(config.block_bytes))
 
 
 class DpuAgent(OffloadAgent):
@@ -297,7 +285,7 @@ class DpuAgent(OffloadAgent):
                 staging = self.host.staging()
                 box = self._slice_outbox = HostOutbox(
                     Region(staging.arena, staging.base, staging.slot_bytes, staging.num_slots),
-                    self.config.lease_s)
+                    self.config.lease_s, self.owner)
             return box
 
     def _pinned_selection_checksum(self, pin: Pinned, runs: Runs) -> int | None:
@@ -311,7 +299,12 @@ class DpuAgent(OffloadAgent):
 
     def _extent_into_outbox(self, ext: Extent, runs: Runs, box: SliceOutbox,
                             slot: int) -> int | None:
-        return self.host.select_extent(ext, runs, slot)
+        try:
+            return self.host.select_extent(ext, runs, slot)
+        except TransferError:
+            if isinstance(box, HostOutbox):
+                box.doubt(slot)  # the gather may still land: the slot waits for expiry
+            raise
 
     def _extent_selection(self, ext: Extent, runs: Runs) -> np.ndarray | None:
         """Gathered on the host into a staging slot held for the read, then read over NIXL."""

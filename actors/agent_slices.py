@@ -19,6 +19,7 @@ carries the checksum of its slice (``cmx.selection``), checked where it lands.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import logging
 import threading
@@ -39,6 +40,7 @@ from cmx.actors.slice_expose import (
 )
 from cmx.actors.slice_pull import SlicePuller
 from cmx.actors.slice_reads import ExtentSlices, slice_memory
+from cmx.actors.transport import TransferError
 from cmx.checksum import checksum
 from cmx.errors import CmxError
 from cmx.keys import BlockHash
@@ -210,9 +212,13 @@ class SliceServing(AgentBase):
                     if p is None or out[i] is not None or p.epoch not in self._epochs:
                         continue
                     info = self._epochs[p.epoch][0]
-                    sum_of_selection = self._pinned_selection_checksum(p, runs)
+                    try:
+                        sum_of_selection = self._pinned_selection_checksum(p, runs)
+                    except TransferError as exc:  # this block's only: a miss, its copy intact
+                        log.warning("selection of %s not exposed: %s", keys[i].hex()[:12], exc)
+                        continue
                     if sum_of_selection is None:
-                        bad.append(keys[i])
+                        bad.append(p)
                         continue
                     out[i] = ExposedSlice(keys[i], info.arena,
                                           exposed_ranges(p.slot * info.slot_bytes, runs),
@@ -220,7 +226,7 @@ class SliceServing(AgentBase):
                     kept.add(p.lease)
                 if bad:  # while pinned: the copy read goes at its last unpin
                     log.warning("%d %s copies failed their checksum", len(bad), tier.value)
-                    self._call(tier, "quarantine", bad)
+                    self._call(tier, "quarantine_pinned", bad)
         except BaseException:
             kept.clear()
             raise
@@ -234,11 +240,11 @@ class SliceServing(AgentBase):
                      owner: str) -> tuple[list[ExposedSlice | None], list[int]]:
         """Selections of blocks only on this node's NVMe, read into outbox slots leased to
         ``owner``; and the positions of those left for later (no free slot)."""
+        box = self._outbox()  # before anything is pinned: it may fail
         pins: list[Extent | None] = self._call(Tier.NVME, "pin", keys, self.owner)
-        box = self._outbox()
         out: list[ExposedSlice | None] = [None] * len(keys)
         later: list[int] = []
-        bad: list[BlockHash] = []
+        bad: list[Extent] = []
         jobs = []
         try:
             for i, p in enumerate(pins):
@@ -249,27 +255,34 @@ class SliceServing(AgentBase):
                     later.append(i)
                     continue
                 slot, lease = took
-                jobs.append((i, slot, lease, self.scheduler.submit(
+                jobs.append((i, p, slot, lease, self.scheduler.submit(
                     Priority.LOAD, functools.partial(self._extent_into_outbox, p, runs, box,
                                                      slot))))
-            for i, slot, lease, fut in jobs:
-                sum_of_selection: int | None = fut.result()
+            for i, p, slot, lease, fut in jobs:
+                try:
+                    sum_of_selection: int | None = fut.result()
+                except TransferError as exc:  # this block's only: a miss, its copy intact
+                    log.warning("selection of %s not exposed: %s", keys[i].hex()[:12], exc)
+                    box.end([lease])
+                    continue
                 if sum_of_selection is None:
                     box.end([lease])
-                    bad.append(keys[i])
+                    bad.append(p)  # the copy read: one written since stays
                     continue
                 nbytes = runs_bytes(runs)
                 out[i] = ExposedSlice(keys[i], box.region.name, ((box.offset(slot), nbytes),),
                                       sum_of_selection, Tier.NVME, lease)
                 self.moved_via["nvme"] += nbytes
         except BaseException:
-            box.end([lease for _, _, lease, _ in jobs])
+            for *_, fut in jobs:  # no slot is given back while a read into it may still run
+                concurrent.futures.wait([fut])
+            box.end([lease for _, _, _, lease, _ in jobs])
             raise
         finally:
             self._give_back(Tier.NVME, unpin=[p.lease for p in pins if p is not None])
         if bad:
             log.warning("%d NVMe copies failed a chunk checksum", len(bad))
-            self._call(Tier.NVME, "quarantine", bad)
+            self._call(Tier.NVME, "quarantine_extents", bad)
         return out, later
 
     def _slice_memory(self, keys: Sequence[BlockHash], runs: Runs) -> list[SlicedBlock | None]:
@@ -284,7 +297,11 @@ class SliceServing(AgentBase):
                         continue
                     if p.epoch not in self._epochs:
                         continue
-                    data = self._pinned_selection(p, runs)
+                    try:
+                        data = self._pinned_selection(p, runs)
+                    except TransferError as exc:  # this block's only: a miss, its copy intact
+                        log.warning("selection of %s not read: %s", keys[i].hex()[:12], exc)
+                        continue
                     if data is None:
                         corrupt.setdefault(tier, []).append(p)
                         continue
@@ -308,7 +325,11 @@ class SliceServing(AgentBase):
                         Priority.LOAD, functools.partial(self._extent_selection, p, runs)))
                     for i, p in enumerate(pins) if p is not None]
             for i, p, fut in jobs:
-                data: np.ndarray | None = fut.result()
+                try:
+                    data: np.ndarray | None = fut.result()
+                except TransferError as exc:  # this block's only: a miss, its copy intact
+                    log.warning("selection of %s not read: %s", keys[i].hex()[:12], exc)
+                    continue
                 if data is None:
                     bad.append(p)  # the copy read: one written since stays
                     continue

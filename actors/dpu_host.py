@@ -114,8 +114,14 @@ class HostEndpoint:
         if not self._staging_region or not 0 <= slot < self._staging_region[0].num_slots:
             raise CmxError(f"no staging slot {slot} at host endpoint {self.name}")
         n = self._staging_region[0].slot_bytes
-        data = ExtentSlices(self.nvme).read(extent, runs, self._staging[slot * n:(slot + 1) * n])
-        return None if data is None else checksum(data)
+        data = ExtentSlices(self.nvme).read(extent, runs)
+        if data is None:
+            return None
+        # The checksum is of this call's own bytes: a late call into a slot reused since
+        # cannot make its bytes pass for another block's.
+        sum_of_selection = checksum(data)
+        self._staging[slot * n:slot * n + data.nbytes] = data
+        return sum_of_selection
 
     def stats(self) -> PlaneStats:
         return self.nvme.stats()

@@ -138,10 +138,14 @@ class SliceOutbox:
         """A free slot for ``owner`` and its lease, or None when every slot is leased."""
         self.leases.expire()
         with self._lock:
-            if not self._free:
+            if len(self._free) <= self._kept_from(owner):
                 return None
             slot = self._free.pop()
         return slot, self.leases.grant(owner, LeaseKind.PIN, key, self._put_back(slot))
+
+    def _kept_from(self, owner: str) -> int:
+        """How many free slots ``owner`` may not take (none here)."""
+        return 0
 
     def view(self, slot: int) -> np.ndarray:
         n = self.region.slot_bytes

@@ -15,8 +15,8 @@ from scenarios import small_config
 
 from cmx.actors.agent_dpu import DpuAgent
 from cmx.actors.dpu_host import HostEndpoint
+from cmx.actors.dpu_staging import host_staging_slots
 from cmx.actors.links import actor_name
-from cmx.actors.slice_expose import outbox_slots
 
 __all__ = ["A", "B", "dpu", "dpu_plane"]
 
@@ -31,7 +31,7 @@ def dpu_plane(transport: str, root: Path, **changes: object) -> Iterator[Plane]:
     p.agents[A].close()
     endpoint = HostEndpoint(f"test-endpoint-{transport}-{uuid.uuid4().hex[:6]}",
                             slot_bytes=p.config.block_bytes,
-                            staging_slots=outbox_slots(p.config.block_bytes))
+                            staging_slots=host_staging_slots(p.config.block_bytes))
     agent = DpuAgent(A, p.config, p.link, endpoint)
     p.agents[A] = p.link._targets[actor_name("agent", A)] = agent  # type: ignore[attr-defined]
     try:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-import numpy as np
-
-from cmx.actors.agent_nvme import NvmeTransfers
+from cmx.actors.agent_host import HostBytes
+from cmx.actors.agent_nvme import NvmeWrites
+from cmx.actors.agent_tiers import Counters, NodeTiers
 from cmx.actors.arena_tier import Grant
 from cmx.errors import CmxError
 from cmx.keys import BlockHash
+from cmx.policies.admission import AdmissionPolicy
+from cmx.policies.placement import PlacementPolicy
 from cmx.tiers import Tier
 
 __all__ = ["Demotion"]
@@ -18,8 +20,17 @@ __all__ = ["Demotion"]
 log = logging.getLogger(__name__)
 
 
-class Demotion(NvmeTransfers):
-    def _demote_victims(self, tier: Tier, grants: Sequence[Grant | None]) -> None:
+class Demotion:
+    def __init__(self, tiers: NodeTiers, host: HostBytes, nvme: NvmeWrites, counters: Counters,
+                 placement: PlacementPolicy, nvme_admission: AdmissionPolicy) -> None:
+        self.tiers = tiers
+        self.host = host
+        self.nvme = nvme
+        self.counters = counters
+        self.placement = placement  # write-through or write-back, over DRAM then NVMe
+        self.nvme_admission = nvme_admission  # which blocks DRAM may write to NVMe
+
+    def demote_victims(self, tier: Tier, grants: Sequence[Grant | None]) -> None:
         """Move blocks evicted from ``tier`` one tier down before their slots are rewritten.
 
         A demotion that fails drops its blocks (a cache may always drop one): the caller's
@@ -31,53 +42,48 @@ class Demotion(NvmeTransfers):
             if tier is Tier.HBM:
                 self._demote_to_dram(victims)
             elif tier is Tier.DRAM:
-                victims = [g for g in victims if self._placed_below(g.victim.key)]  # type: ignore[union-attr]
+                victims = [g for g in victims if self.placed_below(g.victim.key)]  # type: ignore[union-attr]
                 items = [(g.victim.key, g.victim.size, g.victim.checksum) for g in victims]  # type: ignore[union-attr]
                 parents = {g.victim.key: g.victim.parent for g in victims}  # type: ignore[union-attr]
                 tags = {g.victim.key: g.victim.namespace for g in victims}  # type: ignore[union-attr]
-                self._write_nvme(Tier.DRAM, items, parents, tags,
-                                 sources=[self._slot_source(g.epoch, g.slot) for g in victims])
+                self.nvme.write(Tier.DRAM, items, parents, tags,
+                                sources=[self.host.slot_source(g.epoch, g.slot) for g in victims])
         except (CmxError, OSError) as exc:  # OSError: the NVMe disk failed or filled
-            self.dropped["demotion_failed"] += len(victims)
+            self.counters.dropped["demotion_failed"] += len(victims)
             log.warning("demotion of %d blocks from %s failed: %s", len(victims), tier.value, exc)
 
-    def _placed_below(self, key: BlockHash) -> bool:
+    def placed_below(self, key: BlockHash) -> bool:
         """Whether a block DRAM evicts goes to NVMe: the placement's rule, with NVMe admission
         (a block seen fewer than ``nvme_admission_min_count`` times is dropped)."""
         admitted = self.nvme_admission.admit(key)
-        if self.placement_policy.on_evict(Tier.DRAM, admitted, has_lower_copy=False) is Tier.NVME:
+        if self.placement.on_evict(Tier.DRAM, admitted, has_lower_copy=False) is Tier.NVME:
             return True
-        self.dropped["not_admitted_to_nvme"] += 1
+        self.counters.dropped["not_admitted_to_nvme"] += 1
         return False
 
     def _demote_to_dram(self, victims: list[Grant]) -> None:
+        tiers = self.tiers
         keys = [g.victim.key for g in victims]  # type: ignore[union-attr]
-        have = self._call(Tier.DRAM, "contains", keys)
+        have = tiers.call(Tier.DRAM, "contains", keys)
         todo = [g for g, h in zip(victims, have) if not h]
         if not todo:
             return
-        grants = self._call(
-            Tier.DRAM, "reserve", [(g.victim.key, g.victim.parent) for g in todo], self.owner  # type: ignore[union-attr]
+        grants = tiers.call(
+            Tier.DRAM, "reserve", [(g.victim.key, g.victim.parent) for g in todo], tiers.owner  # type: ignore[union-attr]
         )
         try:
-            self._demote_victims(Tier.DRAM, grants)
+            self.demote_victims(Tier.DRAM, grants)
             commits: dict[str, list[tuple[int, int, int | None]]] = {}  # by namespace id
             for src, dst in zip(todo, grants):
                 if dst is None:
                     continue
                 v = src.victim
                 assert v is not None
-                self._copy_slot(src, dst, v.size)
+                self.host.copy_slot(src, dst, v.size)
                 commits.setdefault(v.namespace, []).append((dst.lease, v.size, v.checksum))
-                self.moved["hbm->dram"] += v.size
-                self.moved_via["local"] += v.size
+                self.counters.count_move("hbm->dram", "local", v.size)
         except BaseException:
-            self._give_back(Tier.DRAM, abort=[g.lease for g in grants if g is not None])
+            tiers.give_back(Tier.DRAM, abort=[g.lease for g in grants if g is not None])
             raise
         for namespace, done in commits.items():  # the tag goes down with the block
-            self._call(Tier.DRAM, "commit", done, namespace)
-
-    def _copy_slot(self, src: Grant, dst: Grant, nbytes: int) -> None:
-        """The first ``nbytes`` of ``src``'s slot into ``dst``'s, each in its epoch's arena."""
-        np.copyto(self._arena(dst.epoch).slot_view(dst.slot)[:nbytes],
-                  self._arena(src.epoch).slot_view(src.slot)[:nbytes])
+            tiers.call(Tier.DRAM, "commit", done, namespace)

@@ -38,15 +38,15 @@ import logging
 import threading
 import uuid
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cmx.actors.agent import OffloadAgent
-from cmx.actors.agent_fetch import LandedChecks
-from cmx.actors.arena_tier import Grant, Pinned
+from cmx.actors.agent_host import HostBytes, LandedChecks
+from cmx.actors.agent_tiers import NodeTiers, Peers
+from cmx.actors.arena_tier import ArenaInfo, Grant, Pinned
 from cmx.actors.dpu_access import (
     Endpoint,
     HostAccessForbidden,
@@ -57,22 +57,23 @@ from cmx.actors.dpu_host import RayEndpoint, host_endpoint_actor
 from cmx.actors.dpu_nixl import NixlAccess
 from cmx.actors.dpu_staging import HostOutbox, host_staging_slots
 from cmx.actors.links import RAY_NAMESPACE, RayLink, actor_name
-from cmx.actors.scheduler import Priority
+from cmx.actors.scheduler import Priority, Scheduler
 from cmx.actors.service import AgentActor
 from cmx.actors.slice_expose import SliceOutbox
-from cmx.actors.transport import Move, PeerInfo, Region, TransferError
+from cmx.actors.transport import Move, PeerInfo, Region, TransferError, Transport
 from cmx.buffers import aligned_empty
 from cmx.checksum import checksum
 from cmx.config import ServiceConfig
 from cmx.keys import BlockHash
 from cmx.protocol import Staged
 from cmx.selection import Runs, runs_bytes
-from cmx.stats import AgentStats, HostAccessStats
+from cmx.stats import HostAccessStats
 from cmx.storage.nvme.chunks import block_sums
-from cmx.storage.nvme.dataplane import Extent, ExtentPlane
+from cmx.storage.nvme.dataplane import Extent
 from cmx.tiers import Tier
 
-__all__ = ["BounceSlots", "DpuAgent", "DpuAgentActor", "start_host_endpoint"]
+__all__ = ["BounceSlots", "DpuAgent", "DpuAgentActor", "HostTiers", "NixlHost",
+           "start_host_endpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -118,52 +119,46 @@ def start_host_endpoint(node: str, config: ServiceConfig) -> Any:
              staging_slots=host_staging_slots(config.block_bytes))
 
 
-class DpuAgent(OffloadAgent):
-    """The node's agent with every host-facing move over NIXL (see the module's docstring);
-    a plain class: ``DpuAgentActor`` runs it on the DPU, in a process that cannot map a host
-    arena or open a host file."""
+class HostTiers(NodeTiers):
+    """The host's tiers as a DPU reaches them: each arena attached to the host endpoint and
+    known here by name; an earlier incarnation is forgotten as the endpoint lets it go (no
+    copy may land in it)."""
 
-    nvme: ExtentPlane  # opens no host file: the host endpoint moves every extent
+    keep_epochs = 1
 
-    def __init__(self, node: str, config: ServiceConfig, link: object, endpoint: Endpoint
-                 ) -> None:
+    def __init__(self, node: str, link: Any, owner: str, transport: Transport,
+                 nixl: NixlAccess) -> None:
+        super().__init__(node, link, owner, transport)
+        self.nixl = nixl
+
+    def _map(self, info: ArenaInfo) -> Any:
+        self.nixl.attach(info)
+        return HostArena(info.arena)
+
+
+class NixlHost(HostBytes):
+    """The host's bytes from a DPU: every move over NIXL, through the host's endpoint."""
+
+    def __init__(self, name: str, config: ServiceConfig, tiers: NodeTiers, peers: Peers,
+                 scheduler: Scheduler, transport: Transport, nixl: NixlAccess,
+                 endpoint: Endpoint) -> None:
+        super().__init__(name, config, tiers, peers, scheduler, transport, NoHostFiles())
+        self.nixl = nixl
         self.endpoint = endpoint
-        self.host = NixlAccess(f"cmx-dpu-{node[:12]}-{uuid.uuid4().hex[:6]}", endpoint,
-                               timeout_s=config.load_timeout_s)
-        OffloadAgent.__init__(self, node, config, link)  # not the actor's: see DpuAgentActor
-        own, self.nvme = self.nvme, NoHostFiles()
-        own.close()
-        slot_bytes = self._arenas[Tier.HBM][0].slot_bytes
-        self.bounce = BounceSlots(f"{self.name}-bounce", slot_bytes, max(1, min(
+        slot_bytes = tiers.current(Tier.HBM)[0].slot_bytes
+        self.bounce = BounceSlots(f"{name}-bounce", slot_bytes, max(1, min(
             MAX_BOUNCE_SLOTS, config.staging_bytes // slot_bytes)))
-        self.transport.register(self.bounce.region, self.bounce.buffer)
+        transport.register(self.bounce.region, self.bounce.buffer)
         self._bounce_lock = threading.Lock()  # one pull through the bounce slots at a time
-        self._outbox_lock = threading.Lock()  # the host staging's books are made once
         self.bounced = 0  # bytes from peers that passed through the bounce slots
 
-    # -- the host's arenas: names to address, never mapped -------------------------------------
-
-    def _attach(self, tier: Tier) -> None:
-        """The tier's current arena, reached through the endpoint; its earlier incarnations
-        are forgotten here as the endpoint lets them go (no copy may land in them)."""
-        info = self.link.call(actor_name(tier.value, self.node), "info")
-        if info.epoch in self._epochs:
-            return
-        self.host.attach(info)
-        arena: Any = HostArena(info.arena)
-        for old in [e for e, (i, _) in self._epochs.items() if i.tier is tier]:
-            del self._epochs[old]
-        self._arenas[tier] = (info, arena)
-        self._epochs[info.epoch] = (info, arena)
-
     def _name(self, epoch: str) -> str:
-        return self._arena(epoch).name
+        return str(self.tiers.arena(epoch).name)
 
     # -- stores and local loads ----------------------------------------------------------------
 
-    def _copy_in(
-        self, grants: Sequence[Grant | None], payload: np.ndarray, size: int
-    ) -> list[tuple[Grant, int, int]]:
+    def copy_in(self, grants: Sequence[Grant | None], payload: np.ndarray, size: int
+                ) -> list[tuple[Grant, int, int]]:
         futures = []
         for i, grant in enumerate(grants):
             if grant is None:
@@ -171,44 +166,47 @@ class DpuAgent(OffloadAgent):
             src = payload[i * size : (i + 1) * size]
 
             def copy(grant: Grant = grant, src: np.ndarray = src) -> tuple[Grant, int, int]:
-                self.host.write(self._name(grant.epoch), grant.slot, src)
+                self.nixl.write(self._name(grant.epoch), grant.slot, src)
                 return grant, src.nbytes, checksum(src)
 
             futures.append(self.scheduler.submit(Priority.DEMOTE, copy))
         return [f.result() for f in futures]
 
-    def _read_pinned(self, tier: Tier, pins: Sequence[Pinned | Extent], grants: Sequence[Grant],
+    def read_memory(self, pins: Sequence[Pinned], grants: Sequence[Grant],
+                    priority: Priority) -> list[bool]:
+        """One NIXL move per block, host slot to host slot."""
+        jobs = [self.scheduler.submit(priority, functools.partial(
+                    self.nixl.copy, (self._name(p.epoch), p.slot), (self._name(g.epoch), g.slot),
+                    p.size)) for p, g in zip(pins, grants)]
+        for job in jobs:
+            job.result()
+        return [True] * len(jobs)
+
+    def read_extents(self, extents: Sequence[Extent], grants: Sequence[Grant],
                      priority: Priority) -> list[bool]:
-        """One NIXL move per block (the host's memory and files are out of reach here); an
-        NVMe block that fails its checksum is quarantined at the tier."""
-        jobs = [self.scheduler.submit(priority, functools.partial(self._read_local, tier, p, g))
-                for p, g in zip(pins, grants)]
-        ok = [f.result() for f in jobs]
-        if tier is Tier.NVME and (bad := [p.key for p, good in zip(pins, ok) if not good]):
-            self.corrupt["nvme"] += len(bad)
-            self._call(Tier.NVME, "quarantine", bad)
-        return ok
+        """One NIXL POSIX read per block on the host, then its bytes checked over NIXL."""
+        jobs = [self.scheduler.submit(priority, functools.partial(self._read_extent, e, g))
+                for e, g in zip(extents, grants)]
+        return [f.result() for f in jobs]
 
-    def _read_local(self, tier: Tier, pin: Pinned | Extent, grant: Grant) -> bool:
+    def _read_extent(self, ext: Extent, grant: Grant) -> bool:
         dst = self._name(grant.epoch)
-        if isinstance(pin, Extent):
-            self.host.read_extent(pin, dst, grant.slot)
-            return checksum(self.host.read(dst, grant.slot, pin.size)) == pin.checksum
-        self.host.copy((self._name(pin.epoch), pin.slot), (dst, grant.slot), pin.size)
-        return True
+        self.nixl.read_extent(ext, dst, grant.slot)
+        return checksum(self.nixl.read(dst, grant.slot, ext.size)) == ext.checksum
 
-    def _copy_extents(self, pairs: Sequence[tuple[Extent, Extent]]) -> list[bool | None]:
-        """Compaction's copies, made on the host by its endpoint (NIXL POSIX)."""
-        return self.endpoint.move_extents(list(pairs))
+    def copy_slot(self, src: Grant, dst: Grant, nbytes: int) -> None:
+        """An HBM to DRAM demotion: host slot to host slot over NIXL."""
+        self.nixl.copy((self._name(src.epoch), src.slot), (self._name(dst.epoch), dst.slot),
+                       nbytes)
 
-    # -- DRAM to NVMe --------------------------------------------------------------------------
+    # -- DRAM to NVMe, and compaction ----------------------------------------------------------
 
-    def _slot_source(self, epoch: str, slot: int) -> tuple[str, int]:
+    def slot_source(self, epoch: str, slot: int) -> tuple[str, int]:
         """A host slot by name (arena, slot): its bytes are read over NIXL."""
         return self._name(epoch), slot
 
-    def _write_extents(self, extents: Sequence[Extent], sources: Sequence[Any]
-                       ) -> list[tuple[int, bytes]]:
+    def write_extents(self, extents: Sequence[Extent], sources: Sequence[Any]
+                      ) -> list[tuple[int, bytes]]:
         """Each block's checksums from its bytes read over NIXL; the host endpoint writes it
         to its extent."""
         jobs = [self.scheduler.submit(Priority.DEMOTE,
@@ -217,17 +215,15 @@ class DpuAgent(OffloadAgent):
         return [f.result() for f in jobs]
 
     def _to_extent(self, ext: Extent, src: tuple[str, int], size: int) -> tuple[int, bytes]:
-        """The block's checksums from its bytes read over NIXL; then the host writes it."""
-        sums = block_sums(self.host.read(src[0], src[1], size))
-        self.host.write_extent(ext, *src)
+        sums = block_sums(self.nixl.read(src[0], src[1], size))
+        self.nixl.write_extent(ext, *src)
         return sums
 
-    # -- other nodes: the peer path, every byte over NIXL ---------------------------------------
+    def copy_extents(self, pairs: Sequence[tuple[Extent, Extent]]) -> list[bool | None]:
+        """Compaction's copies, made on the host by its endpoint (NIXL POSIX)."""
+        return self.endpoint.move_extents(list(pairs))
 
-    def _copy_slot(self, src: Grant, dst: Grant, nbytes: int) -> None:
-        """An HBM to DRAM demotion: host slot to host slot over NIXL."""
-        self.host.copy((self._name(src.epoch), src.slot), (self._name(dst.epoch), dst.slot),
-                       nbytes)
+    # -- other nodes: the peer path, every byte over NIXL ---------------------------------------
 
     def peer_info(self) -> PeerInfo:
         """The host endpoint's NIXL agent and regions: a peer reads the host's memory."""
@@ -237,13 +233,13 @@ class DpuAgent(OffloadAgent):
 
     def read_slots(self, slots: Sequence[tuple[str, int]]) -> list[np.ndarray]:
         """The fallback transport's server side: whole host slots, read over NIXL."""
-        size = {info.arena: info.slot_bytes for info, _ in self._epochs.values()}
+        size = {info.arena: info.slot_bytes for info, _ in self.tiers.in_use()}
         if missing := {region for region, _ in slots} - size.keys():
             raise TransferError(f"no host region {sorted(missing)} here")
-        return [self.host.read(region, slot, size[region]) for region, slot in slots]
+        return [self.nixl.read(region, slot, size[region]) for region, slot in slots]
 
-    def _land_staged(self, peer_agent: str, pairs: list[tuple[int, Staged]],
-                     granted: dict[int, Grant], priority: Priority) -> set[int]:
+    def land_staged(self, peer_agent: str, pairs: list[tuple[int, Staged]],
+                    granted: dict[int, Grant], priority: Priority) -> set[int]:
         """Blocks from a peer into the host's HBM through the bounce slots, a window of them
         at a time: the transport pulls a window in, each block checked as it lands; the
         intact ones go to their host slots over NIXL."""
@@ -258,18 +254,13 @@ class DpuAgent(OffloadAgent):
     def _land_window(self, peer_agent: str, pairs: list[tuple[int, Staged]],
                      granted: dict[int, Grant], priority: Priority) -> set[int]:
         dsts = [(self._name(granted[i].epoch), granted[i].slot) for i, _ in pairs]
-        peer = self._peer_holding(peer_agent, pairs)
         moves = [Move(s.region, s.slot, self.bounce.name, j) for j, (_, s) in enumerate(pairs)]
         checks = LandedChecks({m: (self.bounce, s.size, s.checksum)
                                for m, (_, s) in zip(moves, pairs)})
-        try:
-            self._transfer(peer, moves, checks.landed, priority)
-        except TransferError:
-            self._peers.pop(peer_agent, None)  # the peer may have restarted
-            raise
+        self.transfer(peer_agent, [s for _, s in pairs], moves, checks.landed, priority)
         landed = [(i, s, dst, self.bounce.slot_view(m.dst_slot)[:s.size])
                   for m, (i, s), dst in zip(moves, pairs, dsts) if m in checks.intact]
-        writes = [self.scheduler.submit(priority, functools.partial(self.host.write, *dst, src))
+        writes = [self.scheduler.submit(priority, functools.partial(self.nixl.write, *dst, src))
                   for _, _, dst, src in landed]  # as many at once as there are bounce buffers
         for w in writes:
             w.result()
@@ -278,46 +269,42 @@ class DpuAgent(OffloadAgent):
 
     # -- partial loads: checked on the host, only the selected bytes cross ---------------------
 
-    def _outbox(self) -> SliceOutbox:
-        with self._outbox_lock:
-            box: SliceOutbox | None = getattr(self, "_slice_outbox", None)
-            if box is None:
-                staging = self.host.staging()
-                box = self._slice_outbox = HostOutbox(
-                    Region(staging.arena, staging.base, staging.slot_bytes, staging.num_slots),
-                    self.config.lease_s, self.owner)
-            return box
+    def _make_outbox(self) -> SliceOutbox:
+        staging = self.nixl.staging()
+        return HostOutbox(
+            Region(staging.arena, staging.base, staging.slot_bytes, staging.num_slots),
+            self.config.lease_s, self.tiers.owner)
 
-    def _pinned_selection_checksum(self, pin: Pinned, runs: Runs) -> int | None:
-        return self.host.select(self._name(pin.epoch), pin.slot, pin.size, pin.checksum, runs)
+    def pinned_selection_checksum(self, pin: Pinned, runs: Runs) -> int | None:
+        return self.nixl.select(self._name(pin.epoch), pin.slot, pin.size, pin.checksum, runs)
 
-    def _pinned_selection(self, pin: Pinned, runs: Runs) -> np.ndarray | None:
-        want = self._pinned_selection_checksum(pin, runs)
+    def pinned_selection(self, pin: Pinned, runs: Runs) -> np.ndarray | None:
+        want = self.pinned_selection_checksum(pin, runs)
         if want is None:
             return None
-        return self._crossed(self.host.read_runs(self._name(pin.epoch), pin.slot, runs), want)
+        return self._crossed(self.nixl.read_runs(self._name(pin.epoch), pin.slot, runs), want)
 
-    def _extent_into_outbox(self, ext: Extent, runs: Runs, box: SliceOutbox,
-                            slot: int) -> int | None:
+    def extent_into_outbox(self, ext: Extent, runs: Runs, box: SliceOutbox,
+                           slot: int) -> int | None:
         try:
-            return self.host.select_extent(ext, runs, slot)
+            return self.nixl.select_extent(ext, runs, slot)
         except TransferError:
             if isinstance(box, HostOutbox):
                 box.doubt(slot)  # the gather may still land: the slot waits for expiry
             raise
 
-    def _extent_selection(self, ext: Extent, runs: Runs) -> np.ndarray | None:
+    def extent_selection(self, ext: Extent, runs: Runs) -> np.ndarray | None:
         """Gathered on the host into a staging slot held for the read, then read over NIXL."""
-        box = self._outbox()
-        took = box.take(self.owner, BlockHash(ext.key))
+        box = self.outbox()
+        took = box.take(self.tiers.owner, BlockHash(ext.key))
         if took is None:
             raise TransferError("every host staging slot is in use")
         slot, lease = took
         try:
-            want = self._extent_into_outbox(ext, runs, box, slot)
+            want = self.extent_into_outbox(ext, runs, box, slot)
             if want is None:
                 return None
-            data = self.host.read_runs(box.region.name, slot, ((0, runs_bytes(runs)),))
+            data = self.nixl.read_runs(box.region.name, slot, ((0, runs_bytes(runs)),))
             return self._crossed(data, want)
         finally:
             box.end([lease])
@@ -332,14 +319,35 @@ class DpuAgent(OffloadAgent):
 
     # -- plumbing ------------------------------------------------------------------------------
 
-    def stats(self) -> AgentStats:
-        host = HostAccessStats(self.host.name, self.host.bytes_read, self.host.bytes_written,
+    def access_stats(self) -> HostAccessStats:
+        return HostAccessStats(self.nixl.name, self.nixl.bytes_read, self.nixl.bytes_written,
                                self.bounced)
-        return replace(super().stats(), host_access=host)
 
     def close(self) -> None:
         super().close()
-        self.host.close()
+        self.nixl.close()
+
+
+class DpuAgent(OffloadAgent):
+    """The node's agent with every host-facing move over NIXL (see the module's docstring):
+    the same parts over ``HostTiers`` and ``NixlHost``. A plain class: ``DpuAgentActor`` runs
+    it on the DPU, in a process that cannot map a host arena or open a host file."""
+
+    host: NixlHost
+
+    def __init__(self, node: str, config: ServiceConfig, link: Any, endpoint: Endpoint
+                 ) -> None:
+        self.endpoint = endpoint
+        self.nixl = NixlAccess(f"cmx-dpu-{node[:12]}-{uuid.uuid4().hex[:6]}", endpoint,
+                               timeout_s=config.load_timeout_s)
+        OffloadAgent.__init__(self, node, config, link)  # not the actor's: see DpuAgentActor
+
+    def _node_tiers(self) -> NodeTiers:
+        return HostTiers(self.node, self.link, self.owner, self.transport, self.nixl)
+
+    def _host_bytes(self) -> HostBytes:
+        return NixlHost(self.name, self.config, self.tiers, self.peers, self.scheduler,
+                        self.transport, self.nixl, self.endpoint)
 
 
 class DpuAgentActor(DpuAgent, AgentActor):

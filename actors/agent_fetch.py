@@ -2,7 +2,7 @@
 this agent pulls them into HBM with the transport, each block checked as its pieces land.
 
 Where the directory shows no copy on this node, the load asks the peer to stage at the same
-time as it asks this node's HBM for slots (``_acquire``, ``StagedAhead``): one round trip
+time as it asks this node's HBM for slots (``acquire``, ``StagedAhead``): one round trip
 instead of two before the first byte moves.
 """
 
@@ -12,23 +12,21 @@ import logging
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any
 
-import numpy as np
-
-from cmx.actors.agent_base import AgentBase, StaleEpochError
+from cmx.actors.agent_host import HostBytes
+from cmx.actors.agent_tiers import Counters, NodeTiers
 from cmx.actors.arena_tier import Grant, Pinned
 from cmx.actors.directory import Copy
 from cmx.actors.links import actor_name
 from cmx.actors.scheduler import Priority
-from cmx.actors.transport import Move, OnLanded, PeerInfo, TransferError
-from cmx.checksum import ChecksumStream
+from cmx.config import ServiceConfig
 from cmx.errors import UnavailableError
 from cmx.keys import BlockHash
 from cmx.protocol import Loaded, Staged
 from cmx.tiers import Tier
 
-__all__ = ["LandedChecks", "RemoteFills", "SlotViews", "StagedAhead"]
+__all__ = ["RemoteFills", "StagedAhead"]
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +61,19 @@ class StagedAhead:
         return rest
 
 
-class RemoteFills(AgentBase):
-    def _sources(self, copies: Sequence[Copy]) -> list[tuple[Tier, str]]:
+class RemoteFills:
+    def __init__(self, node: str, config: ServiceConfig, tiers: NodeTiers, host: HostBytes,
+                 link: Any, transport: str, counters: Counters) -> None:
+        self.node = node
+        self.config = config
+        self.tiers = tiers
+        self.host = host  # where the blocks land
+        self.link = link
+        self.transport = transport  # the transport's name, for what loads report
+        self.counters = counters
+        self.owner = tiers.owner
+
+    def sources(self, copies: Sequence[Copy]) -> list[tuple[Tier, str]]:
         """Where to look for a block, fastest first: this node's DRAM and NVMe, then the
         other nodes' copies, memory before NVMe, and the pool last.
 
@@ -83,7 +92,7 @@ class RemoteFills(AgentBase):
         self, sources: Sequence[list[tuple[Tier, str]]]
     ) -> tuple[str, list[int]] | None:
         """The peer agent a load will try first for the most keys, and those keys: the ones
-        whose first source (``sources``, per key, from ``_sources``) is that peer."""
+        whose first source (``sources``, per key, from ``sources``) is that peer."""
         first: dict[int, str] = {}
         for i, options in enumerate(sources):
             if options and options[0][1] != self.node and options[0][0] is not Tier.POOL:
@@ -99,7 +108,7 @@ class RemoteFills(AgentBase):
         here = [{c.tier for c in cs if c.node == self.node} for cs in copies]
         return [i for i, tiers in enumerate(here) if Tier.DRAM in tiers and Tier.HBM not in tiers]
 
-    def _acquire(
+    def acquire(
         self, keys: Sequence[BlockHash], sources: Sequence[list[tuple[Tier, str]]],
         copies: Sequence[Sequence[Copy]], owner: str,
     ) -> tuple[list[Pinned | Grant | None], StagedAhead]:
@@ -115,7 +124,7 @@ class RemoteFills(AgentBase):
         if local:
             calls.append((actor_name(Tier.DRAM.value, self.node), "pin",
                           ([keys[i] for i in local], self.owner)))
-        answers = self.link.call_many(  # type: ignore[attr-defined]
+        answers = self.link.call_many(
             calls, timeout_s=self.config.load_timeout_s, return_exceptions=True)
         held = answers[0]
         ahead = StagedAhead(plan[0] if plan is not None else "", {})
@@ -125,21 +134,21 @@ class RemoteFills(AgentBase):
             else:
                 ahead.staged = dict(zip(plan[1], answers[1]))
         if local and not isinstance(answers[-1], BaseException):
-            self._check_epoch(Tier.DRAM, answers[-1])
+            self.tiers.check_epoch(Tier.DRAM, answers[-1])
             ahead.local = dict(zip(local, answers[-1]))
         if isinstance(held, BaseException):
-            self._release_ahead(ahead)
+            self.release_ahead(ahead)
             raise held
-        self._check_epoch(Tier.HBM, held)
+        self.tiers.check_epoch(Tier.HBM, held)
         return held, ahead
 
-    def _release_ahead(self, ahead: StagedAhead) -> None:
+    def release_ahead(self, ahead: StagedAhead) -> None:
         if ahead.actor:
             self._unstage(ahead.actor, ahead.leftovers(), wait=False)
         if rest := ahead.local_leftovers():
-            self._let_go(Tier.DRAM, rest)
+            self.tiers.let_go(Tier.DRAM, rest)
 
-    def _fill_remote(
+    def fill(
         self, peer_agent: str, node: str, keys: Sequence[BlockHash], idx: list[int],
         granted: dict[int, Grant], priority: Priority, ahead: StagedAhead | None = None,
     ) -> dict[int, Loaded]:
@@ -155,7 +164,7 @@ class RemoteFills(AgentBase):
             out.update(self._pull_staged(peer_agent, node, keys, first, [pre[i] for i in first],
                                          granted, priority, more=bool(todo)))
         while todo:
-            staged: list[Staged | None] = self.link.call(  # type: ignore[attr-defined]
+            staged: list[Staged | None] = self.link.call(
                 peer_agent, "stage", [keys[i] for i in todo], self.owner,
                 timeout_s=self.config.load_timeout_s,
             )
@@ -179,7 +188,7 @@ class RemoteFills(AgentBase):
         first may still run second). After the last window nobody waits for it."""
         try:
             pairs = [(i, s) for i, s in zip(idx, staged) if s is not None]
-            intact = self._land_staged(peer_agent, pairs, granted, priority)
+            intact = self.host.land_staged(peer_agent, pairs, granted, priority)
             out: dict[int, Loaded] = {}
             corrupt: list[Staged] = []
             for i, s in pairs:
@@ -188,87 +197,25 @@ class RemoteFills(AgentBase):
                     corrupt.append(s)
                     continue
                 out[i] = Loaded(keys[i], granted[i].slot, s.size, s.source_tier, node,
-                                self.transport.name, s.checksum, namespace=s.namespace)
-                self.moved[f"{s.source_tier.value}@peer->hbm"] += s.size
-                self.moved_via[self.transport.name] += s.size
+                                self.transport, s.checksum, namespace=s.namespace)
+                self.counters.count_move(f"{s.source_tier.value}@peer->hbm", self.transport,
+                                         s.size)
             if corrupt:  # after unstaging: a pinned copy cannot be dropped at once
-                self.corrupt["peer"] += len(corrupt)
+                self.counters.corrupt["peer"] += len(corrupt)
                 self._unstage(peer_agent, [s for s in staged if s is not None], wait=True)
                 staged = []
-                self.link.tell(peer_agent, "quarantine_staged", corrupt)  # type: ignore[attr-defined]
+                self.link.tell(peer_agent, "quarantine_staged", corrupt)
             return out
         finally:
             self._unstage(peer_agent, [s for s in staged if s is not None], wait=more)
-
-    def _land_staged(self, peer_agent: str, pairs: list[tuple[int, Staged]],
-                     granted: dict[int, Grant], priority: Priority) -> set[int]:
-        """Pull each staged block (key index, what the peer staged) into its granted HBM slot
-        with the transport, checked as its pieces land; the key indexes that landed intact."""
-        peer = self._peer_holding(peer_agent, pairs)
-        moves = [Move(s.region, s.slot, self._epochs[granted[i].epoch][0].arena,
-                      granted[i].slot) for i, s in pairs if granted[i].epoch in self._epochs]
-        if len(moves) < len(pairs):
-            raise StaleEpochError("HBM restarted since it granted these slots")
-        checks = LandedChecks(
-            {m: (self._arena(granted[i].epoch), s.size, s.checksum)
-             for m, (i, s) in zip(moves, pairs)})
-        try:
-            self._transfer(peer, moves, checks.landed, priority)
-        except TransferError:
-            self._peers.pop(peer_agent, None)  # the peer may have restarted
-            raise
-        return {i for m, (i, _) in zip(moves, pairs) if m in checks.intact}
-
-    def _peer_holding(self, peer_agent: str, pairs: Sequence[tuple[int, Staged]]) -> PeerInfo:
-        """What ``peer_agent`` publishes, asked again if it lacks a region ``pairs`` name."""
-        peer = self._peer(peer_agent)
-        if any(s.region not in {r.name for r in peer.regions} for _, s in pairs):
-            peer = self._peer(peer_agent, refresh=True)  # the peer re-registered its arenas
-        return peer
-
-    def _transfer(self, peer: PeerInfo, moves: list[Move], landed: OnLanded,
-                  priority: Priority) -> None:
-        """``moves`` from ``peer`` with the transport, at ``priority``; ``landed`` as each
-        piece lands."""
-        with self.scheduler.staging(0):
-            self.scheduler.submit(
-                priority,
-                lambda: self.transport.read(peer, moves, self.config.load_timeout_s, landed),
-            ).result()
 
     def _unstage(self, peer_agent: str, staged: list[Staged], wait: bool) -> None:
         if not staged:
             return
         if not wait:
-            self.link.tell(peer_agent, "unstage", staged)  # type: ignore[attr-defined]
+            self.link.tell(peer_agent, "unstage", staged)
             return
         try:
-            self.link.call(peer_agent, "unstage", staged)  # type: ignore[attr-defined]
+            self.link.call(peer_agent, "unstage", staged)
         except UnavailableError:
             pass  # the peer restarted: its pins went with it
-
-
-class SlotViews(Protocol):
-    """Where blocks land: an arena mapped here, or a DPU agent's bounce slots."""
-
-    def slot_view(self, slot: int) -> np.ndarray: ...
-
-
-class LandedChecks:
-    """Checksums of blocks landing piece by piece (``Transport.read``'s ``on_landed``):
-    each piece is fed while it is still in the cache, as later pieces still move."""
-
-    def __init__(self, expected: dict[Move, tuple[SlotViews, int, int]]) -> None:
-        self._expected = expected  # move -> (arena it lands in, payload size, checksum)
-        self._streams = {m: ChecksumStream() for m in expected}
-        self.intact: set[Move] = set()  # moves whose whole payload landed and checked out
-
-    def landed(self, move: Move, start: int, stop: int) -> None:
-        arena, size, want = self._expected[move]
-        end = min(stop, size)  # a slot travels whole; the payload may end before it
-        if start >= end:
-            return
-        stream = self._streams[move]
-        stream.feed(arena.slot_view(move.dst_slot)[start:end])
-        if end == size and stream.value() == want:
-            self.intact.add(move)

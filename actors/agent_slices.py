@@ -22,26 +22,21 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import logging
-import threading
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from cmx.actors.agent_base import AgentBase
+from cmx.actors.agent_host import HostBytes
+from cmx.actors.agent_tiers import Counters, NodeTiers, Peers
 from cmx.actors.arena_tier import Pinned
 from cmx.actors.links import actor_name
-from cmx.actors.scheduler import Priority
-from cmx.actors.slice_expose import (
-    ExposedSlice,
-    Exposure,
-    SliceOutbox,
-    exposed_ranges,
-    selection_checksum,
-)
+from cmx.actors.scheduler import Priority, Scheduler
+from cmx.actors.slice_expose import ExposedSlice, Exposure, exposed_ranges
 from cmx.actors.slice_pull import SlicePuller
-from cmx.actors.slice_reads import ExtentSlices, slice_memory
-from cmx.actors.transport import TransferError
+from cmx.actors.transport import TransferError, Transport
 from cmx.checksum import checksum
+from cmx.config import ServiceConfig
 from cmx.errors import CmxError
 from cmx.keys import BlockHash
 from cmx.protocol import Copy
@@ -54,10 +49,23 @@ __all__ = ["SliceServing"]
 log = logging.getLogger(__name__)
 
 _LOCAL = "local"
-_OUTBOX_LOCK = threading.Lock()  # one agent per process: its outbox is made once
 
 
-class SliceServing(AgentBase):
+class SliceServing:
+    def __init__(self, node: str, config: ServiceConfig, tiers: NodeTiers, host: HostBytes,
+                 peers: Peers, link: Any, transport: Transport, scheduler: Scheduler,
+                 counters: Counters) -> None:
+        self.node = node
+        self.config = config
+        self.tiers = tiers
+        self.host = host  # where each copy is checked and sliced
+        self.peers = peers
+        self.link = link
+        self.transport = transport
+        self.scheduler = scheduler
+        self.counters = counters
+        self.owner = tiers.owner
+
     def load_slices(self, keys: Sequence[BlockHash], copies: Sequence[Sequence[Copy]],
                     runs: Runs) -> list[SlicedBlock]:
         """The selected bytes (``runs`` of each payload) of the longest prefix of ``keys``
@@ -123,8 +131,8 @@ class SliceServing(AgentBase):
         elif self._ranges_over_nixl(actor):
             via, pulled = self.transport.name, True
             found = SlicePuller(self.transport, self.link, self.owner,
-                                self.config.load_timeout_s, self._peer,
-                                self._forget_peer).pull(actor, node, keys, runs)
+                                self.config.load_timeout_s, self.peers.get,
+                                self.peers.forget).pull(actor, node, keys, runs)
         else:
             via = "ray"
             found = self.link.call(actor, "read_selection", keys, runs,
@@ -139,16 +147,16 @@ class SliceServing(AgentBase):
             out.append(s)
             if s is not None:
                 where = "" if kind == _LOCAL else "@peer" if kind == "agent" else "@pool"
-                self.moved[f"{s.source_tier.value}{where}->selection"] += s.data.nbytes
+                self.counters.moved[f"{s.source_tier.value}{where}->selection"] += s.data.nbytes
                 if via is not None:
-                    self.moved_via[via] += s.data.nbytes
+                    self.counters.moved_via[via] += s.data.nbytes
         return out
 
     def _ranges_over_nixl(self, actor: str) -> bool:
         """Whether a selection from ``actor`` travels over NIXL: both ends must have it. The
         fallback, by value through Ray's object store, is logged each time and counted."""
         if self.transport.reads_ranges:
-            peer = self._peer(actor)
+            peer = self.peers.get(actor)
             if peer.transport == self.transport.name:
                 return True
             reason = f"{actor} has no NIXL ({peer.transport})"
@@ -156,9 +164,6 @@ class SliceServing(AgentBase):
             reason = f"this agent has no NIXL ({self.transport.name})"
         log.warning("partial load from %s through Ray's object store: %s", actor, reason)
         return False
-
-    def _forget_peer(self, actor: str) -> None:
-        self._peers.pop(actor, None)
 
     # -- the owner's side of a partial load over NIXL --------------------------------------
 
@@ -178,7 +183,7 @@ class SliceServing(AgentBase):
 
     def release_selection(self, exposed: Sequence[ExposedSlice]) -> None:
         """A reader pulled these (or gave up): end their pins and outbox leases."""
-        box = getattr(self, "_slice_outbox", None)
+        box = self.host.made_outbox()
         boxed = [e.lease for e in exposed if box is not None and e.region == box.region.name]
         if boxed and box is not None:
             box.end(boxed)
@@ -187,33 +192,24 @@ class SliceServing(AgentBase):
             if box is None or e.region != box.region.name:
                 by_tier.setdefault(e.source_tier, []).append(e.lease)
         for tier, leases in by_tier.items():
-            self._give_back(tier, unpin=leases)
-
-    def _outbox(self) -> SliceOutbox:
-        with _OUTBOX_LOCK:
-            box: SliceOutbox | None = getattr(self, "_slice_outbox", None)
-            if box is None:
-                box = self._slice_outbox = SliceOutbox.registered(
-                    self.transport, f"{self.name}-outbox", self.config.block_bytes,
-                    self.config.lease_s)
-            return box
+            self.tiers.give_back(tier, unpin=leases)
 
     def _expose_memory(self, keys: Sequence[BlockHash], runs: Runs,
                        owner: str) -> list[ExposedSlice | None]:
         """Selections of blocks in this node's HBM and DRAM, each checked whole, left pinned
         for ``owner``."""
         out: list[ExposedSlice | None] = [None] * len(keys)
-        answers = self._pin_memory(keys, owner)
+        answers = self.tiers.pin_memory(keys, owner)
         kept: set[int] = set()
         try:
             for tier, pins in answers:
                 bad = []
                 for i, p in enumerate(pins):
-                    if p is None or out[i] is not None or p.epoch not in self._epochs:
+                    info = None if p is None else self.tiers.info(p.epoch)
+                    if p is None or out[i] is not None or info is None:
                         continue
-                    info = self._epochs[p.epoch][0]
                     try:
-                        sum_of_selection = self._pinned_selection_checksum(p, runs)
+                        sum_of_selection = self.host.pinned_selection_checksum(p, runs)
                     except TransferError as exc:  # this block's only: a miss, its copy intact
                         log.warning("selection of %s not exposed: %s", keys[i].hex()[:12], exc)
                         continue
@@ -226,22 +222,22 @@ class SliceServing(AgentBase):
                     kept.add(p.lease)
                 if bad:  # while pinned: the copy read goes at its last unpin
                     log.warning("%d %s copies failed their checksum", len(bad), tier.value)
-                    self._call(tier, "quarantine_pinned", bad)
+                    self.tiers.call(tier, "quarantine_pinned", bad)
         except BaseException:
             kept.clear()
             raise
         finally:
             for tier, pins in answers:
-                self._give_back(tier, unpin=[p.lease for p in pins
-                                             if p is not None and p.lease not in kept])
+                self.tiers.give_back(tier, unpin=[p.lease for p in pins
+                                                  if p is not None and p.lease not in kept])
         return out
 
     def _expose_nvme(self, keys: list[BlockHash], runs: Runs,
                      owner: str) -> tuple[list[ExposedSlice | None], list[int]]:
         """Selections of blocks only on this node's NVMe, read into outbox slots leased to
         ``owner``; and the positions of those left for later (no free slot)."""
-        box = self._outbox()  # before anything is pinned: it may fail
-        pins: list[Extent | None] = self._call(Tier.NVME, "pin", keys, self.owner)
+        box = self.host.outbox()  # before anything is pinned: it may fail
+        pins: list[Extent | None] = self.tiers.call(Tier.NVME, "pin", keys, self.owner)
         out: list[ExposedSlice | None] = [None] * len(keys)
         later: list[int] = []
         bad: list[Extent] = []
@@ -256,8 +252,8 @@ class SliceServing(AgentBase):
                     continue
                 slot, lease = took
                 jobs.append((i, p, slot, lease, self.scheduler.submit(
-                    Priority.LOAD, functools.partial(self._extent_into_outbox, p, runs, box,
-                                                     slot))))
+                    Priority.LOAD, functools.partial(self.host.extent_into_outbox, p, runs,
+                                                     box, slot))))
             for i, p, slot, lease, fut in jobs:
                 try:
                     sum_of_selection: int | None = fut.result()
@@ -272,33 +268,33 @@ class SliceServing(AgentBase):
                 nbytes = runs_bytes(runs)
                 out[i] = ExposedSlice(keys[i], box.region.name, ((box.offset(slot), nbytes),),
                                       sum_of_selection, Tier.NVME, lease)
-                self.moved_via["nvme"] += nbytes
+                self.counters.moved_via["nvme"] += nbytes
         except BaseException:
             for *_, fut in jobs:  # no slot is given back while a read into it may still run
                 concurrent.futures.wait([fut])
             box.end([lease for _, _, _, lease, _ in jobs])
             raise
         finally:
-            self._give_back(Tier.NVME, unpin=[p.lease for p in pins if p is not None])
+            self.tiers.give_back(Tier.NVME, unpin=[p.lease for p in pins if p is not None])
         if bad:
             log.warning("%d NVMe copies failed a chunk checksum", len(bad))
-            self._call(Tier.NVME, "quarantine_extents", bad)
+            self.tiers.call(Tier.NVME, "quarantine_extents", bad)
         return out, later
 
     def _slice_memory(self, keys: Sequence[BlockHash], runs: Runs) -> list[SlicedBlock | None]:
         """Selections of blocks in this node's HBM and DRAM arenas, each checked whole first."""
         out: list[SlicedBlock | None] = [None] * len(keys)
-        answers = self._pin_memory(keys, self.owner)
+        answers = self.tiers.pin_memory(keys, self.owner)
         corrupt: dict[Tier, list[Pinned]] = {}
         try:
             for tier, pins in answers:
                 for i, p in enumerate(pins):
                     if not isinstance(p, Pinned) or out[i] is not None:
                         continue
-                    if p.epoch not in self._epochs:
+                    if self.tiers.info(p.epoch) is None:
                         continue
                     try:
-                        data = self._pinned_selection(p, runs)
+                        data = self.host.pinned_selection(p, runs)
                     except TransferError as exc:  # this block's only: a miss, its copy intact
                         log.warning("selection of %s not read: %s", keys[i].hex()[:12], exc)
                         continue
@@ -309,20 +305,20 @@ class SliceServing(AgentBase):
             # While pinned: the copy read goes at its last unpin, never one stored after it.
             for tier, bad in corrupt.items():
                 log.warning("%d %s copies failed their checksum", len(bad), tier.value)
-                self._call(tier, "quarantine_pinned", bad)
+                self.tiers.call(tier, "quarantine_pinned", bad)
         finally:
             for tier, pins in answers:
-                self._give_back(tier, unpin=[p.lease for p in pins if p is not None])
+                self.tiers.give_back(tier, unpin=[p.lease for p in pins if p is not None])
         return out
 
     def _slice_nvme(self, keys: list[BlockHash], runs: Runs) -> list[SlicedBlock | None]:
         """Selections of blocks on this node's NVMe: only the chunks that cover the runs."""
-        pins: list[Extent | None] = self._call(Tier.NVME, "pin", keys, self.owner)
+        pins: list[Extent | None] = self.tiers.call(Tier.NVME, "pin", keys, self.owner)
         out: list[SlicedBlock | None] = [None] * len(keys)
         bad: list[Extent] = []
         try:
             jobs = [(i, p, self.scheduler.submit(
-                        Priority.LOAD, functools.partial(self._extent_selection, p, runs)))
+                        Priority.LOAD, functools.partial(self.host.extent_selection, p, runs)))
                     for i, p in enumerate(pins) if p is not None]
             for i, p, fut in jobs:
                 try:
@@ -334,38 +330,10 @@ class SliceServing(AgentBase):
                     bad.append(p)  # the copy read: one written since stays
                     continue
                 out[i] = SlicedBlock(keys[i], data, checksum(data), Tier.NVME, self.node)
-                self.moved_via["nvme"] += data.nbytes
+                self.counters.moved_via["nvme"] += data.nbytes
         finally:
-            self._give_back(Tier.NVME, unpin=[p.lease for p in pins if p is not None])
+            self.tiers.give_back(Tier.NVME, unpin=[p.lease for p in pins if p is not None])
         if bad:
             log.warning("%d NVMe copies failed a chunk checksum", len(bad))
-            self._call(Tier.NVME, "quarantine_extents", bad)
+            self.tiers.call(Tier.NVME, "quarantine_extents", bad)
         return out
-
-    # -- where a copy's bytes are: an agent on its host reads them here ----------------------
-
-    def _pinned_selection(self, pin: Pinned, runs: Runs) -> np.ndarray | None:
-        """The ``runs`` of a copy pinned in a memory arena, or None if the copy fails its
-        block checksum."""
-        payload = self._arena(pin.epoch).slot_view(pin.slot)[: pin.size]
-        return slice_memory(payload, pin.checksum, runs)
-
-    def _pinned_selection_checksum(self, pin: Pinned, runs: Runs) -> int | None:
-        """The checksum of the ``runs`` of a copy pinned in a memory arena, or None if the
-        copy fails its block checksum."""
-        payload = self._arena(pin.epoch).slot_view(pin.slot)[: pin.size]
-        if checksum(payload) != pin.checksum:
-            return None
-        return selection_checksum(payload, runs)
-
-    def _extent_selection(self, ext: Extent, runs: Runs) -> np.ndarray | None:
-        """The ``runs`` of the block at ``ext``, read as the chunks that cover them, or None
-        if a chunk fails its checksum."""
-        return ExtentSlices(self.nvme).read(ext, runs)
-
-    def _extent_into_outbox(self, ext: Extent, runs: Runs, box: SliceOutbox,
-                            slot: int) -> int | None:
-        """The ``runs`` of the block at ``ext`` gathered into ``slot`` of ``box``: their
-        checksum, or None if a chunk fails its checksum."""
-        data = ExtentSlices(self.nvme).read(ext, runs, box.view(slot))
-        return None if data is None else checksum(data)

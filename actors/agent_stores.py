@@ -10,16 +10,17 @@ writer may send its next window's grants while this window commits.
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
 
 from cmx.actors.agent_demote import Demotion
+from cmx.actors.agent_host import HostBytes
+from cmx.actors.agent_nvme import NvmeWrites
 from cmx.actors.agent_pool import PoolWrites
+from cmx.actors.agent_tiers import Counters, NodeTiers
 from cmx.actors.arena_tier import Grant, Pinned
-from cmx.actors.scheduler import Priority
-from cmx.checksum import checksum
+from cmx.config import ServiceConfig
 from cmx.keys import BlockHash
 from cmx.protocol import StoreCommit
 from cmx.tiers import Tier
@@ -27,8 +28,17 @@ from cmx.tiers import Tier
 __all__ = ["Stores", "parents_of"]
 
 
-class Stores(Demotion, PoolWrites):
-    commits: Counter[str]  # a store's blocks "committed" or "refused"
+class Stores:
+    def __init__(self, config: ServiceConfig, tiers: NodeTiers, host: HostBytes,
+                 demotion: Demotion, nvme: NvmeWrites, pool: PoolWrites,
+                 counters: Counters) -> None:
+        self.config = config
+        self.tiers = tiers
+        self.host = host
+        self.demotion = demotion
+        self.nvme = nvme
+        self.pool = pool
+        self.counters = counters
 
     def store(
         self, keys: Sequence[BlockHash], parents: Sequence[BlockHash | None], payload: np.ndarray,
@@ -45,7 +55,7 @@ class Stores(Demotion, PoolWrites):
         if not keys:
             return 0
         size = payload.nbytes // len(keys)
-        window = max(1, self._arenas[Tier.DRAM][0].num_slots // 2)
+        window = max(1, self.tiers.current(Tier.DRAM)[0].num_slots // 2)
         done = 0
         for start in range(0, len(keys), window):
             stop = min(start + window, len(keys))
@@ -59,11 +69,11 @@ class Stores(Demotion, PoolWrites):
         self, keys: Sequence[BlockHash], parents: Sequence[BlockHash | None],
         payload: np.ndarray, size: int, namespace: str, replicas: int,
     ) -> int:
-        grants = self.grant_store(keys, parents, self.owner)
+        grants = self.grant_store(keys, parents, self.tiers.owner)
         try:
-            done = self._copy_in(grants, payload, size)
+            done = self.host.copy_in(grants, payload, size)
         except BaseException:
-            self._give_back(Tier.DRAM, abort=[g.lease for g in grants if g is not None])
+            self.tiers.give_back(Tier.DRAM, abort=[g.lease for g in grants if g is not None])
             raise
         return self.commit_store(keys, parents, done, namespace, replicas).committed
 
@@ -74,14 +84,14 @@ class Stores(Demotion, PoolWrites):
         their evicted blocks already demoted: a writer on this node copies each block into
         its slot, in the arena of the grant's epoch, then calls ``commit_store``."""
         start_time = time.perf_counter()
-        grants: list[Grant | None] = self._call(
+        grants: list[Grant | None] = self.tiers.call(
             Tier.DRAM, "reserve", list(zip(keys, parents)), owner)
         try:
-            self._demote_victims(Tier.DRAM, grants)
+            self.demotion.demote_victims(Tier.DRAM, grants)
         except BaseException:
-            self._give_back(Tier.DRAM, abort=[g.lease for g in grants if g is not None])
+            self.tiers.give_back(Tier.DRAM, abort=[g.lease for g in grants if g is not None])
             raise
-        self.latency["grant_store"].observe(time.perf_counter() - start_time)
+        self.counters.latency["grant_store"].observe(time.perf_counter() - start_time)
         return grants
 
     def commit_store(
@@ -99,20 +109,20 @@ class Stores(Demotion, PoolWrites):
         committed, and stays pinned until its NVMe and pool copies are made, whatever fails:
         the writer's next window, granted beside this, must not evict it first."""
         start_time = time.perf_counter()
-        pins: list[Pinned | None] = self._call(
+        pins: list[Pinned | None] = self.tiers.call(
             Tier.DRAM, "commit_pinned", [(g.lease, n, c) for g, n, c in done], namespace, True,
-            owner or self.owner)
+            owner or self.tiers.owner)
         try:
-            changed, stored, refused = self._place_committed(
+            changed, stored, refused = self.place_committed(
                 keys, parents, done, pins, namespace, replicas)
         finally:
-            self._give_back(Tier.DRAM, unpin=[p.lease for p in pins if p is not None])
-        self.commits["committed"] += stored - len(changed)
-        self.commits["refused"] += len(refused) + len(changed)
-        self.latency["store"].observe(time.perf_counter() - start_time)
+            self.tiers.give_back(Tier.DRAM, unpin=[p.lease for p in pins if p is not None])
+        self.counters.commits["committed"] += stored - len(changed)
+        self.counters.commits["refused"] += len(refused) + len(changed)
+        self.counters.latency["store"].observe(time.perf_counter() - start_time)
         return StoreCommit(stored - len(changed), tuple(refused + changed))
 
-    def _place_committed(
+    def place_committed(
         self, keys: Sequence[BlockHash], parents: Sequence[BlockHash | None],
         done: Sequence[tuple[Grant, int, int]], pins: Sequence[Pinned | None], namespace: str,
         replicas: int | None,
@@ -121,39 +131,18 @@ class Stores(Demotion, PoolWrites):
         blocks committed, keys refused)."""
         stored = [((g.key, n, c), p) for (g, n, c), p in zip(done, pins) if p is not None]
         refused = [g.key for (g, _, _), p in zip(done, pins) if p is None]
-        nbytes = sum(n for (_, n, _), _ in stored)
-        self.moved["client->dram"] += nbytes
-        self.moved_via["local"] += nbytes
+        self.counters.count_move("client->dram", "local", sum(n for (_, n, _), _ in stored))
+        admission, placement = self.demotion.nvme_admission, self.demotion.placement
         for key in keys:
-            self.nvme_admission.record(key)
+            admission.record(key)
         through = [(s, p) for s, p in stored
-                   if Tier.NVME in self.placement_policy.on_store(self.nvme_admission.admit(s[0]))]
-        changed = self._write_nvme(Tier.DRAM, [s for s, _ in through], parents_of(keys, parents),
-                                   dict.fromkeys(keys, namespace), pins=[p for _, p in through])
-        self._pool_write([k for (k, _, _), _ in stored if self._admit(k) and k not in changed],
-                         parents_of(keys, parents), replicas or self.config.pool_replication,
-                         namespace)
+                   if Tier.NVME in placement.on_store(admission.admit(s[0]))]
+        changed = self.nvme.write(Tier.DRAM, [s for s, _ in through], parents_of(keys, parents),
+                                  dict.fromkeys(keys, namespace), pins=[p for _, p in through])
+        self.pool.write([k for (k, _, _), _ in stored if self.pool.admit(k) and k not in changed],
+                        parents_of(keys, parents), replicas or self.config.pool_replication,
+                        namespace)
         return changed, len(stored), refused
-
-    def _copy_in(
-        self, grants: Sequence[Grant | None], payload: np.ndarray, size: int
-    ) -> list[tuple[Grant, int, int]]:
-        """Copy each granted block of ``payload`` into its slot, in the arena of its grant's
-        epoch; (grant, size, checksum) of each."""
-        futures = []
-        for i, grant in enumerate(grants):
-            if grant is None:
-                continue
-            src = payload[i * size : (i + 1) * size]
-            dst = self._arena(grant.epoch).slot_view(grant.slot)
-
-            def copy(grant: Grant = grant, src: np.ndarray = src,
-                     dst: np.ndarray = dst) -> tuple[Grant, int, int]:
-                np.copyto(dst[: src.nbytes], src)
-                return grant, src.nbytes, checksum(src)
-
-            futures.append(self.scheduler.submit(Priority.DEMOTE, copy))
-        return [f.result() for f in futures]
 
 
 def parents_of(

@@ -1,7 +1,7 @@
 """Control plane of a node's NVMe tier: the log's space, index, journal and eviction.
 
 The tier hands out extents and records commits; the offload agent writes and reads the
-bytes (``actors.agent_nvme``). Protocol, in call order:
+bytes (``actors.agent_nvme``, ``actors.agent_host``). Protocol, in call order:
 
 1. ``reserve([(key, parent, size[, namespace])], owner)`` -> an Extent per key (None if
    already stored or no room). Space is held until commit, abort or the reservation's lease

@@ -79,8 +79,8 @@ def probe(agent_self, names, path):
     except Exception as exc:
         found["attach"] = type(exc).__name__
     try:
-        agent_self.nvme.read_many([Extent(b"k" * 32, path, 0, 4096)],
-                                  [np.zeros(4096, np.uint8)])
+        agent_self.host.nvme.read_many([Extent(b"k" * 32, path, 0, 4096)],
+                                       [np.zeros(4096, np.uint8)])
         found["open"] = "opened"
     except Exception as exc:
         found["open"] = type(exc).__name__

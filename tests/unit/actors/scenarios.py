@@ -39,7 +39,7 @@ def load(plane: Plane, node: str, keys: list[BlockHash]) -> tuple[np.ndarray, li
     """A load as a client does it: read the pinned HBM slots, then release them."""
     agent = plane.agents[node]
     result = agent.load(keys, plane.lookup(keys))
-    _, hbm = agent._arenas[Tier.HBM]
+    _, hbm = agent.tiers.current(Tier.HBM)
     data = np.concatenate(
         [hbm.slot_view(b.slot)[: b.size] for b in result.blocks] or [np.empty(0, np.uint8)]
     ).copy()

@@ -42,7 +42,7 @@ def store(plane: Plane, node: str, keys: list[bytes], payload: np.ndarray) -> in
 def load(plane: Plane, node: str, keys: list[bytes]) -> tuple[np.ndarray, list]:
     agent = plane.agents[node]
     result = agent.load(keys, plane.lookup(keys))
-    _, hbm = agent._arenas[Tier.HBM]
+    _, hbm = agent.tiers.current(Tier.HBM)
     data = np.concatenate(
         [hbm.slot_view(b.slot)[: b.size] for b in result.blocks]
         or [np.empty(0, np.uint8)]
@@ -81,7 +81,7 @@ def test_dram_overflow_demotes_to_nvme_and_everything_loads(plane: Plane) -> Non
     assert sum(Tier.NVME in t for t in tiers) >= 12
     data = np.concatenate([load(plane, "node-a", keys[i : i + 2])[0] for i in range(0, 20, 2)])
     assert np.array_equal(data, payload)
-    moved = plane.agents["node-a"].moved
+    moved = plane.agents["node-a"].counters.moved
     assert moved["dram->nvme"] >= 12 * BLOCK and moved["nvme->hbm"] > 0
     check(plane)
 
@@ -96,8 +96,8 @@ def test_load_from_the_other_node_over_the_transport(plane: Plane) -> None:
         got.append(data)
     assert np.array_equal(np.concatenate(got), payload)
     agent = plane.agents["node-a"]
-    assert agent.moved_via[agent.transport.name] == 12 * BLOCK
-    assert plane.agents["node-b"].moved["nvme->dram"] > 0  # NVMe blocks were staged
+    assert agent.counters.moved_via[agent.transport.name] == 12 * BLOCK
+    assert plane.agents["node-b"].counters.moved["nvme->dram"] > 0  # NVMe blocks were staged
     check(plane)
 
 
@@ -143,7 +143,8 @@ def test_fallback_transport_moves_the_same_bytes_and_says_so(tmp_path) -> None:
         assert np.array_equal(data, payload)
         agent = plane.agents["node-a"]
         assert agent.transport.name == "ray"
-        assert agent.moved_via["ray"] == 3 * BLOCK and "nixl-ucx" not in agent.moved_via
+        moved_via = agent.counters.moved_via
+        assert moved_via["ray"] == 3 * BLOCK and "nixl-ucx" not in moved_via
         check(plane)
     finally:
         plane.close()
@@ -166,7 +167,7 @@ def test_a_load_larger_than_the_peers_memory_moves_window_by_window(tmp_path) ->
         # B stages NVMe blocks into its DRAM, which holds 4 at a time: three windows.
         data, loaded = load(plane, "node-a", keys)
         assert len(loaded) == 12 and np.array_equal(data, payload)
-        assert plane.agents["node-b"].moved["nvme->dram"] == 12 * BLOCK
+        assert plane.agents["node-b"].counters.moved["nvme->dram"] == 12 * BLOCK
         check(plane)
     finally:
         plane.close()
@@ -190,7 +191,7 @@ def test_nvme_admission_keeps_blocks_seen_once_off_the_disk(tmp_path) -> None:
         nvme = plane.tiers[("node-a", Tier.NVME)].store
         assert all(k in nvme for k in hot)
         assert not any(k in nvme for k in cold)
-        assert agent.dropped["not_admitted_to_nvme"] >= 4
+        assert agent.counters.dropped["not_admitted_to_nvme"] >= 4
         check(plane)
     finally:
         plane.close()

@@ -18,7 +18,7 @@ from dpu_plane import A, B, dpu, dpu_plane
 from plane import Plane
 from scenarios import BLOCK, blocks, check, load, restart_tier
 
-from cmx.actors.agent_base import StaleEpochError
+from cmx.actors.agent_tiers import StaleEpochError
 from cmx.keys import BlockHash
 from cmx.protocol import Loaded
 from cmx.tiers import Tier
@@ -56,7 +56,7 @@ def test_the_dpus_host_loads_a_prefix_that_lives_only_on_a_peer(plane: Plane) ->
     data, loaded = load_on_dpu(plane, keys)
     assert [b.source_node for b in loaded] == [B] * 3
     assert np.array_equal(data, payload)
-    assert dpu(plane).bounced == 3 * BLOCK  # through the DPU's memory, never the host's map
+    assert dpu(plane).host.bounced == 3 * BLOCK  # through the DPU's memory, never the host's map
     check(plane)
 
 
@@ -68,8 +68,8 @@ def test_hbm_victims_of_the_dpus_host_move_to_its_dram(plane: Plane) -> None:
     agent.store(near[:2], [None] * 2, near_payload[: 2 * BLOCK])
     assert len(load_on_dpu(plane, far)[1]) == 4  # HBM (4 slots) holds far
     assert len(load_on_dpu(plane, near[:2])[1]) == 2  # evicts two of far
-    assert agent.dropped["demotion_failed"] == 0
-    assert agent.moved["hbm->dram"] == 2 * BLOCK
+    assert agent.counters.dropped["demotion_failed"] == 0
+    assert agent.counters.moved["hbm->dram"] == 2 * BLOCK
     dram = plane.tiers[(A, Tier.DRAM)]
     moved = [k for k in far if dram.contains([k])[0]]
     assert len(moved) == 2
@@ -91,7 +91,7 @@ def test_no_copy_lands_in_a_host_tier_that_restarted_between_two_steps(plane: Pl
     new = restart_tier(plane, A, Tier.DRAM)
     assert agent.store([k2], [None], p2) == 1  # the agent re-resolves the new incarnation
     with pytest.raises(StaleEpochError):  # step two: the copy into the old incarnation
-        agent._copy_in(grants, p1, BLOCK)
+        agent.host.copy_in(grants, p1, BLOCK)
     arenas = agent.endpoint.arenas()  # type: ignore[attr-defined]
     assert arenas == sorted([new.info().arena, plane.tiers[(A, Tier.HBM)].info().arena])
     assert old.info().arena not in arenas
@@ -117,7 +117,7 @@ def test_compaction_on_the_dpus_host_is_moved_by_its_endpoint(tmp_path: Path) ->
         agent.store(keys[64:], keys[63:79], payload[64 * BLOCK:])
         extra = nvme.store.stats().extra
         assert extra["compactions"] >= 1 and extra["compacted_bytes"] > 0
-        assert agent.moved["nvme->nvme"] == extra["compacted_bytes"]
+        assert agent.counters.moved["nvme->nvme"] == extra["compacted_bytes"]
         survivors = [i for i in range(80) if keys[i] in nvme.store]
         assert set(range(1, 48, 2)) <= set(survivors)  # compaction kept every live block
         for i in survivors:

@@ -69,7 +69,7 @@ def test_a_gather_that_lands_late_never_answers_for_another_block(
         plane: Plane, monkeypatch: pytest.MonkeyPatch) -> None:
     keys, payload = stored(plane, 12, seed=51)
     k1, k2 = only_nvme(plane, keys)[:2]
-    endpoint = dpu(plane).host._endpoint  # type: ignore[attr-defined]
+    endpoint = dpu(plane).host.nixl._endpoint  # type: ignore[attr-defined]
     real = endpoint.select_extent
     go = threading.Event()
     late: list[threading.Thread] = []
@@ -103,7 +103,7 @@ def test_a_peer_holding_the_hosts_staging_leaves_this_nodes_loads_their_slots(
     keys, payload = stored(plane, 40, seed=52)
     agent = dpu(plane)
     on_nvme = only_nvme(plane, keys)
-    box = agent._outbox()
+    box = agent.host.outbox()
     exposure = agent.expose_selection(on_nvme, RUNS, "a-peer")  # a peer between two calls
     exposed = [e for e in exposure.slices if e is not None]
     assert len(exposed) == box.region.num_slots - LOCAL_STAGING_SLOTS and exposure.later
@@ -119,12 +119,12 @@ def test_an_outbox_that_cannot_be_had_leaves_no_nvme_pin(
         plane: Plane, monkeypatch: pytest.MonkeyPatch) -> None:
     keys, _ = stored(plane, 12, seed=53)
     agent = dpu(plane)
-    agent.__dict__.pop("_slice_outbox", None)
+    agent.host._outbox = None
 
     def no_staging() -> None:
         raise TransferError("the host endpoint has no staging region")
 
-    monkeypatch.setattr(agent.host, "staging", no_staging)
+    monkeypatch.setattr(agent.host.nixl, "staging", no_staging)
     with pytest.raises(TransferError):
         agent.expose_selection(only_nvme(plane, keys), RUNS, "a-peer")
     assert held(plane, A, Tier.NVME) == (0, 0)
@@ -137,7 +137,7 @@ def test_a_crossing_that_changes_one_block_costs_that_block_alone(
     dram = plane.tiers[(A, Tier.DRAM)]
     pin = dram.pin([keys[-1]], "test")[0]  # the last block: the one whose crossing changes
     dram.unpin([pin.lease])
-    real = agent.host.read_runs
+    real = agent.host.nixl.read_runs
     changed: list[tuple[str, int]] = []
 
     def changes_the_first(arena: str, slot: int, runs: Any) -> np.ndarray:
@@ -148,7 +148,7 @@ def test_a_crossing_that_changes_one_block_costs_that_block_alone(
             data[0] ^= 0xFF
         return data
 
-    monkeypatch.setattr(agent.host, "read_runs", changes_the_first)
+    monkeypatch.setattr(agent.host.nixl, "read_runs", changes_the_first)
     got = sliced(plane, A, keys)
     assert changed  # the blocks before the changed one are kept
     assert [b.data.tobytes() for b in got] == [selection(payload, i) for i in range(11)]
@@ -166,7 +166,7 @@ def test_an_exposure_quarantines_the_copy_it_read_not_one_stored_since(
     block = payload[keys.index(victim) * BLOCK:(keys.index(victim) + 1) * BLOCK]
     nvme = plane.tiers[(A, Tier.NVME)]
     flip_on_disk(plane, victim)
-    real_call = agent._call
+    real_call = agent.tiers.call
     stored_again: list[bool] = []
 
     def call(tier: Tier, method: str, *args: Any, **kw: Any) -> Any:
@@ -182,7 +182,7 @@ def test_an_exposure_quarantines_the_copy_it_read_not_one_stored_since(
             stored_again.append(True)
         return real_call(tier, method, *args, **kw)
 
-    monkeypatch.setattr(agent, "_call", call)
+    monkeypatch.setattr(agent.tiers, "call", call)
     exposure = agent.expose_selection([victim], RUNS, "a-peer")
     assert exposure.slices == (None,) and stored_again
     assert nvme.contains([victim]) == [True]  # the copy stored since stays
@@ -194,7 +194,7 @@ def test_a_peer_that_finds_a_staged_selection_changed_leaves_the_disk_copy(
         pytest.skip("the staging is read over NIXL only")
     keys, payload = stored(plane, 12, seed=56)
     victim = only_nvme(plane, keys)[0]
-    staging = dpu(plane).host._endpoint._staging  # type: ignore[attr-defined]
+    staging = dpu(plane).host.nixl._endpoint._staging  # type: ignore[attr-defined]
     real_land = SlicePuller._land
 
     def overwritten(self: SlicePuller, actor: str, exposed: Any) -> Any:

@@ -55,7 +55,7 @@ def nothing_held(plane: Plane) -> None:
     for node in (A, B):
         for tier in (Tier.HBM, Tier.DRAM, Tier.NVME):
             assert held(plane, node, tier) == (0, 0), (node, tier)
-    box = dpu(plane)._outbox()
+    box = dpu(plane).host.outbox()
     assert box.free_slots() == box.region.num_slots
     box.check_integrity()
     check(plane)
@@ -66,11 +66,11 @@ def test_the_dpus_host_loads_selections_from_its_dram_and_nvme(plane: Plane) -> 
     tiers = [{c.tier for c in cs} for cs in plane.lookup(keys)]
     assert {Tier.NVME} in tiers and any(Tier.DRAM in t for t in tiers)
     agent = dpu(plane)
-    before = agent.host.bytes_read
+    before = agent.host.nixl.bytes_read
     got = sliced(plane, A, keys)
     assert [b.data.tobytes() for b in got] == selections(payload, 12)
     assert {b.source_tier for b in got} == {Tier.DRAM, Tier.NVME}
-    assert agent.host.bytes_read - before == 12 * SEL  # only the selections crossed
+    assert agent.host.nixl.bytes_read - before == 12 * SEL  # only the selections crossed
     assert [{c.tier for c in cs} for cs in plane.lookup(keys)] == tiers  # nothing promoted
     nothing_held(plane)
 
@@ -84,7 +84,7 @@ def test_a_peer_loads_selections_that_live_only_on_the_dpus_host(plane: Plane) -
     if plane.config.transport == "nixl":  # read straight from the host's memory and staging
         assert reader.transport.stats.range_bytes == 12 * SEL
     else:
-        assert reader.moved_via["ray"] == 12 * SEL
+        assert reader.counters.moved_via["ray"] == 12 * SEL
     nothing_held(plane)
 
 

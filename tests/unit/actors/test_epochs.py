@@ -24,7 +24,7 @@ def test_dram_restart_inside_a_store_never_serves_another_keys_bytes(plane: Plan
     agent = plane.agents["node-a"]
     (kb,), pb = blocks(1, seed=11)
     (kc,), pc = blocks(1, seed=12)
-    demote = agent._demote_victims
+    demote = agent.demotion.demote_victims
     stored_c: list[int] = []
     restarted: list[bool] = []
 
@@ -36,9 +36,9 @@ def test_dram_restart_inside_a_store_never_serves_another_keys_bytes(plane: Plan
             stored_c.append(agent.store([kc], [None], pc))  # takes the same slot, new arena
         return demote(tier, grants)
 
-    agent._demote_victims = restart_then_store_c  # type: ignore[method-assign]
+    agent.demotion.demote_victims = restart_then_store_c  # type: ignore[method-assign]
     assert agent.store([kb], [None], pb) == 0  # the grant died with its tier: nothing stored
-    agent._demote_victims = demote  # type: ignore[method-assign]
+    agent.demotion.demote_victims = demote  # type: ignore[method-assign]
     assert stored_c == [1]
     data, loaded = load(plane, "node-a", [kc])
     assert len(loaded) == 1 and np.array_equal(data, pc)
@@ -52,7 +52,7 @@ def test_hbm_restart_inside_a_load_never_serves_another_keys_bytes(plane: Plane)
     (kc,), pc = blocks(1, seed=22)
     agent.store([kb], [None], pb)
     agent.store([kc], [None], pc)
-    demote = agent._demote_victims
+    demote = agent.demotion.demote_victims
     inner: list[tuple] = []
     restarted: list[bool] = []
 
@@ -64,9 +64,9 @@ def test_hbm_restart_inside_a_load_never_serves_another_keys_bytes(plane: Plane)
             inner.append(load(plane, "node-a", [kc]))  # fills the same slot, new arena
         return demote(tier, grants)
 
-    agent._demote_victims = restart_then_load_c  # type: ignore[method-assign]
+    agent.demotion.demote_victims = restart_then_load_c  # type: ignore[method-assign]
     data, loaded = load(plane, "node-a", [kb])
-    agent._demote_victims = demote  # type: ignore[method-assign]
+    agent.demotion.demote_victims = demote  # type: ignore[method-assign]
     assert loaded == [] and data.size == 0  # a miss, not a copy into the new arena
     assert np.array_equal(inner[0][0], pc)
     data, loaded = load(plane, "node-a", [kc])  # now an HBM hit in the new tier

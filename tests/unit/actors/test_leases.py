@@ -86,7 +86,7 @@ def test_a_store_whose_demotion_fails_leaves_its_keys_storable(plane: Plane) -> 
 def test_a_store_whose_copy_raises_leaves_its_keys_storable(
     plane: Plane, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import cmx.actors.agent_stores as agent_module
+    import cmx.actors.agent_host as agent_module
 
     agent = plane.agents["node-a"]
     keys, payload = blocks(2, seed=35)
@@ -188,7 +188,7 @@ def test_a_pool_node_whose_read_fails_leaks_nothing(
         pins = plane.tiers[("node-a", Tier.DRAM)].pin(keys, source.owner)
         from cmx.protocol import Offer
 
-        region = source._arenas[Tier.DRAM][0].arena
+        region = source.tiers.current(Tier.DRAM)[0].arena
         plane.link._targets[actor_name("agent", "node-a")] = source  # type: ignore[attr-defined]
         offers = [Offer(p.key, None, region, p.slot, p.size, p.checksum) for p in pins]
         assert pool.ingest(actor_name("agent", "node-a"), offers) == 3

@@ -67,14 +67,14 @@ def nothing_held(plane: Plane) -> bool:
 def test_a_local_dram_hit_is_one_call_to_dram_and_exact(plane: Plane) -> None:
     ns = client(plane)
     toks, kv = stored(plane, ns, 3, seed=1)
-    moved = dict(plane.agents[NODE].moved)
+    moved = dict(plane.agents[NODE].counters.moved)
     link: CountingLink = plane.link  # type: ignore[assignment]
     link.calls.clear()
     got = ns.load(toks)
     assert torch.equal(got, kv)
     asked = [c for c in link.calls if not c[1].startswith("tell")]
     assert asked == [("dram", "pin")]  # no directory, no agent, no HBM
-    assert dict(plane.agents[NODE].moved) == moved  # read where it lies, not moved
+    assert dict(plane.agents[NODE].counters.moved) == moved  # read where it lies, not moved
     assert nothing_held(plane)
     check(plane)
 

@@ -148,7 +148,7 @@ def test_an_offer_with_a_bad_tag_adopts_nothing_for_blocks_the_pool_holds(
         source.store(keys, [None, keys[0]], payload)  # untagged, in DRAM and the pool
         dram = plane.tiers[("node-a", Tier.DRAM)]
         pins = dram.pin(keys, source.owner)
-        region = source._arenas[Tier.DRAM][0].arena
+        region = source.tiers.current(Tier.DRAM)[0].arena
         offers = [Offer(p.key, None, region, p.slot, p.size, p.checksum, tag)
                   for p, tag in zip(pins, [NS, "x" * 4096]) if p is not None]
         with pytest.raises(ValueError, match="tag"):

@@ -71,6 +71,8 @@ class CountingIo(ExtentIo):
 def counting(owner: object) -> CountingIo:
     """Give ``owner`` (an agent or a pool node) a data plane over a CountingIo."""
     io = CountingIo()
+    if hasattr(owner, "host"):  # an agent: its host's bytes
+        owner = owner.host
     old: ExtentPlane = owner.nvme if hasattr(owner, "nvme") else owner.io  # type: ignore[attr-defined]
     old.close()
     plane = ExtentPlane(io=io)
@@ -125,7 +127,7 @@ def test_a_peers_nvme_blocks_are_promoted_in_parallel(plane: Plane) -> None:
     assert np.array_equal(data, payload)
     assert {b.source_node for b in got} == {"node-a"}
     assert io.most["read"] >= 16
-    assert plane.agents["node-a"].moved["nvme->dram"] == N * BLOCK
+    assert plane.agents["node-a"].counters.moved["nvme->dram"] == N * BLOCK
     check(plane)
 
 
@@ -142,7 +144,7 @@ def test_a_pool_node_stages_cold_blocks_in_parallel(plane: Plane) -> None:
         source.store(keys, [None, *keys[:-1]], payload)
         dram = plane.tiers[("node-a", Tier.DRAM)]
         pins = dram.pin(keys, source.owner)
-        region = source._arenas[Tier.DRAM][0].arena
+        region = source.tiers.current(Tier.DRAM)[0].arena
         offers = [Offer(p.key, None, region, p.slot, p.size, p.checksum) for p in pins]
         assert pool.ingest(actor_name("agent", "node-a"), offers) == N
         dram.unpin([p.lease for p in pins])
@@ -172,7 +174,7 @@ def test_compaction_is_decided_by_the_tier_and_its_bytes_moved_by_the_agent(tmp_
         agent.store(keys[64:], keys[63:79], payload[64 * BLOCK :])
         extra = nvme.store.stats().extra
         assert extra["compactions"] >= 1 and extra["compacted_bytes"] > 0
-        assert agent.moved["nvme->nvme"] == extra["compacted_bytes"]
+        assert agent.counters.moved["nvme->nvme"] == extra["compacted_bytes"]
         engine = nvme.store.io.engine  # the tier's own engine never moved a byte
         assert engine.io_sizes("read") == {} and engine.io_sizes("write") == {}
         survivors = [i for i in range(80) if keys[i] in nvme.store]

@@ -135,7 +135,7 @@ def test_a_load_released_with_a_corrupt_block_drops_that_hbm_copy_not_one_loaded
     result = agent.load(keys, plane.lookup(keys))
     [b] = result.blocks
     assert b.source_tier is Tier.DRAM
-    agent._arenas[Tier.HBM][1].slot_view(b.slot)[3] ^= 0xFF  # the copy the reader read
+    agent.tiers.current(Tier.HBM)[1].slot_view(b.slot)[3] ^= 0xFF  # the copy the reader read
 
     def load_it_again() -> None:  # the corrupt copy gone, a fresh one loaded from NVMe
         hbm.evict(keys)

@@ -115,12 +115,13 @@ def test_a_peer_selection_moves_only_its_ranges_over_nixl(plane: Plane) -> None:
     assert a.transport.stats.range_bytes == 12 * SEL  # the selected bytes, not 12 blocks
     # One READ for all: 4 runs a block (K and V of 2 layers), 48 descriptors.
     assert a.transport.stats.range_reads == 1 and a.transport.stats.bytes_read == 12 * SEL
-    assert a.moved_via[a.transport.name] == 12 * SEL and a.moved_via["ray"] == 0
-    assert a.moved["dram@peer->selection"] + a.moved["nvme@peer->selection"] == 12 * SEL
+    moved, moved_via = a.counters.moved, a.counters.moved_via
+    assert moved_via[a.transport.name] == 12 * SEL and moved_via["ray"] == 0
+    assert moved["dram@peer->selection"] + moved["nvme@peer->selection"] == 12 * SEL
     # Nothing stays pinned or leased on B, and nothing was promoted there.
     for tier in (Tier.HBM, Tier.DRAM, Tier.NVME):
         assert held(plane, "node-b", tier) == (0, 0), tier
-    plane.agents["node-b"]._outbox().check_integrity()
+    plane.agents["node-b"].host.outbox().check_integrity()
     assert [{c.tier for c in cs} for cs in plane.lookup(keys)] == before
     check(plane)
 
@@ -137,7 +138,7 @@ def test_nvme_selections_wider_than_the_outbox_come_in_windows(
     assert [b.data.tobytes() for b in got] == [e.tobytes() for e in expected(payload, 16)]
     assert a.transport.stats.range_bytes == 16 * SEL
     assert a.transport.stats.range_reads >= on_nvme // 2  # a window per two NVMe blocks
-    box = plane.agents["node-b"]._outbox()
+    box = plane.agents["node-b"].host.outbox()
     assert box.region.num_slots == 2 and box.free_slots() == 2
     box.check_integrity()
 
@@ -145,7 +146,7 @@ def test_nvme_selections_wider_than_the_outbox_come_in_windows(
 def flip_dram_byte(plane: Plane, node: str, key: BlockHash) -> None:
     dram = plane.tiers[(node, Tier.DRAM)]
     pin = dram.pin([key])[0]
-    arena = plane.agents[node]._arenas[Tier.DRAM][1]
+    arena = plane.agents[node].tiers.current(Tier.DRAM)[1]
     arena.slot_view(pin.slot)[7] ^= 0xFF
     dram.unpin([pin.lease])
 
@@ -180,7 +181,7 @@ def test_a_corrupt_peer_nvme_chunk_is_a_miss_and_quarantined_there(plane: Plane)
     got = load_slices(plane, "node-a", [victim])
     assert got == []
     assert nvme.stats().store.quarantined == 1 and victim not in nvme.store
-    plane.agents["node-b"]._outbox().check_integrity()
+    plane.agents["node-b"].host.outbox().check_integrity()
     check(plane)
 
 
@@ -216,7 +217,7 @@ def test_without_nixl_the_selection_travels_by_value_and_says_so(
         with caplog.at_level(logging.WARNING):
             got = a.load_slices(keys, p.lookup(keys), RUNS)
         assert [b.data.tobytes() for b in got] == [e.tobytes() for e in expected(payload, 4)]
-        assert a.moved_via["ray"] == 4 * SEL and a.transport.stats.range_bytes == 0
+        assert a.counters.moved_via["ray"] == 4 * SEL and a.transport.stats.range_bytes == 0
         assert "through Ray's object store" in caplog.text
         assert actor_name("agent", "node-b") in caplog.text
 
@@ -250,7 +251,7 @@ def pooled(plane: Plane) -> Iterator[tuple[PoolNodeService, list[BlockHash], np.
         source.store(keys, [None, *keys[:-1]], payload)
         dram = plane.tiers[("node-a", Tier.DRAM)]
         pins = dram.pin(keys, source.owner)
-        region = source._arenas[Tier.DRAM][0].arena
+        region = source.tiers.current(Tier.DRAM)[0].arena
         offers = [Offer(p.key, None, region, p.slot, p.size, p.checksum) for p in pins]
         assert pool.ingest(actor_name("agent", "node-a"), offers) == 6
         dram.unpin([p.lease for p in pins])
@@ -274,7 +275,7 @@ def test_a_pool_selection_from_its_disk_then_its_staging_moves_only_its_ranges(
         assert [s.data.tobytes() for s in got] == [e.tobytes() for e in expected(payload, 6)]
         assert b.transport.stats.range_bytes == n * 6 * SEL
         assert b.transport.stats.range_reads == n
-        assert b.moved["pool@pool->selection"] == n * 6 * SEL
+        assert b.counters.moved["pool@pool->selection"] == n * 6 * SEL
         assert pool.leases.stats().pinned == 0 and pool.staging.stats().pinned == 0
         pool.outbox().check_integrity()
         pool.unstage(pool.stage(keys, "agent:warm"))

@@ -186,7 +186,7 @@ def test_a_write_through_failing_mid_store_leaves_nothing_pinned_or_reserved(
     """The second window's NVMe writes fail: the store raises, and every DRAM pin its
     commits took and every NVMe reservation is given back; the blocks stay storable."""
     agent = plane.agents[NODE]
-    write_many = agent.nvme.write_many
+    write_many = agent.host.nvme.write_many
     calls: list[int] = []
 
     def fails_second(*args: Any) -> Any:
@@ -195,7 +195,7 @@ def test_a_write_through_failing_mid_store_leaves_nothing_pinned_or_reserved(
             raise OSError("disk failed")
         return write_many(*args)
 
-    monkeypatch.setattr(agent.nvme, "write_many", fails_second)
+    monkeypatch.setattr(agent.host.nvme, "write_many", fails_second)
     ns = client(plane)
     toks, kv = kv_of(12, seed=3)
     with pytest.raises(OSError, match="disk failed"):
@@ -205,7 +205,7 @@ def test_a_write_through_failing_mid_store_leaves_nothing_pinned_or_reserved(
     assert len(calls) == 3
     assert nothing_held(plane)
     check(plane)
-    monkeypatch.setattr(agent.nvme, "write_many", write_many)
+    monkeypatch.setattr(agent.host.nvme, "write_many", write_many)
     plane.tiers[(NODE, Tier.DRAM)].evict(ns.keys(toks))
     assert ns.store(toks, kv).wait() == 12  # and the window whose writes failed reaches NVMe
     assert plane.tiers[(NODE, Tier.NVME)].contains(ns.keys(toks)) == [True] * 12

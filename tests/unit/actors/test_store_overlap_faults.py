@@ -138,8 +138,8 @@ def test_the_pins_of_a_window_whose_agent_died_expire_with_their_leases(
     def dies(*args: Any) -> Any:
         raise SystemExit("agent killed")
 
-    monkeypatch.setattr(agent, "_place_committed", dies)
-    monkeypatch.setattr(agent, "_give_back", lambda *args, **kwargs: None)  # never sent
+    monkeypatch.setattr(agent.stores, "place_committed", dies)
+    monkeypatch.setattr(agent.tiers, "give_back", lambda *args, **kwargs: None)  # never sent
     ns = client(plane)
     toks, kv = kv_of(4, seed=14)
     with pytest.raises(SystemExit):

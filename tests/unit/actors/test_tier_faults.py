@@ -140,7 +140,7 @@ def test_a_late_writer_after_its_lease_expired_never_puts_its_bytes_under_anothe
     plane.clock.advance(plane.config.lease_s + 1)  # the slow writer's leases expire
     fast = agent.grant_store(keys[4:], [None] * 4, "client:fast")
     assert not {g.slot for g in slow if g} & {g.slot for g in fast if g}  # fenced, not reused
-    arena = agent._arena(agent._arenas[Tier.DRAM][0].epoch)
+    arena = agent.tiers.arena(agent.tiers.current(Tier.DRAM)[0].epoch)
     done = []
     for i, g in enumerate(fast, start=4):
         assert g is not None
@@ -191,7 +191,7 @@ def test_a_load_whose_hbm_grants_expired_before_its_copy_never_lands_on_another_
         first = agent.load(keys[:2], plane.lookup(keys[:2]))
         assert first.blocks == []  # its grants had ended: its commit is refused, a miss
         [second] = later
-        _, arena = agent._arenas[Tier.HBM]
+        _, arena = agent.tiers.current(Tier.HBM)
         got = b"".join(bytes(arena.slot_view(b.slot)[: b.size]) for b in second.blocks)
         assert got == bytes(payload[2 * BLOCK :])  # the first load's late copies went elsewhere
         assert hbm.stats().fenced_slots == 2 and hbm.stats().refused_commits == 2
@@ -220,7 +220,8 @@ def test_a_late_copy_over_a_client_store_fails_the_checksum_taken_of_the_engines
         def slow_copy_lands() -> None:  # in the slot the fast writer just copied into
             [res] = dram._reservations.values()
             i, g = next((i, g) for i, g in enumerate(slow) if g and g.slot == res.slot)
-            agent._arena(g.epoch).slot_view(g.slot)[:BLOCK] = payload[i * BLOCK : (i + 1) * BLOCK]
+            slot = agent.tiers.arena(g.epoch).slot_view(g.slot)
+            slot[:BLOCK] = payload[i * BLOCK : (i + 1) * BLOCK]
 
         toks = np.random.default_rng(6).integers(0, 50_000, LAYOUT.block_tokens)
         kv = LAYOUT.random_kv(len(toks), seed=6)
@@ -254,13 +255,13 @@ def test_a_disk_that_fills_under_a_demotion_drops_the_victims_and_the_store_goes
     plane: Plane,
 ) -> None:
     agent = plane.agents[NODE]
-    agent.nvme.close()
-    agent.nvme = disk = FullDisk()
+    agent.host.nvme.close()
+    agent.host.nvme = disk = FullDisk()
     keys, payload = blocks(12, seed=4)
     assert agent.store(keys[:8], [None] * 8, payload[: 8 * BLOCK]) == 8  # DRAM full
     assert agent.store(keys[8:], [None] * 4, payload[8 * BLOCK :]) == 4  # evicts four
     assert disk.failed >= 1
-    assert agent.dropped["demotion_failed"] == 4
+    assert agent.counters.dropped["demotion_failed"] == 4
     nvme = plane.tiers[(NODE, Tier.NVME)]
     assert nvme.contains(keys) == [False] * 12  # nothing half-written is visible
     assert held(plane, NODE, Tier.DRAM) == (0, 0)
@@ -326,7 +327,7 @@ def test_a_partial_load_that_finds_a_copy_corrupt_drops_that_copy_not_its_succes
         agent, dram = plane.agents[NODE], plane.tiers[(NODE, Tier.DRAM)]
         assert agent.store(keys, [None], payload) == 1
         [pin] = dram.pin(keys, "test")
-        agent._arena(pin.epoch).slot_view(pin.slot)[5] ^= 0xFF
+        agent.tiers.arena(pin.epoch).slot_view(pin.slot)[5] ^= 0xFF
         dram.unpin([pin.lease])
 
         def replace_with_a_good_copy() -> None:  # evicted (if still there), stored again

@@ -63,7 +63,7 @@ def test_the_consumer_finds_a_block_corrupted_after_it_was_verified(plane: Plane
     agent.store(keys, [None, keys[0]], payload)
     corrupt(plane, "node-a", Tier.DRAM, keys[1])
     result = agent.load(keys, plane.lookup(keys))
-    arena = agent._arenas[Tier.HBM][1]
+    arena = agent.tiers.current(Tier.HBM)[1]
     out = torch.zeros(LAYOUT.shape(2 * LAYOUT.block_tokens), dtype=LAYOUT.torch_dtype())
     intact, bad = copy_verified(LAYOUT, arena, result.blocks, out, 0)
     assert intact == 1 and [b.key for b in bad] == [keys[1]]
@@ -96,7 +96,7 @@ def test_copy_verified_uses_nothing_past_a_bad_block(plane: Plane) -> None:
     keys, payload = blocks(3, seed=54)
     agent.store(keys, [None, *keys[:-1]], payload)
     result = agent.load(keys, plane.lookup(keys))
-    arena = agent._arenas[Tier.HBM][1]
+    arena = agent.tiers.current(Tier.HBM)[1]
     arena.slot_view(result.blocks[0].slot)[0] ^= 1  # the first block is bad
     out = torch.zeros(LAYOUT.shape(3 * LAYOUT.block_tokens), dtype=LAYOUT.torch_dtype())
     intact, bad = copy_verified(LAYOUT, arena, result.blocks, out, 0)

@@ -55,10 +55,12 @@ class LocalReads:
         per block whether it checked out. NVMe reads are all in flight at once; a block that
         failed its checksum is quarantined at the tier (a miss here, never served)."""
         if tier is not Tier.NVME:
-            return self.host.read_memory([p for p in pins if isinstance(p, Pinned)], grants,
+            memory = [(p, g) for p, g in zip(pins, grants) if isinstance(p, Pinned)]
+            return self.host.read_memory([p for p, _ in memory], [g for _, g in memory],
                                          priority)
-        extents = [p for p in pins if isinstance(p, Extent)]
-        ok = self.host.read_extents(extents, grants, priority)
+        reads = [(p, g) for p, g in zip(pins, grants) if isinstance(p, Extent)]
+        extents = [p for p, _ in reads]
+        ok = self.host.read_extents(extents, [g for _, g in reads], priority)
         if bad := [e for e, good in zip(extents, ok) if not good]:
             log.warning("%d NVMe blocks failed their checksum; quarantined", len(bad))
             self.counters.corrupt["nvme"] += len(bad)

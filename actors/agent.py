@@ -44,8 +44,8 @@ import numpy as np
 
 from cmx.actors.agent_demote import Demotion
 from cmx.actors.agent_fetch import RemoteFills
+from cmx.actors.agent_hbm import Loads, LocalReads
 from cmx.actors.agent_host import HostBytes
-from cmx.actors.agent_loads import Loads, LocalReads
 from cmx.actors.agent_nvme import Extent, NvmeWrites, make_nvme_plane
 from cmx.actors.agent_peers import PeerServing
 from cmx.actors.agent_pool import PoolWrites

@@ -6,7 +6,7 @@ import time
 from collections.abc import Sequence
 
 from cmx.actors.agent_demote import Demotion
-from cmx.actors.agent_loads import LocalReads
+from cmx.actors.agent_hbm import LocalReads
 from cmx.actors.agent_tiers import Counters, NodeTiers
 from cmx.actors.scheduler import Priority
 from cmx.keys import BlockHash

@@ -1,7 +1,7 @@
 """What the offload agent's parts share: this node's tiers, the peers, the counters.
 
 The agent (``agent.py``) is built from parts with explicit dependencies: loads
-(``agent_loads.py``), fills from other nodes (``agent_fetch.py``), stores
+(``agent_hbm.py``), fills from other nodes (``agent_fetch.py``), stores
 (``agent_stores.py``), demotion (``agent_demote.py``), NVMe writes (``agent_nvme.py``),
 pool writes (``agent_pool.py``), serving peers (``agent_peers.py``), partial loads
 (``agent_slices.py``), and the host's bytes (``agent_host.py``: memory mapped here, or over

@@ -10,15 +10,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 from plane import Plane, make_plane
-from scenarios import small_config
+from scenarios import blocks, small_config
 
 from cmx.actors.agent_dpu import DpuAgent
 from cmx.actors.dpu_host import HostEndpoint
 from cmx.actors.dpu_staging import host_staging_slots
 from cmx.actors.links import actor_name
+from cmx.keys import BlockHash
 
-__all__ = ["A", "B", "dpu", "dpu_plane"]
+__all__ = ["A", "B", "dpu", "dpu_plane", "stored_on_dpu"]
 
 A, B = f"dpu-{os.getpid()}", f"peer-{os.getpid()}"  # node-a on a DPU; node-b
 
@@ -45,3 +47,10 @@ def dpu(plane: Plane) -> DpuAgent:
     agent = plane.agents[A]
     assert isinstance(agent, DpuAgent)
     return agent
+
+
+def stored_on_dpu(plane: Plane, n: int, seed: int) -> tuple[list[BlockHash], np.ndarray]:
+    """``n`` blocks stored through the DPU agent: DRAM holds 8, the rest only NVMe."""
+    keys, payload = blocks(n, seed=seed)
+    assert dpu(plane).store(keys, [None, *keys[:-1]], payload) == n
+    return keys, payload

@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from dpu_plane import A, B, dpu, dpu_plane
+from dpu_plane import A, B, dpu, dpu_plane, stored_on_dpu
 from plane import Plane
-from scenarios import BLOCK, LAYOUT, blocks, held
+from scenarios import BLOCK, LAYOUT, held
 
 import cmx.actors.dpu_host as dpu_host
 from cmx.actors.dpu_staging import LOCAL_STAGING_SLOTS
@@ -35,12 +35,6 @@ RUNS = Selection.of(LAYOUT, heads=1).runs(LAYOUT)
 def plane(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Plane]:
     with dpu_plane(request.param, tmp_path) as p:
         yield p
-
-
-def stored(plane: Plane, n: int, seed: int) -> tuple[list[BlockHash], np.ndarray]:
-    keys, payload = blocks(n, seed=seed)
-    assert dpu(plane).store(keys, [None, *keys[:-1]], payload) == n
-    return keys, payload
 
 
 def selection(payload: np.ndarray, i: int) -> bytes:
@@ -67,7 +61,7 @@ def flip_on_disk(plane: Plane, key: BlockHash) -> None:
 
 def test_a_gather_that_lands_late_never_answers_for_another_block(
         plane: Plane, monkeypatch: pytest.MonkeyPatch) -> None:
-    keys, payload = stored(plane, 12, seed=51)
+    keys, payload = stored_on_dpu(plane, 12, seed=51)
     k1, k2 = only_nvme(plane, keys)[:2]
     endpoint = dpu(plane).host.nixl._endpoint  # type: ignore[attr-defined]
     real = endpoint.select_extent
@@ -100,7 +94,7 @@ def test_a_gather_that_lands_late_never_answers_for_another_block(
 
 def test_a_peer_holding_the_hosts_staging_leaves_this_nodes_loads_their_slots(
         plane: Plane) -> None:
-    keys, payload = stored(plane, 40, seed=52)
+    keys, payload = stored_on_dpu(plane, 40, seed=52)
     agent = dpu(plane)
     on_nvme = only_nvme(plane, keys)
     box = agent.host.outbox()
@@ -117,7 +111,7 @@ def test_a_peer_holding_the_hosts_staging_leaves_this_nodes_loads_their_slots(
 
 def test_an_outbox_that_cannot_be_had_leaves_no_nvme_pin(
         plane: Plane, monkeypatch: pytest.MonkeyPatch) -> None:
-    keys, _ = stored(plane, 12, seed=53)
+    keys, _ = stored_on_dpu(plane, 12, seed=53)
     agent = dpu(plane)
     agent.host._outbox = None
 
@@ -132,7 +126,7 @@ def test_an_outbox_that_cannot_be_had_leaves_no_nvme_pin(
 
 def test_a_crossing_that_changes_one_block_costs_that_block_alone(
         plane: Plane, monkeypatch: pytest.MonkeyPatch) -> None:
-    keys, payload = stored(plane, 12, seed=54)
+    keys, payload = stored_on_dpu(plane, 12, seed=54)
     agent = dpu(plane)
     dram = plane.tiers[(A, Tier.DRAM)]
     pin = dram.pin([keys[-1]], "test")[0]  # the last block: the one whose crossing changes
@@ -160,7 +154,7 @@ def test_a_crossing_that_changes_one_block_costs_that_block_alone(
 
 def test_an_exposure_quarantines_the_copy_it_read_not_one_stored_since(
         plane: Plane, monkeypatch: pytest.MonkeyPatch) -> None:
-    keys, payload = stored(plane, 12, seed=55)
+    keys, payload = stored_on_dpu(plane, 12, seed=55)
     agent = dpu(plane)
     victim = only_nvme(plane, keys)[0]
     block = payload[keys.index(victim) * BLOCK:(keys.index(victim) + 1) * BLOCK]
@@ -192,7 +186,7 @@ def test_a_peer_that_finds_a_staged_selection_changed_leaves_the_disk_copy(
         plane: Plane, monkeypatch: pytest.MonkeyPatch) -> None:
     if plane.config.transport != "nixl":
         pytest.skip("the staging is read over NIXL only")
-    keys, payload = stored(plane, 12, seed=56)
+    keys, payload = stored_on_dpu(plane, 12, seed=56)
     victim = only_nvme(plane, keys)[0]
     staging = dpu(plane).host.nixl._endpoint._staging  # type: ignore[attr-defined]
     real_land = SlicePuller._land

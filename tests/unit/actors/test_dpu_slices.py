@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from dpu_plane import A, B, dpu, dpu_plane
+from dpu_plane import A, B, dpu, dpu_plane, stored_on_dpu
 from plane import Plane
-from scenarios import BLOCK, LAYOUT, blocks, check, held
+from scenarios import BLOCK, LAYOUT, check, held
 
 from cmx.keys import BlockHash
 from cmx.selection import Selection, SlicedBlock, gather
@@ -30,13 +30,6 @@ SEL = Selection.of(LAYOUT, heads=1).block_bytes(LAYOUT)
 def plane(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Plane]:
     with dpu_plane(request.param, tmp_path) as p:
         yield p
-
-
-def stored_on_dpu(plane: Plane, n: int, seed: int) -> tuple[list[BlockHash], np.ndarray]:
-    """``n`` blocks stored through the DPU agent: DRAM holds 8, the rest only NVMe."""
-    keys, payload = blocks(n, seed=seed)
-    assert dpu(plane).store(keys, [None, *keys[:-1]], payload) == n
-    return keys, payload
 
 
 def selections(payload: np.ndarray, n: int) -> list[bytes]:

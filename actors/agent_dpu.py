@@ -157,30 +157,9 @@ class NixlHost(HostBytes):
 
     # -- stores and local loads ----------------------------------------------------------------
 
-    def copy_in(self, grants: Sequence[Grant | None], payload: np.ndarray, size: int
-                ) -> list[tuple[Grant, int, int]]:
-        futures = []
-        for i, grant in enumerate(grants):
-            if grant is None:
-                continue
-            src = payload[i * size : (i + 1) * size]
-
-            def copy(grant: Grant = grant, src: np.ndarray = src) -> tuple[Grant, int, int]:
-                self.nixl.write(self._name(grant.epoch), grant.slot, src)
-                return grant, src.nbytes, checksum(src)
-
-            futures.append(self.scheduler.submit(Priority.DEMOTE, copy))
-        return [f.result() for f in futures]
-
-    def read_memory(self, pins: Sequence[Pinned], grants: Sequence[Grant],
-                    priority: Priority) -> list[bool]:
-        """One NIXL move per block, host slot to host slot."""
-        jobs = [self.scheduler.submit(priority, functools.partial(
-                    self.nixl.copy, (self._name(p.epoch), p.slot), (self._name(g.epoch), g.slot),
-                    p.size)) for p, g in zip(pins, grants)]
-        for job in jobs:
-            job.result()
-        return [True] * len(jobs)
+    def _copy_block(self, grant: Grant, src: np.ndarray) -> tuple[Grant, int, int]:
+        self.nixl.write(self._name(grant.epoch), grant.slot, src)
+        return grant, src.nbytes, checksum(src)
 
     def read_extents(self, extents: Sequence[Extent], grants: Sequence[Grant],
                      priority: Priority) -> list[bool]:
@@ -194,8 +173,8 @@ class NixlHost(HostBytes):
         self.nixl.read_extent(ext, dst, grant.slot)
         return checksum(self.nixl.read(dst, grant.slot, ext.size)) == ext.checksum
 
-    def copy_slot(self, src: Grant, dst: Grant, nbytes: int) -> None:
-        """An HBM to DRAM demotion: host slot to host slot over NIXL."""
+    def copy_slot(self, src: Grant | Pinned, dst: Grant, nbytes: int) -> None:
+        """Host slot to host slot over NIXL (a demotion, a local load)."""
         self.nixl.copy((self._name(src.epoch), src.slot), (self._name(dst.epoch), dst.slot),
                        nbytes)
 

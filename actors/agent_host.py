@@ -55,20 +55,16 @@ class HostBytes:
                 ) -> list[tuple[Grant, int, int]]:
         """Copy each granted block of ``payload`` into its slot, in the arena of its grant's
         epoch; (grant, size, checksum) of each."""
-        futures = []
-        for i, grant in enumerate(grants):
-            if grant is None:
-                continue
-            src = payload[i * size : (i + 1) * size]
-            dst = self.tiers.arena(grant.epoch).slot_view(grant.slot)
-
-            def copy(grant: Grant = grant, src: np.ndarray = src,
-                     dst: np.ndarray = dst) -> tuple[Grant, int, int]:
-                np.copyto(dst[: src.nbytes], src)
-                return grant, src.nbytes, checksum(src)
-
-            futures.append(self.scheduler.submit(Priority.DEMOTE, copy))
+        futures = [
+            self.scheduler.submit(Priority.DEMOTE, functools.partial(
+                self._copy_block, grant, payload[i * size : (i + 1) * size]))
+            for i, grant in enumerate(grants) if grant is not None]
         return [f.result() for f in futures]
+
+    def _copy_block(self, grant: Grant, src: np.ndarray) -> tuple[Grant, int, int]:
+        """One block into the front of its granted slot; (grant, size, checksum)."""
+        np.copyto(self.tiers.arena(grant.epoch).slot_view(grant.slot)[: src.nbytes], src)
+        return grant, src.nbytes, checksum(src)
 
     def read_memory(self, pins: Sequence[Pinned], grants: Sequence[Grant],
                     priority: Priority) -> list[bool]:
@@ -78,9 +74,7 @@ class HostBytes:
         return [f.result() for f in jobs]
 
     def _copy_pinned(self, pin: Pinned, grant: Grant) -> bool:
-        dst = self.tiers.arena(grant.epoch).slot_view(grant.slot)
-        src = self.tiers.arena(pin.epoch).slot_view(pin.slot)
-        np.copyto(dst[: pin.size], src[: pin.size])
+        self.copy_slot(pin, grant, pin.size)
         return True
 
     def read_extents(self, extents: Sequence[Extent], grants: Sequence[Grant],
@@ -93,7 +87,7 @@ class HostBytes:
         return self.scheduler.submit(
             priority, lambda: self.nvme.read_many(extents, dsts)).result()
 
-    def copy_slot(self, src: Grant, dst: Grant, nbytes: int) -> None:
+    def copy_slot(self, src: Grant | Pinned, dst: Grant, nbytes: int) -> None:
         """The first ``nbytes`` of ``src``'s slot into ``dst``'s, each in its epoch's arena."""
         np.copyto(self.tiers.arena(dst.epoch).slot_view(dst.slot)[:nbytes],
                   self.tiers.arena(src.epoch).slot_view(src.slot)[:nbytes])

@@ -6,7 +6,9 @@ Protocol, in call order:
 1. ``pin_prefix(keys, owner)``: the tiers pin the keys for ``owner`` (each pin a lease,
    taken back when it expires), DRAM first, HBM for what DRAM lacks; the longest prefix of
    held keys is returned, and every other pin is let go one way. A prefix in DRAM is one
-   round trip, with no directory: a tier pins only committed blocks.
+   round trip, with no directory: a tier pins only committed blocks. A tier that fails or
+   answers late is told to give back all ``owner`` holds there (``release_owner``, one way):
+   ``owner`` names one load, and a late call may have pinned before its answer was lost.
 2. ``payload(pin)``: the block's bytes, read where they lie, in the shared-memory arena of the
    pin's epoch (``arena_name``), mapped here once per tier incarnation. A tier that restarted
    unlinked that name, so a read of its pin fails (OSError), never reads another block. The
@@ -84,7 +86,10 @@ class NodePlane:
                 actor_name(tier.value, self.node), "pin", list(keys), owner,
                 timeout_s=self.timeout_s)
         except Exception as exc:  # noqa: BLE001 - a tier that fails holds nothing for this load
+            # A call that timed out may still have run: what it pinned is given back now, not
+            # when the leases expire (the owner is this load's alone).
             log.debug("%s did not pin: %s", tier.value, exc)
+            self.link.tell(actor_name(tier.value, self.node), "release_owner", owner)
             return [None] * len(keys)
         return answer
 

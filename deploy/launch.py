@@ -23,8 +23,9 @@ from dataclasses import asdict, dataclass
 from cmx.config import AdminConfig, ServiceConfig
 from cmx.deploy.config import ServeOptions
 from cmx.errors import CmxError
+from cmx.operate.local_ray import HeadOptions
 
-__all__ = ["ServeState", "StopResult", "serve_state_path", "start", "stop"]
+__all__ = ["ServeState", "StopResult", "head_options", "serve_state_path", "start", "stop"]
 
 DEFAULT_RAY_PORT = 6379
 Step = Callable[[str], None]
@@ -83,23 +84,30 @@ def _alive(url: str) -> bool:
 
 def _cluster(address: str | None, state_dir: str, step: Step) -> tuple[str, int | None]:
     """The Ray address to use, and the pid of a head started for it (None: it was running)."""
-    from cmx.operate.local_ray import HeadOptions, is_local, port_open, split_address, start_head
+    from cmx.operate.local_ray import is_local, port_open, split_address, start_head
+    from cmx.operate.ray_cluster import locate
     from cmx.operate.state import ServiceState
 
     if address is None:
         up = ServiceState.load(os.path.join(state_dir, "state.json"))
         address = up.ray_address if up is not None else f"127.0.0.1:{DEFAULT_RAY_PORT}"
     if address == "auto":
-        return address, None
+        return locate(address), None  # a cluster that runs, recorded by its address
     host, port = split_address(address)
     if port_open(host, port):
         return address, None
     if not is_local(host):
         raise CmxError(f"no Ray cluster answers at {address}")
     step(f"starting a local Ray head on port {port}")
-    pid = start_head(HeadOptions(port=port, dashboard=False), os.path.join(state_dir,
-                                                                          "serve-ray-head.log"))
+    pid = start_head(head_options(port), os.path.join(state_dir, "serve-ray-head.log"))
     return address, pid
+
+
+def head_options(port: int) -> HeadOptions:
+    """The local head ``cmx serve`` starts: GCS on ``port``, no dashboard, and a free port for
+    each fixed one another head here holds (Ray's client server on 10001 above all: two heads
+    there would split ``ray://`` clients between unrelated clusters), as ``cmx up`` does."""
+    return HeadOptions(port=port, dashboard=False).with_free_ports()
 
 
 def start(options: ServeOptions, address: str | None = None, port: int = 8000,

@@ -141,7 +141,9 @@ class CMXHiCacheStorage(HiCacheStorage):
 
     def set(self, key: str, value: Any = None, target_location: Any = None,
             target_sizes: Any = None) -> bool:
-        """Store one page (a tensor); True once it is committed in the service."""
+        """Store one page (a tensor); True once the service holds it: committed now, or stored
+        before. A commit the service refused (a lease that ended, a DRAM tier that restarted)
+        or a page it found no room for is False: SGLang then keeps no record of it in L3."""
         if value is None:
             value = target_location
         if not isinstance(value, torch.Tensor):
@@ -150,14 +152,22 @@ class CMXHiCacheStorage(HiCacheStorage):
         try:
             ns = self._namespace(page.numel())
             kv = page.view(torch.float8_e4m3fn).reshape(ns.layout.shape(KEY_TOKENS))
-            ns.store(key_tokens(key), kv).wait()
-            return True
+            tokens = key_tokens(key)
+            handle = ns.store(tokens, kv)
+            committed = handle.wait()
+            if handle.refused:
+                log.warning("page %s not stored: the service refused its commit", key[:16])
+                return False
+            # Nothing committed and nothing refused: the page was there already, or no slot
+            # was granted for it; the directory tells which.
+            return committed == 1 or bool(self._cm.copies(ns.keys(tokens))[0])
         except Exception as exc:  # noqa: BLE001 - SGLang takes False as "not stored"
             log.warning("page %s not stored: %s", key[:16], exc)
             return False
 
     def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
                   target_sizes: Any = None) -> bool:
+        """Each page stored as ``set`` stores it; True only if every one is held."""
         pages = values if values is not None else target_locations
         return all([self.set(k, v) for k, v in zip(keys, pages)])
 

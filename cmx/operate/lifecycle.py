@@ -28,7 +28,7 @@ from cmx.operate.local_ray import (
     split_address,
     start_head,
 )
-from cmx.operate.ray_cluster import join, match_ray_auth, stop_local_head
+from cmx.operate.ray_cluster import join, locate, match_ray_auth, stop_local_head
 from cmx.operate.state import ServiceState
 
 __all__ = ["DownResult", "UpOptions", "UpResult", "down", "match_auth_for", "orphans", "up"]
@@ -65,7 +65,10 @@ def up(opts: UpOptions, step: Step = lambda s: None) -> UpResult:
     if prior is not None and _ready(AdminClient(prior.admin_url, prior.token, 5.0)):
         return UpResult(prior, already_up=True)
 
-    address = opts.address or f"127.0.0.1:{opts.head.port}"
+    # "auto" names a cluster that runs (a head is never started for it); its address is what
+    # is recorded, so `cmx down` finds the same cluster after the current-cluster file moves.
+    auto = opts.address == "auto"
+    address = locate("auto") if auto else opts.address or f"127.0.0.1:{opts.head.port}"
     match_auth_for(address)
     pid = None
     ray_dashboard: str | None = None
@@ -74,7 +77,7 @@ def up(opts: UpOptions, step: Step = lambda s: None) -> UpResult:
             prior.ray_pid and is_our_head(prior.ray_pid):
         pid = prior.ray_pid  # our head still runs (only the API went away): still ours to stop
         ray_dashboard = prior.ray_dashboard
-    elif address != "auto":
+    elif not auto:
         host, port = split_address(address)
         if not port_open(host, port):
             if not is_local(host):

@@ -5,8 +5,9 @@ and ``cmx serve``.
   another one runs on the machine or Ray's current-cluster file (``/tmp/ray/ray_current_cluster``)
   names one. What a process starts, it may stop; nothing else.
 - **Join** (``join(address)``): the cluster at ``address`` (``host:port``, ``ray://host:port``, or
-  ``"auto"``: the one Ray's current-cluster file names). Its GCS port must answer within a bound,
-  else ``ClusterUnreachableError``: ``ray.init`` itself retries a dead address for minutes.
+  ``"auto"``: ``RAY_ADDRESS``, unless that is "auto" too, else the one Ray's current-cluster file
+  names). Its GCS port must answer within a bound, else ``ClusterUnreachableError``: ``ray.init``
+  itself retries a dead address for minutes.
 - **Token authentication** (``match_ray_auth()``): for a head this process starts, decided as
   ``ray start`` decides it: a token on this machine (``~/.ray/auth_token``, written by any
   earlier ``ray.init()``) and no ``RAY_AUTH_MODE`` mean token mode, and every process that joins
@@ -40,11 +41,12 @@ from cmx.operate.local_ray import (
 )
 
 __all__ = ["ClusterUnreachableError", "current_cluster", "forget_head", "join", "join_or_start",
-           "match_ray_auth", "resolve", "start_own", "stop_local_head", "wait_for_gcs"]
+           "locate", "match_ray_auth", "resolve", "start_own", "stop_local_head", "wait_for_gcs"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_JOIN_TIMEOUT_S = 30.0
+AUTO_ANSWER_S = 2.0  # how long a head named by Ray's current-cluster file may take to answer
 
 
 class ClusterUnreachableError(UnavailableError):
@@ -92,15 +94,45 @@ def current_cluster() -> str | None:
 
 
 def resolve(address: str) -> str:
-    """``address`` as host:port (or ray://host:port); "auto" reads ``RAY_ADDRESS``, then Ray's
-    current-cluster file. ClusterUnreachableError if "auto" finds nothing."""
-    if address == "auto":
-        found = os.environ.get("RAY_ADDRESS") or current_cluster()
-        if not found or found == "auto":
-            raise ClusterUnreachableError(
-                "address 'auto': no RAY_ADDRESS and no cluster started with `ray start` here")
-        return found
-    return address
+    """``address`` as host:port (or ray://host:port). "auto" is read as Ray reads it:
+    ``RAY_ADDRESS`` unless that is empty or "auto" itself, else Ray's current-cluster file.
+    ClusterUnreachableError if "auto" finds nothing."""
+    return _resolve(address)[0]
+
+
+def _resolve(address: str) -> tuple[str, str | None]:
+    """(``resolve(address)``, the current-cluster file it was read from, if it was)."""
+    if address != "auto":
+        return address, None
+    given = os.environ.get("RAY_ADDRESS", "").strip()
+    if given and given != "auto":
+        return given, None
+    from ray._common.utils import get_ray_address_file
+
+    path = get_ray_address_file(None)
+    found = current_cluster()
+    if not found:
+        raise ClusterUnreachableError(
+            f"address 'auto': RAY_ADDRESS names no cluster and Ray's current-cluster file "
+            f"({path}) is absent: start one with `ray start --head`, or give host:port")
+    return found, path
+
+
+def locate(address: str, timeout_s: float = DEFAULT_JOIN_TIMEOUT_S) -> str:
+    """``resolve(address)``, once something answers there (``wait_for_gcs``). A head named by
+    Ray's current-cluster file is up when the file is written, so one that does not answer
+    within ``AUTO_ANSWER_S`` stopped: ClusterUnreachableError then, naming the file."""
+    target, recorded_in = _resolve(address)
+    if recorded_in is None:
+        wait_for_gcs(target, timeout_s)
+        return target
+    try:
+        wait_for_gcs(target, min(timeout_s, AUTO_ANSWER_S))
+    except (ClusterUnreachableError, ValueError) as exc:
+        raise ClusterUnreachableError(
+            f"address 'auto': Ray's current-cluster file ({recorded_in}) names {target!r}, "
+            f"where no Ray cluster answers (a head that stopped?): {exc}") from exc
+    return target
 
 
 def wait_for_gcs(address: str, timeout_s: float = DEFAULT_JOIN_TIMEOUT_S) -> None:
@@ -121,8 +153,7 @@ def join(address: str, timeout_s: float = DEFAULT_JOIN_TIMEOUT_S, **ray_init: An
     Bounded: ClusterUnreachableError if its GCS does not answer within ``timeout_s``."""
     import ray
 
-    target = resolve(address)
-    wait_for_gcs(target, timeout_s)
+    target = locate(address, timeout_s)
     # A Ray Client (ray://) address has no GCS to ask: decided as ``ray start`` would.
     match_ray_auth(None if target.startswith("ray://") else target)
     ray_init.setdefault("namespace", RAY_NAMESPACE)

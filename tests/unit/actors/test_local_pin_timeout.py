@@ -1,0 +1,58 @@
+"""A local pin whose answer is lost: the DRAM tier pinned the blocks, the reader stopped
+waiting; the load still returns the stored bytes and the tier holds nothing for it after."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from plane import Plane, make_plane, namespace_client
+from scenarios import LAYOUT, check, held, small_config
+
+from cmx.actors.links import LocalLink
+from cmx.errors import UnavailableError
+from cmx.tiers import Tier
+
+NODE = f"pinlate-{uuid.uuid4().hex[:6]}"  # arenas named apart from other suites' on this host
+T = LAYOUT.block_tokens
+
+
+class LateLink(LocalLink):
+    """While ``late``, a reader's pin in DRAM runs but its answer comes after the bound."""
+
+    late = False
+
+    def call(self, name: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        answer = super().call(name, method, *args)
+        if self.late and method == "pin" and name == f"cmx:dram:{NODE}" \
+                and str(args[1]).startswith("client:"):
+            raise UnavailableError(f"{name}.{method} did not answer: Get timed out")
+        return answer
+
+
+@pytest.fixture
+def plane(tmp_path) -> Iterator[Plane]:
+    p = make_plane(small_config(tmp_path), nodes=(NODE,), link_type=LateLink)
+    yield p
+    p.close()
+
+
+def test_a_late_local_pin_leaves_no_pin_behind(plane: Plane) -> None:
+    ns = namespace_client(plane, NODE, LAYOUT, "t")
+    tokens = list(range(3 * T))
+    kv = LAYOUT.random_kv(3 * T, seed=1)
+    assert ns.store(tokens, kv).wait() == 3
+    assert held(plane, NODE, Tier.DRAM) == (0, 0)
+
+    plane.link.late = True  # type: ignore[attr-defined]
+    out = ns.load(tokens)
+    plane.link.late = False  # type: ignore[attr-defined]
+
+    assert out.shape[3] == 3 * T and torch.equal(out, kv)
+    for tier in (Tier.DRAM, Tier.HBM):
+        assert held(plane, NODE, tier) == (0, 0), tier
+    assert plane.tiers[(NODE, Tier.DRAM)].leases.stats().released >= 3
+    check(plane)

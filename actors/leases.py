@@ -5,7 +5,9 @@ restarts, an owner (``client:<id>``, ``agent:<name>``, ``peer:<name>``, ``pool:<
 expiry. The holder ends it (unpin, commit, abort) by id. What its holder never ends, because
 it timed out, failed part-way or died, the tier takes back when the lease expires (``expire``,
 run on every call that takes a slot and on every heartbeat) or when its owner's leases are
-given back at once (``release_owner``). Time is injected: tests drive a fake clock.
+given back at once (``release_owner``). An operator's pin (owner ``ADMIN``, ``pin_for``)
+expires after the TTL it was taken with (at most ``ADMIN_PIN_MAX_S``), not the tier's lease
+time, and is ended by key. Time is injected: tests drive a fake clock.
 """
 
 from __future__ import annotations
@@ -14,16 +16,20 @@ import enum
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from cmx.keys import BlockHash
 from cmx.stats import LeaseStats
 
-__all__ = ["ADMIN", "Held", "LeaseKind", "LeaseStats", "LeasedPins", "Leases"]
+__all__ = ["ADMIN", "ADMIN_PIN_DEFAULT_S", "ADMIN_PIN_MAX_S", "Held", "LeaseKind", "LeaseStats",
+           "LeasedPins", "Leases", "check_ttl"]
 
 Clock = Callable[[], float]
-ADMIN = "admin"  # the owner of pins an operator takes by hand: they expire like any other
+ADMIN = "admin"  # the owner of pins an operator takes by hand (``LeasedPins.pin_for``)
+ADMIN_PIN_DEFAULT_S = 3600.0  # how long an operator's pin holds when its request names no TTL
+ADMIN_PIN_MAX_S = 86400.0  # the longest it may: a pin nobody ends gives its slot back in a day
 
 
 class LeaseKind(str, enum.Enum):
@@ -62,6 +68,20 @@ class Leases:
             self._held[self._next_id] = Held(owner, kind, key, expires, undo)
             self._next_expiry = min(self._next_expiry, expires)
             return self._next_id
+
+    def hold(self, leases: Iterable[int], ttl_s: float) -> int:
+        """Make each lease expire ``ttl_s`` seconds from now (an operator's pin, which lives as
+        long as it was asked to); how many were held."""
+        check_ttl(ttl_s)
+        with self._lock:
+            expires = self._clock() + ttl_s
+            ids = [i for i in leases if i in self._held]
+            for i in ids:
+                h = self._held[i]
+                self._held[i] = Held(h.owner, h.kind, h.key, expires, h.undo)
+            if ids:
+                self._next_expiry = min(self._next_expiry, expires)
+            return len(ids)
 
     def take(self, lease: int) -> Held | None:
         """End a lease its holder finished with (it commits or unpins itself); None if the
@@ -139,11 +159,32 @@ class Leases:
             return len(self._held)
 
 
+def check_ttl(ttl_s: float) -> None:
+    """An operator's pin lasts more than 0 and at most ``ADMIN_PIN_MAX_S`` seconds."""
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, int | float) \
+            or not 0 < ttl_s <= ADMIN_PIN_MAX_S:
+        raise ValueError(f"a pin's TTL must be a number of seconds in (0, {ADMIN_PIN_MAX_S:g}], "
+                         f"got {ttl_s!r}")
+
+
 class LeasedPins:
     """A tier whose pins and reservations are ``leases``: the calls that end them, the same
-    in every tier. A tier says how one pin of a key is undone (``_unpin_key``)."""
+    in every tier. A tier says how it pins (``pin``, each pin naming its ``lease``) and how one
+    pin of a key is undone (``_unpin_key``)."""
 
     leases: Leases
+
+    def pin(self, keys: Sequence[BlockHash], owner: str = ADMIN) -> Sequence[Any]:
+        raise NotImplementedError
+
+    def pin_for(self, keys: Sequence[BlockHash], ttl_s: float) -> Sequence[Any]:
+        """An operator's pin of each key (None where it is not here), held ``ttl_s`` seconds
+        unless it is unpinned by key first (``unpin``). A bad TTL is a ValueError and pins
+        nothing."""
+        check_ttl(ttl_s)
+        pins = self.pin(keys, ADMIN)
+        self.leases.hold([p.lease for p in pins if p is not None], ttl_s)
+        return pins
 
     def unpin(self, leases: Iterable[int | BlockHash]) -> None:
         """End pins by lease, or an admin pin by key (``Leases.end_pins``)."""

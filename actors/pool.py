@@ -11,8 +11,9 @@ registered with its transport, and the same pull protocol as the offload agents:
 - ``stage(keys, owner)`` / ``unstage(staged)``: for a reader: pin each block in the staging
   arena (reading it from NVMe and verifying it first), so the reader pulls it with one
   transfer. The pins are leases: a reader that dies holds them only until they expire.
-- ``rebalance(members, replicas)``: after membership changed, push every block held here to
-  its owners (rendezvous hashing over the live members) that lack it.
+- ``rebalance(members, replicas)``: after membership or replication changed, push every block
+  held here to its owners (rendezvous hashing over the live members) that lack it, and drop
+  the copies held here past their owners once the owners confirm theirs (``pool_rebalance``).
 
 The store lives under ``<nvme_dir>/pool-<pool id>``, the pool id being the node's label value,
 so a node that comes back with the same label offers what its disk still holds.
@@ -33,13 +34,13 @@ from cmx.actors.directory import Entry, Source
 from cmx.actors.events import EventPublisher
 from cmx.actors.leases import Clock, LeaseKind, Leases
 from cmx.actors.nvme_tier import extent_holdings, extent_tag
+from cmx.actors.pool_rebalance import Rebalanced, SurplusCopies, confirmed, placement
 from cmx.actors.pool_slices import PoolExposure, pool_selection
 from cmx.actors.slice_expose import ExposedSlice, Exposure, SliceOutbox
 from cmx.actors.transport import Move, PeerInfo, Region, TransferError, make_transport
 from cmx.checksum import checksum
 from cmx.errors import BlockStateError, CmxError, StoreFullError, UnavailableError
 from cmx.keys import BlockHash
-from cmx.policies.rendezvous import owners
 from cmx.protocol import Offer, Staged
 from cmx.selection import Runs, SlicedBlock
 from cmx.stats import TierStats
@@ -93,6 +94,7 @@ class PoolNodeService:
         self._outbox: SliceOutbox | None = None  # made at the first partial load over NIXL
         self.exposure = PoolExposure(node, self.staging, self.store, self.io, self.leases,
                                      self.outbox, self._unstage_later)
+        self.surplus = SurplusCopies(self.store, self.staging, self._announce_drops)
 
     def outbox(self) -> SliceOutbox:
         with self._lock:
@@ -112,6 +114,7 @@ class PoolNodeService:
         held here untagged takes the offer's namespace id instead (on disk, its bytes kept)."""
         for o in offers:
             check_tag(o.namespace)  # before anything is held: a bad tag changes nothing
+        self.surplus.keep(o.key for o in offers)
         todo = [o for o in offers if o.key not in self.store]
         if self._adopt_tags([o for o in offers if o.key in self.store and o.namespace]):
             self.store.flush()
@@ -206,6 +209,8 @@ class PoolNodeService:
             self.staging.unpin(key)
         except BlockStateError:
             pass
+        if key in self.surplus:
+            self.surplus.retry([key])
 
     def _write_through(self, grants: list[tuple[Offer, Reservation]]) -> int:
         """Write the verified blocks pulled into staging to NVMe, all in flight at once;
@@ -288,6 +293,8 @@ class PoolNodeService:
             self.store.unpin(key)
         except BlockStateError:
             pass  # quarantined under the pin
+        if key in self.surplus:
+            self.surplus.retry([key])
 
     def drop_staging(self) -> int:
         """Empty the staging cache of unpinned blocks (cold reads in benchmarks)."""
@@ -308,6 +315,12 @@ class PoolNodeService:
     def contains(self, keys: Sequence[BlockHash]) -> list[bool]:
         return [k in self.store for k in keys]
 
+    def checksums(self, keys: Sequence[BlockHash]) -> list[int | None]:
+        """The checksum of the committed copy of each key held here (None: none is), for a
+        rebalance that drops its own copy only with the owners' confirmed."""
+        entries = [self.store.entry_of(k) for k in keys]
+        return [None if e is None else e.checksum for e in entries]
+
     def evict(self, keys: Sequence[BlockHash]) -> int:
         """Drop unpinned blocks from this pool node, durably (a namespace drop stays dropped
         across a restart); returns how many left."""
@@ -319,38 +332,49 @@ class PoolNodeService:
         self.publisher.flush()
         return gone
 
-    def rebalance(self, members: Sequence[str], replicas: int) -> int:
-        """Push blocks held here to the owners that lack them; returns blocks pushed."""
-        want: dict[str, list[BlockHash]] = {}
-        for key in self.store.keys():
-            for owner in owners(key, members, replicas):
-                if owner != self.node:
-                    want.setdefault(owner, []).append(key)
+    def rebalance(self, members: Sequence[str], replicas: int) -> Rebalanced:
+        """Push blocks held here to the owners that lack them, then drop each copy held here
+        past its owners once they all hold one of its checksum (``pool_rebalance``)."""
+        held = list(self.store.keys())
+        want, surplus = placement(held, members, replicas, self.node)
+        self.surplus.keep(set(held).difference(surplus))  # owned here now: none of it goes
+        pushed = sum(self._push(owner, keys) for owner, keys in want.items())
+        entries = {key: self.store.entry_of(key) for key in surplus}
+        sums = {key: e.checksum for key, e in entries.items() if e is not None}
+        dropped = self.surplus.drop(confirmed(self.link, sums, members, replicas))
+        return Rebalanced(pushed, dropped, len(self.surplus))
+
+    def _push(self, owner: str, keys: list[BlockHash]) -> int:
+        """Have ``owner`` pull those of ``keys`` it lacks from here; how many it stored."""
         pushed = 0
         me = f"cmx:pool:{self.node}"
-        for owner, keys in want.items():
-            target = f"cmx:pool:{owner}"
-            try:
-                have = self.link.call(target, "contains", keys)  # type: ignore[attr-defined]
-                missing = [k for k, h in zip(keys, have) if not h]
-                for start in range(0, len(missing), 16):
-                    staged = [s for s in self.stage(missing[start : start + 16], me)
-                              if s is not None]
-                    try:
-                        offers = [Offer(s.key, None, s.region, s.slot, s.size, s.checksum,
-                                        extent_tag(self.store, s.key)) for s in staged]
-                        pushed += int(self.link.call(target, "ingest", me, offers))  # type: ignore[attr-defined]
-                    finally:
-                        self.unstage(staged)
-            except UnavailableError as exc:
-                log.warning("rebalance to %s failed: %s", owner[:8], exc)
+        target = f"cmx:pool:{owner}"
+        try:
+            have = self.link.call(target, "contains", keys)  # type: ignore[attr-defined]
+            missing = [k for k, h in zip(keys, have) if not h]
+            for start in range(0, len(missing), 16):
+                staged = [s for s in self.stage(missing[start : start + 16], me)
+                          if s is not None]
+                try:
+                    offers = [Offer(s.key, None, s.region, s.slot, s.size, s.checksum,
+                                    extent_tag(self.store, s.key)) for s in staged]
+                    pushed += int(self.link.call(target, "ingest", me, offers))  # type: ignore[attr-defined]
+                finally:
+                    self.unstage(staged)
+        except UnavailableError as exc:
+            log.warning("rebalance to %s failed: %s", owner[:8], exc)
         return pushed
 
     # -- upkeep --------------------------------------------------------------------------------
 
     def heartbeat(self) -> bool:
         self.leases.expire()
+        self.surplus.retry()  # surplus copies whose pins ended since
         return self.publisher.flush(heartbeat=True)
+
+    def _announce_drops(self) -> None:
+        self.store.flush()  # durable: a dropped copy stays dropped across a restart
+        self.publisher.flush()
 
     def stats(self) -> TierStats:
         staging = self.staging.stats()  # what is pinned and reserved here: staging slots

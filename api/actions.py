@@ -1,7 +1,9 @@
 """Mutating endpoints: pin, unpin, evict, drop a namespace. Each needs the admin token.
 
-A pin taken here is a reader's pin like any other: the block stays until it is unpinned here
-(tiers count pins, so unpin once per pin). Eviction skips pinned and uncommitted blocks.
+A pin taken here holds the block for the TTL its request names (``ttl_s``: default an hour, at
+most a day; ``cmx.actors.leases``), then the tier gives it back, unless ``/api/v1/unpin`` of the
+same key ends it first (tiers count pins, so unpin once per pin). A restarted tier holds none.
+Eviction skips pinned and uncommitted blocks.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from cmx.api.models import (
     EvictRequest,
     EvictResult,
     NodeTier,
+    PinRequest,
+    PinResult,
 )
 from cmx.api.problems import ApiProblem, problem_responses
 from cmx.api.routes import State
@@ -43,15 +47,15 @@ def _target(state: State, ref: BlockRef) -> tuple[BlockHash, str, Tier]:
     return key, node, Tier(ref.tier.value)
 
 
-@router.post("/api/v1/pin", response_model=BlockRefResult,
+@router.post("/api/v1/pin", response_model=PinResult,
              responses=problem_responses(*_COMMON))
-def pin(state: State, ref: BlockRef) -> BlockRefResult:
-    """Pin a block in one tier of one node, so eviction skips it; 404 if it is not there."""
-    key, node, tier = _target(state, ref)
-    pinned = state.backend.tier_call(node, tier, "pin", [key])
-    if not pinned or pinned[0] is None:
+def pin(state: State, req: PinRequest) -> PinResult:
+    """Pin a block in one tier of one node for ``ttl_s`` seconds, so eviction skips it; 404 if
+    it is not there, 422 for a TTL that is not a number in (0, 86400]."""
+    key, node, tier = _target(state, req)
+    if not state.backend.pin(node, tier, key, req.ttl_s):
         raise ApiProblem(404, f"block {key.hex()} is not in {tier.value} of node {node}")
-    return BlockRefResult(key=key.hex(), node=node, tier=tier.value, done=True)
+    return PinResult(key=key.hex(), node=node, tier=tier.value, done=True, ttl_s=req.ttl_s)
 
 
 @router.post("/api/v1/unpin", response_model=BlockRefResult,

@@ -38,6 +38,10 @@ class Backend(Protocol):
     def tier_call(self, node: str, tier: Tier, method: str, keys: Sequence[BlockHash]) -> Any:
         """``pin``, ``unpin``, ``evict`` or ``contains`` on one node's tier actor."""
 
+    def pin(self, node: str, tier: Tier, key: BlockHash, ttl_s: float) -> bool:
+        """An operator's pin of ``key`` in one node's tier, held ``ttl_s`` seconds unless
+        unpinned first (``LeasedPins.pin_for``); False if the block is not there."""
+
     def drop_namespace(self, namespace_id: str) -> int:
         """Evict every block of a namespace; NotSupportedError if the service cannot."""
 
@@ -68,6 +72,10 @@ class ServiceBackend:
 
     def tier_call(self, node: str, tier: Tier, method: str, keys: Sequence[BlockHash]) -> Any:
         return self.link.call(actor_name(tier.value, node), method, list(keys))
+
+    def pin(self, node: str, tier: Tier, key: BlockHash, ttl_s: float) -> bool:
+        pins = self.link.call(actor_name(tier.value, node), "pin_for", [key], ttl_s)
+        return bool(pins) and pins[0] is not None
 
     def drop_namespace(self, namespace_id: str) -> int:
         drop = getattr(self.cm, "drop_namespace", None)

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
+from cmx.actors.leases import ADMIN_PIN_DEFAULT_S, ADMIN_PIN_MAX_S
 from cmx.layout import PayloadOrder
 
 __all__ = [
@@ -19,8 +20,8 @@ __all__ = [
     "DropResult", "EvictRequest", "EvictResult", "EvictedAt", "HexKey", "Health", "History",
     "HistoryPoint", "HistorySeries", "LatencyHistogram", "LayoutSpec", "LookupBlock",
     "LookupRequest", "LookupResult", "NodeId", "NodeInfo", "NodeTier", "NodeView", "NodesView",
-    "PoolNode", "PoolStatus", "Problem", "QueueDepths", "Readiness", "TierBandwidth",
-    "TierStats", "TiersView",
+    "PinRequest", "PinResult", "PoolNode", "PoolStatus", "Problem", "QueueDepths", "Readiness",
+    "TierBandwidth", "TierStats", "TiersView",
 ]
 
 HEX_KEY_PATTERN = r"^[0-9a-fA-F]{64}$"
@@ -224,6 +225,18 @@ class BlockRefResult(_Model):
     node: str
     tier: str
     done: bool
+
+
+class PinRequest(BlockRef):
+    """An operator's pin: it holds ``ttl_s`` seconds (a number, more than 0 and at most a day),
+    unless ``/api/v1/unpin`` of the same key ends it first."""
+
+    ttl_s: Annotated[float, Field(strict=True, gt=0, le=ADMIN_PIN_MAX_S, allow_inf_nan=False)] \
+        = ADMIN_PIN_DEFAULT_S
+
+
+class PinResult(BlockRefResult):
+    ttl_s: float  # the pin ends this many seconds after it was taken, unless unpinned first
 
 
 class EvictRequest(_Model):

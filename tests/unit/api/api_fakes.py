@@ -142,6 +142,9 @@ class FakeBackend(Backend):
             return len(gone)
         raise AssertionError(method)
 
+    def pin(self, node: str, tier: Tier, key: BlockHash, ttl_s: float) -> bool:
+        return self.tier_call(node, tier, "pin", [key])[0] is not None
+
     def drop_namespace(self, namespace_id: str) -> int:
         if not self.can_drop:
             raise NotSupportedError("this version of the service cannot drop a namespace")

@@ -251,7 +251,8 @@ def test_pin_keeps_a_block_from_eviction_until_unpinned(
     backend.put(KEY, NODE_A, Tier.DRAM)
     ref = {"key": KEY.hex(), "node": NODE_A[:10], "tier": "dram"}
     r = client.post("/api/v1/pin", json=ref, headers=AUTH)
-    assert r.json() == {"key": KEY.hex(), "node": NODE_A, "tier": "dram", "done": True}
+    assert r.json() == {"key": KEY.hex(), "node": NODE_A, "tier": "dram", "done": True,
+                        "ttl_s": 3600.0}
     evict = {"keys": [KEY.hex()], "tier": "dram"}
     assert client.post("/api/v1/evict", json=evict, headers=AUTH).json()["evicted"] == 0
     assert client.post("/api/v1/unpin", json=ref, headers=AUTH).json()["done"] is True

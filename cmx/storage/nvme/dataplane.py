@@ -10,7 +10,9 @@ list of extents is one call, so a prefix keeps the disk's queue full.
 
 Segment files are opened here with O_DIRECT; a filesystem that refuses it (tmpfs) gets
 buffered I/O, said once in the log and kept in ``stats().direct`` (the service reports the
-same fallback as degraded when it probes the directory).
+same fallback as degraded when it probes the directory). Descriptors stay open between calls;
+one whose file was deleted since is let go, and the name opened again (a restarted tier may
+have made the file anew).
 """
 
 from __future__ import annotations
@@ -129,6 +131,7 @@ class ExtentPlane:
         # deleted keeps its disk space until its descriptor here is closed.
         self._fds: OrderedDict[str, int] = OrderedDict()
         self._users: dict[int, int] = {}  # descriptor -> calls using it now
+        self._deleted: set[int] = set()  # of files deleted since, out of _fds, still in use
         self._lock = threading.Lock()
         self._cbuf: np.ndarray | None = None  # compaction's buffer (one copy_many at a time)
         self._copying = threading.Lock()
@@ -247,9 +250,20 @@ class ExtentPlane:
     @contextmanager
     def _open(self, path: str) -> Iterator[int]:
         """A descriptor of ``path`` held open for the duration of one call."""
-        # Segment names are never reused, so a cached descriptor never points at another file.
+        # Books never reuse a segment's name while they run, but books restarted over the
+        # directory (a tier actor restarted while this agent runs on) may make a deleted
+        # segment's name again: a descriptor cached here of the deleted file would take the
+        # new file's writes, and they would never reach the disk. Such a one is closed (once no
+        # call uses it) and the name opened again.
         with self._lock:
             fd = self._fds.get(path)
+            if fd is not None and os.fstat(fd).st_nlink == 0:
+                del self._fds[path]
+                if fd in self._users:
+                    self._deleted.add(fd)  # closed by the last call using it
+                else:
+                    self._close(fd)
+                fd = None
             if fd is None:
                 fd = self._fds[path] = self._open_file(path)
                 self.io.engine.register_file(fd)
@@ -262,6 +276,9 @@ class ExtentPlane:
                 self._users[fd] -= 1
                 if not self._users[fd]:
                     del self._users[fd]
+                    if fd in self._deleted:
+                        self._deleted.discard(fd)
+                        self._close(fd)
                 self._trim()
 
     def _open_file(self, path: str) -> int:
@@ -284,8 +301,11 @@ class ExtentPlane:
             fd = self._fds[path]
             if fd not in self._users:
                 del self._fds[path]
-                self.io.engine.unregister_file(fd)
-                os.close(fd)
+                self._close(fd)
+
+    def _close(self, fd: int) -> None:
+        self.io.engine.unregister_file(fd)
+        os.close(fd)
 
     def stats(self) -> PlaneStats:
         with self._lock:
@@ -294,8 +314,8 @@ class ExtentPlane:
 
     def close(self) -> None:
         with self._lock:
-            for fd in self._fds.values():
-                self.io.engine.unregister_file(fd)
-                os.close(fd)
+            for fd in [*self._fds.values(), *self._deleted]:
+                self._close(fd)
             self._fds.clear()
+            self._deleted.clear()
         self.io.close()

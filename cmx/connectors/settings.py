@@ -3,12 +3,18 @@
 vLLM passes ``kv_transfer_config["kv_connector_extra_config"]`` to the connector as a plain
 dict; ``ConnectorSettings.from_extra`` turns it into a typed, frozen value and refuses unknown
 keys, so a misspelt setting is an error at engine start, not a silent default.
+
+At start the connector asks the running service its slot size (``adopt_service_slots``): the
+service may have been started by someone else, with another ``block_bytes`` than this engine's
+``service`` setting, and an engine whose blocks do not fit its slots is refused then, with the
+number to set, rather than failing every store later.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +23,10 @@ from cmx.config import ServiceConfig
 from cmx.errors import CmxError, LayoutMismatchError
 from cmx.layout import KVLayout
 
-__all__ = ["ConnectorSettings", "Namespaces", "connect", "namespace_salt"]
+__all__ = ["ConnectorSettings", "Namespaces", "adopt_service_slots", "connect",
+           "namespace_salt"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -25,7 +34,8 @@ class ConnectorSettings:
     model: str = ""  # namespace model id; "" means the engine's served model name
     weights: str = ""  # weights fingerprint; "" means the one cmx.models recorded, if any
     salt: str = ""  # tenant salt of every request; a request's cache_salt is added to it
-    ray_address: str = ""  # Ray cluster of the service; "" means the one this process is in
+    ray_address: str = ""  # Ray cluster of the service; "" means the one this process is in;
+    #                        "auto" the one `ray start` last started on this host (logged)
     node_id: str = ""  # the Ray node whose agent and tiers this engine uses; "" means the node
     #                    this process joined (a driver on a host with several raylets joins
     #                    the head's, so a replica names its own node for its engine's process)
@@ -88,11 +98,37 @@ def connect(settings: ConnectorSettings) -> Any:
         # its own, and what one stores the other would never see.
         raise CmxError("CMXConnector needs a Ray cluster: run the engine inside one, or set "
                        "kv_connector_extra_config['ray_address'] (e.g. 'auto')")
+    joined = ray.is_initialized()
     cm = ContextMemory.connect(address=settings.ray_address or None, config=settings.service,
                                start_service=settings.start_service)
+    if settings.ray_address == "auto" and not joined:
+        # "auto" follows the current-cluster file `ray start` leaves on this host, which can
+        # name another user's cluster: say which one it was.
+        log.warning("CMXConnector: ray_address 'auto' joined the Ray cluster at %s (the last "
+                    "one `ray start` started on this host); set that address to be sure",
+                    ray.get_runtime_context().gcs_address)
     if settings.node_id:
         cm.node_id = settings.node_id
     return cm
+
+
+def adopt_service_slots(cm: Any) -> None:
+    """Take the running service's slot size as ``cm.config.block_bytes``.
+
+    The service keeps the config of whoever started it; the engine's ``service`` setting is
+    only the one it would start. If the node's DRAM tier does not answer, the setting stays
+    (a warning): stores then fail, counted as failed, until it does.
+    """
+    from cmx.protocol import actor_name
+
+    try:
+        slot_bytes = int(cm.link.call(actor_name("dram", cm.node_id), "info").slot_bytes)
+    except Exception as exc:  # noqa: BLE001 - a service not up yet: checked against the setting
+        log.warning("CMXConnector could not ask the service its slot size (%s); checking blocks "
+                    "against ServiceConfig.block_bytes=%d", exc, cm.config.block_bytes)
+        return
+    if slot_bytes != cm.config.block_bytes:
+        cm.config = cm.config.replace(block_bytes=slot_bytes)
 
 
 class Namespaces:
@@ -104,8 +140,9 @@ class Namespaces:
             raise LayoutMismatchError(
                 f"a block of {model} ({layout.block_tokens} tokens x {layout.token_bytes} "
                 f"bytes) is {layout.block_bytes} bytes; the service's slots hold "
-                f"{cm.config.block_bytes}: set ServiceConfig.block_bytes (CMX_BLOCK_BYTES) to "
-                f"{layout.block_bytes} or the engine's block_size to at most {fits}")
+                f"{cm.config.block_bytes}: start the service with "
+                f"CMX_BLOCK_BYTES={layout.block_bytes} (ServiceConfig.block_bytes), or set the "
+                f"engine's block_size to at most {fits}")
         self.cm = cm
         self.model = model
         self.layout = layout
@@ -118,6 +155,10 @@ class Namespaces:
             ns = self._open[salt] = self.cm.namespace(self.model, self.layout, salt,
                                                       self.weights)
         return ns
+
+    def opened(self) -> list[Any]:
+        """Every namespace opened so far, one per salt."""
+        return list(self._open.values())
 
     @property
     def node_id(self) -> str:

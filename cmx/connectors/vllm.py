@@ -7,14 +7,16 @@ The one setting a vLLM user changes, where LMCache's would be::
         "kv_connector_module_path": "cmx.connectors.vllm",
         "kv_role": "kv_both",                   # kv_producer: store only; kv_consumer: load only
         "kv_load_failure_policy": "recompute",  # a prefix that vanished is recomputed
-        "kv_connector_extra_config": {"ray_address": "auto"},  # cmx.connectors.settings
+        "kv_connector_extra_config": {"ray_address": "10.0.0.5:6379"},  # see .settings
     }
 
 vLLM makes one connector on its scheduler and one in each worker; with multiprocessing on they
 live in different processes. The scheduler side (``vllm_scheduler``) finds the cached prefix
 and plans loads and stores; the worker side (``vllm_worker``) moves the blocks; the step's
 metadata and the workers' reports (``vllm_meta``) are all that passes between them. This class
-only wires vLLM's hooks to the two.
+only wires vLLM's hooks to the two, and answers vLLM's questions about the connector as a
+whole: it works in the layer-wise hooks (so CUDA graphs must be piecewise), its counters
+(``vllm_stats``), and ``reset_cache`` (every namespace the engine used is dropped).
 
 A request's namespace is (model, KV layout, salt): the salt is the connector's ``salt`` with
 the request's ``cache_salt``, so tenants with different cache salts never share a block. A
@@ -36,15 +38,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from cmx.connectors.paged import PagedLayout
-from cmx.connectors.settings import ConnectorSettings, Namespaces, connect
+from cmx.connectors.settings import (
+    ConnectorSettings,
+    Namespaces,
+    adopt_service_slots,
+    connect,
+)
 from cmx.connectors.vllm_meta import CMXStepMetadata, CMXWorkerReport
 from cmx.connectors.vllm_scheduler import SchedulerSide
+from cmx.connectors.vllm_stats import CMXConnectorStats, CMXPromMetrics
 from cmx.connectors.vllm_worker import WorkerSide
 from cmx.errors import LayoutMismatchError
 from cmx.layout import KVLayout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -74,6 +83,14 @@ def engine_layout(kv_cache_config: KVCacheConfig) -> tuple[KVLayout, list[str]]:
 
 
 class CMXConnector(KVConnectorBase_V1):
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # Loads land layer by layer (``wait_for_layer_load``) and saves copy each layer out
+        # (``save_kv_layer``), whatever the settings: hooks a full CUDA graph would replay
+        # without, letting attention read blocks before they land. vLLM then captures
+        # piecewise graphs, which run the hooks between the pieces.
+        return True
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -88,7 +105,8 @@ class CMXConnector(KVConnectorBase_V1):
         model_config = vllm_config.model_config
         model = settings.model or _served_name(model_config)
         weights = settings.weights or _fingerprint(model_config.model)
-        self._cm = connect(settings)
+        self._cm = self._connect(settings)
+        adopt_service_slots(self._cm)  # the running service's slots, checked by Namespaces
         namespaces = Namespaces(self._cm, model, layout, weights)
         load, save = transfer.is_kv_consumer, transfer.is_kv_producer
         self._scheduler: SchedulerSide | None = None
@@ -138,6 +156,26 @@ class CMXConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self._side_worker().take_report()
 
+    # -- both sides ----------------------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        side = self._scheduler or self._worker
+        return None if side is None else side.take_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVConnectorStats | None:
+        return CMXConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        return CMXPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def reset_cache(self) -> bool | None:
+        return None if self._scheduler is None else self._scheduler.reset()
+
     # -- scheduler side ------------------------------------------------------------------------
 
     def on_new_request(self, request: Request) -> None:
@@ -168,7 +206,7 @@ class CMXConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         report = self._side_scheduler().finished(request.request_id)
-        return False, ({"cmx": report} if report else None)
+        return False, (None if report is None else {"cmx": report})
 
     def shutdown(self) -> None:
         if self._scheduler is not None:
@@ -178,6 +216,10 @@ class CMXConnector(KVConnectorBase_V1):
         self._cm.shutdown(stop_service=False)
 
     # -- helpers -------------------------------------------------------------------------------
+
+    def _connect(self, settings: ConnectorSettings) -> Any:
+        """The ``ContextMemory`` the connector uses (a test reaches an in-process service)."""
+        return connect(settings)
 
     def _side_worker(self) -> WorkerSide:
         if self._worker is None:

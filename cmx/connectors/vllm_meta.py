@@ -12,7 +12,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-__all__ = ["CMXStepMetadata", "CMXWorkerReport", "LoadSpec", "LoadResult", "SaveSpec"]
+__all__ = ["CMXStepMetadata", "CMXWorkerReport", "LoadSpec", "LoadResult", "SaveSpec",
+           "StoreResult"]
 
 
 @dataclass(frozen=True)
@@ -60,11 +61,23 @@ class LoadResult:
     sources: tuple[tuple[str, int], ...]  # (source class, bytes) of what was loaded
 
 
+@dataclass(frozen=True)
+class StoreResult:
+    """How one store handed to the store thread ended: only committed blocks count as stored."""
+
+    req_id: str
+    tokens: int  # handed to the store
+    committed_tokens: int  # in blocks the service committed (visible to lookups) for this store
+    failed_tokens: int  # in blocks refused, or of a store that raised or timed out
+    # The rest (tokens - committed - failed) were already held, or found no room: not stored.
+
+
 @dataclass
 class CMXWorkerReport(KVConnectorWorkerMetadata):
     loads: list[LoadResult] = field(default_factory=list)
-    stored: dict[str, int] = field(default_factory=dict)  # req_id -> tokens handed to the store
-    dropped: dict[str, int] = field(default_factory=dict)  # req_id -> tokens not stored
+    handed: dict[str, int] = field(default_factory=dict)  # req_id -> tokens handed to the store
+    stores: list[StoreResult] = field(default_factory=list)  # stores that ended since last step
+    dropped: dict[str, int] = field(default_factory=dict)  # req_id -> tokens never handed
     step_s: float = 0.0  # the step's time, with ``computed`` from its metadata
     computed: list[tuple[int, int]] = field(default_factory=list)
 

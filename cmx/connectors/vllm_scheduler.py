@@ -12,7 +12,9 @@ Per request, in vLLM's call order:
 3. ``build_step``: each scheduled request's loads (into its newly allocated blocks) and stores
    (its prompt's blocks completed this step, each stored once) become ``CMXStepMetadata``.
 4. ``finished``: the request's state goes; its report is returned to vLLM as
-   ``kv_transfer_params["cmx"]``.
+   ``kv_transfer_params["cmx"]``. Its ``stored_tokens`` are those in blocks the service had
+   committed by then; ``store_pending_tokens`` those still being stored (stores never hold a
+   request), ``store_failed_tokens`` those refused or lost.
 
 A preempted request is resumed with new blocks and asked about again from step 1; what it
 already stored stays stored. Lookup failures are misses.
@@ -36,6 +38,7 @@ from typing import Any
 
 from cmx.connectors.settings import ConnectorSettings, Namespaces, namespace_salt
 from cmx.connectors.vllm_meta import CMXStepMetadata, CMXWorkerReport, LoadSpec, SaveSpec
+from cmx.connectors.vllm_stats import CMXConnectorStats, Counters
 from cmx.policies.breakeven import BreakEven, source_class
 
 __all__ = ["RequestOptions", "RequestState", "SchedulerSide"]
@@ -77,6 +80,8 @@ class RequestState:
     offer: tuple[int, int] | None = None  # (local tokens asked about, tokens offered beyond)
     load: tuple[int, int] | None = None  # [start, end) to load in the next step
     report: dict[str, Any] = field(default_factory=dict)
+    store_handed: int = 0  # tokens the workers handed to their store threads
+    store_ended: int = 0  # of those, in stores that ended (committed, failed or not needed)
 
 
 class SchedulerSide:
@@ -94,11 +99,12 @@ class SchedulerSide:
         self._lookups: dict[str, Future[Any]] = {}
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="cmx-lookup")
         self._lock = threading.Lock()
-        # Reports handed to vLLM this step, by request. vLLM frees a request that finishes in
-        # a step (a one-token completion: its load's step) before it passes the workers'
-        # report of that step on (``update_connector_output``), and sends the report it got
-        # only after both: what the workers say then still reaches it, through this dict.
-        self._finishing: dict[str, dict[str, Any]] = {}
+        # Requests finished this step, whose reports vLLM holds. vLLM frees a request that
+        # finishes in a step (a one-token completion: its load's step) before it passes the
+        # workers' report of that step on (``update_connector_output``), and sends the report
+        # it got only after both: what the workers say then still reaches it, through this.
+        self._finishing: dict[str, RequestState] = {}
+        self.counters = Counters()
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -107,6 +113,7 @@ class SchedulerSide:
         """Start knowing a request; ``params`` is its ``kv_transfer_params``."""
         if req_id not in self.requests:
             salt = namespace_salt(self.settings.salt, cache_salt)
+            self.namespaces.get(salt)  # opened: ``reset`` drops every namespace of this engine
             self.requests[req_id] = RequestState(salt, tuple(prompt or ()),
                                                  RequestOptions.of(params))
 
@@ -128,10 +135,13 @@ class SchedulerSide:
             return None
         except Exception as exc:  # noqa: BLE001 - an unreachable service is a miss
             log.warning("lookup failed, computing the prompt: %s", exc)
+            self.counters.add(lookup_failures=1)
             match = None
         del self._lookups[req_id]
         tokens = self._offer(state, match, local_tokens)
         state.offer = (local_tokens, tokens)
+        hit = 0 if match is None else max(0, match.num_tokens - local_tokens)
+        self.counters.add(lookups=1, hit_tokens=hit, offered_tokens=tokens)
         return tokens
 
     def _offer(self, state: RequestState, match: Any, local_tokens: int) -> int:
@@ -163,12 +173,11 @@ class SchedulerSide:
         future = self._lookups.pop(req_id, None)
         if future is not None:
             future.cancel()
-        if state is None:
+        if state is None or not (state.report or (self.do_save and state.options.store)):
             return None
-        report = {k: v for k, v in state.report.items() if not k.startswith("_")}
-        if report:
-            self._finishing[req_id] = report
-        return report
+        # The dict vLLM now holds: what the workers report this step is still added to it.
+        self._finishing[req_id] = state
+        return state.report
 
     # -- steps ---------------------------------------------------------------------------------
 
@@ -229,23 +238,66 @@ class SchedulerSide:
                     figures["load_failed_tokens"] = load.asked_tokens - load.loaded_tokens
             if load.loaded_tokens and load.seconds > 0:
                 self.gate.observe_load(load.sources, load.seconds)
-        for req_id, tokens in report.stored.items():
-            figures = self._report_of(req_id)
-            if figures is not None:
-                figures["stored_tokens"] = figures.get("stored_tokens", 0) + tokens
+        for req_id, tokens in report.handed.items():
+            state = self._state_of(req_id)
+            if state is not None:
+                state.store_handed += tokens
+                _note_pending(state)
+        for store in report.stores:
+            state = self._state_of(store.req_id)
+            if state is None:
+                continue  # ended after its request's report was sent: counted in the stats
+            state.store_ended += store.tokens
+            _add(state.report, "stored_tokens", store.committed_tokens)
+            _add(state.report, "store_failed_tokens", store.failed_tokens)
+            _note_pending(state)
         for req_id, tokens in report.dropped.items():
             figures = self._report_of(req_id)
             if figures is not None:
-                figures["store_dropped_tokens"] = tokens
+                _add(figures, "store_dropped_tokens", tokens)
         if len(report.computed) == 1 and report.step_s > 0 and not report.loads:
             start, end = report.computed[0]
             if end - start > 1:  # a prefill chunk, alone in its step: a clean measurement
                 self.gate.observe_prefill(start, end, report.step_s)
 
+    def _state_of(self, req_id: str) -> RequestState | None:
+        """A running request, or one that finished this step."""
+        return self.requests.get(req_id) or self._finishing.get(req_id)
+
     def _report_of(self, req_id: str) -> dict[str, Any] | None:
         """The report of a running request, or of one that finished this step."""
-        state = self.requests.get(req_id)
-        return state.report if state is not None else self._finishing.get(req_id)
+        state = self._state_of(req_id)
+        return None if state is None else state.report
+
+    def take_stats(self) -> CMXConnectorStats | None:
+        return self.counters.take()
+
+    def reset(self) -> bool:
+        """Evict every block of each namespace this engine has used (vLLM's ``reset_cache``);
+        other engines sharing those namespaces lose them too. False if a drop failed."""
+        ok = True
+        for ns in self.namespaces.opened():
+            try:
+                evicted = self.namespaces.cm.drop_namespace(ns.namespace)
+                log.info("dropped namespace %s: %d copies evicted", ns.namespace.id, evicted)
+            except Exception as exc:  # noqa: BLE001 - vLLM is told, the engine goes on
+                log.warning("could not drop namespace %s: %s", ns.namespace.id, exc)
+                ok = False
+        return ok
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _add(figures: dict[str, Any], name: str, tokens: int) -> None:
+    if tokens:
+        figures[name] = figures.get(name, 0) + tokens
+
+
+def _note_pending(state: RequestState) -> None:
+    """``store_pending_tokens``: handed to a store that has not ended; absent when none."""
+    pending = state.store_handed - state.store_ended
+    if pending > 0:
+        state.report["store_pending_tokens"] = pending
+    else:
+        state.report.pop("store_pending_tokens", None)

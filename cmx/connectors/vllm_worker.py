@@ -14,6 +14,14 @@ One step, in vLLM's call order:
 5. ``end_step`` (``wait_for_save``): waits for the loader (bounded), hands the copied blocks to
    a store thread and returns: the engine never waits for a store.
 
+Every hook above runs in the Python between the model's layers, so with CUDA graphs vLLM must
+capture piecewise graphs (``CMXConnector.requires_piecewise_for_cudagraph``): a full graph
+replays the layers without them, and attention would read blocks before they land.
+
+A store counts as stored only for the blocks the service committed: the store thread reports
+how each store ended (``StoreResult``) in a later step's report, and what was refused, raised
+or timed out is counted as failed, never as stored.
+
 Blocks that were promised but not loaded (the prefix vanished between lookup and load, the
 service failed or was late) are returned by ``take_failed``; vLLM recomputes them. Blocks
 written by the loader are the only cache contents this side ever changes.
@@ -37,7 +45,9 @@ from cmx.connectors.vllm_meta import (
     LoadResult,
     LoadSpec,
     SaveSpec,
+    StoreResult,
 )
+from cmx.connectors.vllm_stats import CMXConnectorStats, Counters
 from cmx.errors import LayoutMismatchError
 from cmx.policies.breakeven import source_class
 
@@ -85,7 +95,9 @@ class WorkerSide:
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="cmx-load")
         self._storer = ThreadPoolExecutor(1, thread_name_prefix="cmx-store")
         self._pending = 0  # stores handed to the store thread and not finished
-        self._pending_lock = threading.Lock()
+        self._ended: list[StoreResult] = []  # stores finished since the last report
+        self._pending_lock = threading.Lock()  # guards _pending and _ended
+        self.counters = Counters()
 
     def register(self, kv_caches: Mapping[str, Any]) -> None:
         """The engine's per-layer caches; each must be the layout's shape."""
@@ -159,9 +171,15 @@ class WorkerSide:
 
     def take_report(self) -> CMXWorkerReport | None:
         report, self._report = self._report, CMXWorkerReport()
-        if not (report.loads or report.stored or report.dropped or report.computed):
+        with self._pending_lock:
+            report.stores, self._ended = self._ended, []
+        if not (report.loads or report.handed or report.stores or report.dropped
+                or report.computed):
             return None
         return report
+
+    def take_stats(self) -> CMXConnectorStats | None:
+        return self.counters.take()
 
     def shutdown(self) -> None:
         self._loader.shutdown(wait=True, cancel_futures=True)
@@ -231,6 +249,8 @@ class WorkerSide:
             sources = tuple((c, nbytes) for c in item.sources[:got]) if item else ()
             self._report.loads.append(LoadResult(spec.req_id, spec.end - spec.start, got * T,
                                                  got * nbytes, seconds, sources))
+            self.counters.add(loads=1, loaded_tokens=got * T, load_s=seconds,
+                              load_failed_tokens=spec.end - spec.start - got * T)
 
     # -- stores --------------------------------------------------------------------------------
 
@@ -247,17 +267,30 @@ class WorkerSide:
             if full:
                 log.warning("store of %d tokens dropped: %d stores in flight", tokens,
                             self._pending)
-                self._report.dropped[save.req_id] = tokens
+                self._report.dropped[save.req_id] = (
+                    self._report.dropped.get(save.req_id, 0) + tokens)
+                self.counters.add(store_dropped_tokens=tokens)
                 continue
             self._storer.submit(self._store, save, kv)
-            self._report.stored[save.req_id] = self._report.stored.get(save.req_id, 0) + tokens
+            self._report.handed[save.req_id] = self._report.handed.get(save.req_id, 0) + tokens
 
     def _store(self, save: SaveSpec, kv: Any) -> None:
+        """On the store thread: store, wait (bounded) for the commit, and say how it ended."""
+        T, tokens = self.layout.block_tokens, save.end - save.start
+        committed = failed = 0
         try:
             ns = self.namespaces.get(save.salt)
-            ns.store(list(save.token_ids), kv, start=save.start).wait()
+            handle = ns.store(list(save.token_ids), kv, start=save.start)
+            committed = handle.wait() * T
+            failed = len(handle.refused) * T
+            if failed:
+                log.warning("store of %d tokens: the service refused %d", tokens, failed)
         except Exception as exc:  # noqa: BLE001 - a lost store is a later miss, never an error
-            log.warning("store of %d tokens failed: %s", save.end - save.start, exc)
+            log.warning("store of %d tokens failed: %s", tokens, exc)
+            committed, failed = 0, tokens  # what it may have committed before is not known
         finally:
+            result = StoreResult(save.req_id, tokens, committed, failed)
+            self.counters.add(stored_tokens=committed, store_failed_tokens=failed)
             with self._pending_lock:
                 self._pending -= 1
+                self._ended.append(result)

@@ -16,7 +16,7 @@ from vllm.v1.core.sched.output import CachedRequestData
 
 from cmx.client import BlockLocation, Match, NamespaceClient
 from cmx.connectors.settings import ConnectorSettings, Namespaces, namespace_salt
-from cmx.connectors.vllm_meta import CMXWorkerReport, LoadResult
+from cmx.connectors.vllm_meta import CMXWorkerReport, LoadResult, StoreResult
 from cmx.connectors.vllm_scheduler import SchedulerSide
 from cmx.keys import BlockHash
 from cmx.layout import KVLayout
@@ -198,7 +198,7 @@ def test_worker_reports_reach_the_request_and_the_gate() -> None:
     before = s.gate.link("dram").samples.copy()
     s.take_report(CMXWorkerReport(
         loads=[LoadResult("r", 8, 4, 4 * 1024, 0.01, (("dram", 2048), ("dram", 2048)))],
-        stored={"r": 8}))
+        handed={"r": 8}, stores=[StoreResult("r", 8, 8, 0)]))
     report = s.finished("r")
     assert report is not None
     assert report["loaded_tokens"] == 4 and report["load_failed_tokens"] == 4
@@ -256,8 +256,8 @@ def test_a_request_that_finishes_in_its_load_step_still_gets_the_workers_figures
     sent = s.finished("r")
     assert sent is not None and "loaded_tokens" not in sent
     s.take_report(CMXWorkerReport(loads=[LoadResult("r", 8, 8, 8 * 1024, 0.01, ())],
-                                  stored={"r": 8}))
+                                  handed={"r": 8}, stores=[StoreResult("r", 8, 8, 0)]))
     assert sent["loaded_tokens"] == 8 and sent["stored_tokens"] == 8
     s.build_step([], NONE, {}, [])  # the next step: last step's reports are gone
-    s.take_report(CMXWorkerReport(stored={"r": 4}))
+    s.take_report(CMXWorkerReport(stores=[StoreResult("r", 4, 4, 0)]))
     assert sent["stored_tokens"] == 8 and s._finishing == {}

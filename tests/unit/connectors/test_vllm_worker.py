@@ -16,7 +16,7 @@ import torch
 from cmx.client import BlockLocation, Match, NamespaceClient, StoreHandle
 from cmx.connectors.paged import PagedLayout, block_view
 from cmx.connectors.settings import ConnectorSettings, Namespaces
-from cmx.connectors.vllm_meta import CMXStepMetadata, LoadSpec, SaveSpec
+from cmx.connectors.vllm_meta import CMXStepMetadata, LoadSpec, SaveSpec, StoreResult
 from cmx.connectors.vllm_worker import WorkerSide, _Loaded
 from cmx.keys import BlockHash
 from cmx.layout import KVLayout
@@ -31,13 +31,13 @@ BOUND_S = 30.0  # a liveness bound only: every wait below ends on an event long 
 
 
 class Handle(StoreHandle):
-    def __init__(self, done: threading.Event) -> None:
-        super().__init__(None, 0, BOUND_S)
+    def __init__(self, done: threading.Event, blocks: int) -> None:
+        super().__init__(None, blocks, BOUND_S)
         self._done = done
 
     def wait(self, timeout_s: float | None = None) -> int:
         assert self._done.wait(BOUND_S)
-        return 0
+        return self.num_blocks
 
 
 class FakeNamespace(NamespaceClient):
@@ -68,7 +68,7 @@ class FakeNamespace(NamespaceClient):
             self.finished.set()
 
         threading.Thread(target=finish, daemon=True).start()
-        return Handle(done)
+        return Handle(done, (len(token_ids) - start) // T)  # type: ignore[arg-type]
 
 
 class FakeNamespaces(Namespaces):
@@ -150,10 +150,12 @@ def test_a_step_ends_while_its_store_is_still_running() -> None:
     assert not ended.is_alive(), "the step waited for its store"
     assert not ns.finished.is_set()  # the store is still running, the step is over
     report = w.take_report()
-    assert report is not None and report.stored == {"r": 8}
+    assert report is not None and report.handed == {"r": 8} and report.stores == []
     ns.store_done.set()
     assert ns.finished.wait(BOUND_S)
     w.shutdown()
+    report = w.take_report()
+    assert report is not None and report.stores == [StoreResult("r", 8, 8, 0)]
     ((ids, kv, start),) = ns.stored
     assert ids == PROMPT[:8] and start == 0
     for layer in range(LAYERS):
@@ -173,6 +175,6 @@ def test_stores_past_the_bound_are_dropped_and_reported() -> None:
         w.end_step()
     report = w.take_report()
     assert report is not None
-    assert report.stored == {"a": 4} and report.dropped == {"b": 4}
+    assert report.handed == {"a": 4} and report.dropped == {"b": 4}
     ns.store_done.set()
     w.shutdown()

@@ -1,0 +1,80 @@
+"""A real ``CMXConnector``, built from a minimal vLLM config, that reaches an in-process service
+(tests/unit/actors/plane.py: tiers, agent and directory wired by LocalLink) instead of Ray."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from plane import Plane, make_plane
+from vllm.config import KVTransferConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+from cmx.actors.links import LocalLink
+from cmx.client import ContextMemory
+from cmx.config import ServiceConfig
+from cmx.connectors.paged import PagedLayout, block_view
+from cmx.connectors.settings import ConnectorSettings
+from cmx.connectors.vllm import CMXConnector
+from cmx.layout import KVLayout
+from cmx.node_plane import NodePlane
+
+T, LAYERS, HEADS, DIM, BLOCKS = 8, 3, 2, 16, 8
+LAYOUT = KVLayout(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, block_tokens=T,
+                  dtype="float32")  # 6,144 bytes a block
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+NODE = "engine-node"
+BOUND_S = 30.0  # a liveness bound only
+LEASE_S = 60.0  # the plane's clock moves only when a test moves it
+
+
+def plane_of(root: Path, block_bytes: int = 8192,
+             link_type: type[LocalLink] = LocalLink) -> Plane:
+    """A one-node service whose slots are ``block_bytes``."""
+    config = ServiceConfig(block_bytes=block_bytes, hbm_bytes=16 * block_bytes,
+                           dram_bytes=32 * block_bytes, nvme_bytes=64 * block_bytes,
+                           nvme_dir=str(root), nvme_segment_bytes=16 * block_bytes,
+                           directory_shards=2, call_timeout_s=5.0, load_timeout_s=BOUND_S,
+                           lease_s=LEASE_S)
+    return make_plane(config, nodes=(NODE,), link_type=link_type)
+
+
+def client_of(plane: Plane, config: ServiceConfig) -> ContextMemory:
+    """A ``ContextMemory`` of the plane's node, with ``config`` as its own view."""
+    cm = ContextMemory(config, NODE, owns_ray=False)
+    cm.link = plane.link  # type: ignore[assignment]
+    cm.plane = NodePlane(plane.link, NODE, 5.0)
+    return cm
+
+
+def connector(plane: Plane, role: KVConnectorRole, **extra: Any) -> CMXConnector:
+    """The real connector, joined to ``plane`` rather than to a Ray cluster."""
+
+    class PlaneConnector(CMXConnector):
+        def _connect(self, settings: ConnectorSettings) -> Any:
+            return client_of(plane, settings.service)
+
+    settings = {"model": "m", "weights": "w", "paged_layout": "vllm_cpu",
+                "load_timeout_s": BOUND_S, "service": {"call_timeout_s": 5.0}, **extra}
+    vllm_config = VllmConfig(kv_transfer_config=KVTransferConfig(
+        kv_connector="CMXConnector", kv_connector_module_path="cmx.connectors.vllm",
+        kv_role="kv_both", kv_load_failure_policy="recompute",
+        kv_connector_extra_config=settings))
+    spec = FullAttentionSpec(block_size=T, num_kv_heads=HEADS, head_size=DIM,
+                             dtype=torch.float32)
+    kv_cache_config = KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[],
+                                    kv_cache_groups=[KVCacheGroupSpec(NAMES, spec)])
+    return PlaneConnector(vllm_config, role, kv_cache_config)
+
+
+def paged_caches() -> list[torch.Tensor]:
+    """One vLLM CPU-layout cache per layer, zeroed."""
+    return [torch.zeros(BLOCKS, HEADS, T, 2 * DIM) for _ in range(LAYERS)]
+
+
+def blocks_of(cache: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    """[2, heads, len(ids) * T, dim] of the paged cache's blocks ``ids``, in order."""
+    view = block_view(cache, PagedLayout.VLLM_CPU, DIM)  # [blocks, heads, 2, T, dim]
+    return view[ids].permute(2, 1, 0, 3, 4).reshape(2, HEADS, len(ids) * T, DIM)

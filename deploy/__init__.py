@@ -13,7 +13,9 @@ cluster-wide through the context memory (``CMXConnector``).
     openai_types   request bodies of the OpenAI API, bounded
     openai_bodies  response bodies, stream chunks and errors of the OpenAI API
     errors         OpenAI-style 4xx errors at the HTTP edge, bounded body reads
-    tenants        the namespace salt of a request from its API key and cache_salt
+    tenants        who a request is from (its API key) and its namespace salt (with cache_salt)
+    apikeys        the API key file: each key's SHA-256 and its tenant, mode 0600
+    auth           the key check where a prompt enters, a FastAPI dependency of the ingress
     routing        the prefix-aware ranking of replicas, a plain function
     router         PrefixAwareRouter: Serve's RequestRouter filled with that ranking
     app            the bound application; build_app for Serve config files
@@ -22,7 +24,7 @@ cluster-wide through the context memory (``CMXConnector``).
     launch         `cmx serve`: the application in the background on the local Ray cluster
     workload       the demo's shared-prefix workload
     demo, render   `cmx demo`, the main job, and its tables
-    cli            the `demo` and `serve` commands
+    cli            the `demo` and `serve` commands; keys_cli: `cmx keys add | list`
 
 Files: serve_config.yaml (Serve), kuberay/ (RayService, Redis for GCS fault tolerance),
 cluster.yaml (`ray up`).

@@ -16,7 +16,7 @@ from typing import Any
 
 from cmx.deploy.config import ServeOptions
 
-__all__ = ["ROUTER_CLASS", "build", "build_app", "router_kwargs"]
+__all__ = ["ROUTER_CLASS", "build", "build_app", "check_block_size", "router_kwargs"]
 
 ROUTER_CLASS = "cmx.deploy.router:PrefixAwareRouter"
 
@@ -28,14 +28,55 @@ def router_kwargs(options: ServeOptions) -> dict[str, Any]:
             "lookup_timeout_s": options.route_lookup_timeout_s}
 
 
+def check_block_size(options: ServeOptions) -> None:
+    """Refuse, before anything is deployed, slots that cannot hold one of the model's blocks:
+    ``CmxError`` naming the ``CMX_BLOCK_BYTES`` to set (``service.check_slots``), so that the
+    caller says it, rather than each replica failing at startup into Serve's controller log.
+
+    The slots are the running service's where this process reaches it (a Ray driver on a node
+    of the service), else those the replicas would start the service with.
+    """
+    if options.engine.connector != "cmx":
+        return
+    from cmx.deploy.model import model_info
+    from cmx.deploy.service import check_slots, service_config
+
+    model = model_info(options.model, options.engine)
+    slot_bytes = _running_slot_bytes()
+    check_slots(slot_bytes or service_config(options, model).block_bytes, model)
+
+
+def _running_slot_bytes(timeout_s: float = 30.0) -> int | None:
+    """This node's DRAM tier's slot size; None where no driver is connected or none runs."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    from cmx.errors import UnavailableError
+    from cmx.links import RayLink
+    from cmx.protocol import actor_name
+
+    node = ray.get_runtime_context().get_node_id()
+    try:
+        return int(RayLink().call(actor_name("dram", node), "info", timeout_s=timeout_s)
+                   .slot_bytes)
+    except UnavailableError:
+        return None
+
+
 def build(options: ServeOptions) -> Any:
-    """The bound application (pass it to ``serve.run``)."""
+    """The bound application (pass it to ``serve.run``); ``KeyFileError`` if its API key file
+    cannot be used, here in the caller rather than in the ingress's replica."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
     from cmx.deploy.ingress import OpenAIIngress
     from cmx.deploy.server import LLMServer
+    from cmx.deploy.tenants import Tenancy
 
+    Tenancy.load(options.engine.salt, options.tenants)
+
+    check_block_size(options)
     args = options.to_args()
     placement: dict[str, Any] = {}
     if options.max_replicas_per_node is not None:
@@ -49,7 +90,9 @@ def build(options: ServeOptions) -> Any:
         max_ongoing_requests=options.max_ongoing_requests,
         ray_actor_options={"num_cpus": options.replica_cpus},
         request_router_config=router, health_check_timeout_s=120.0,
-        graceful_shutdown_timeout_s=10.0, **placement,
+        # The replica's __del__ stops its engine (up to 5 s) and waits for its processes to
+        # exit (up to server.ENGINE_EXIT_S) to reap their shared memory.
+        graceful_shutdown_timeout_s=20.0, **placement,
     )(LLMServer)
     ingress = serve.deployment(
         name="OpenAIIngress", num_replicas=1, max_ongoing_requests=256,

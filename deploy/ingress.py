@@ -9,29 +9,35 @@ server-sent events out.
 
 The ingress checks every request against the served model (token ids inside the vocabulary,
 prompt plus completion inside the context length) and answers a malformed one with an
-OpenAI-style 4xx error object. It derives the tenant's namespace salt (``tenants``) and computes
-the prompt's block keys in that namespace, so the router asks the directory where the prefix is
-before any replica sees the request.
+OpenAI-style 4xx error object. A text prompt or chat of over 64 characters per token of the
+context is refused before it is tokenized; tokenizing runs on a thread of its own, so the event
+loop serves other requests meanwhile. A route that runs a prompt first checks the API key (``auth``:
+a 401 for a key the deployment's key file lacks) and derives the tenant's namespace salt
+(``tenants``); the ingress computes the prompt's block keys in that namespace, so the router
+asks the directory where the prefix is before any replica sees the request.
 """
 
 # No ``from __future__ import annotations`` here: FastAPI reads the route handlers' annotations
 # at runtime, through Serve's ingress wrapper, and cannot resolve postponed ones there.
 
+import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
+from cmx.deploy.auth import AUTHENTICATED, request_salt
 from cmx.deploy.config import ServeOptions
 from cmx.deploy.errors import ApiError, install_handlers, parse_body
 from cmx.deploy.messages import GenerateRequest, ReplicaInfo, Sampling, Summary
 from cmx.deploy.openai_bodies import Kind, Reply, models_body, sse
 from cmx.deploy.openai_types import ChatRequest, CompletionRequest
 from cmx.deploy.routing import known_replicas
-from cmx.deploy.tenants import bearer_key, tenant_salt
+from cmx.deploy.tenants import Tenancy
 
 __all__ = ["OpenAIIngress", "app"]
 
@@ -45,8 +51,13 @@ class OpenAIIngress:
         from cmx.deploy.model import load_tokenizer
 
         self.options = ServeOptions.from_args(args)
+        self.tenancy = Tenancy.load(self.options.engine.salt, self.options.tenants)  # auth
         self.llm = llm
         self.tokenizer = load_tokenizer(self.options.model)
+        # Tokenizing runs on this one thread, never on the event loop, which serves every other
+        # request meanwhile; one thread, as a Hugging Face tokenizer is not made to be called
+        # from several at once.
+        self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="cmx-tokenize")
         self.model_id = self.options.model.model_id
         self._info: ReplicaInfo | None = None
 
@@ -74,8 +85,7 @@ class OpenAIIngress:
             raise ApiError(400, f"this model's maximum context length is {info.max_model_len} "
                                 f"tokens; the prompt has {len(ids)} and asks for "
                                 f"{max_tokens or 1} more", param="max_tokens")
-        salt = tenant_salt(self.options.engine.salt,
-                           bearer_key(request.headers.get("authorization")), body.cache_salt)
+        salt = request_salt(request, body.cache_salt)
         keys = self._keys(info, salt, ids) if body.cache else ()
         sampling = Sampling(max_tokens=max_tokens or room, temperature=body.temperature,
                             top_p=body.top_p, seed=body.seed, n=body.n, stop=body.stops(),
@@ -123,7 +133,7 @@ class OpenAIIngress:
         info = await self._replica_info()
         return models_body(self.model_id, info.max_model_len)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=[AUTHENTICATED])
     async def completions(self, request: Request) -> Any:
         body = await parse_body(request, CompletionRequest)
         self._check_model(body.model)
@@ -131,29 +141,38 @@ class OpenAIIngress:
             prompt = body.single_prompt()
         except ValueError as exc:
             raise ApiError(400, str(exc), param="prompt") from None
-        ids = self._encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, str):
+            self._check_chars(len(prompt), "the prompt has", "prompt")
+            ids = await self._tokenize(self.tokenizer.encode, prompt)
+        else:
+            ids = list(prompt)
         req = await self._request(request, body, ids, body.max_tokens)
         return await self._answer("completion", body, req)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=[AUTHENTICATED])
     async def chat(self, request: Request) -> Any:
         body = await parse_body(request, ChatRequest)
         self._check_model(body.model)
+        messages = body.as_dicts()
+        self._check_chars(sum(len(m["content"]) for m in messages), "the messages have",
+                          "messages")
         try:
-            ids = self.tokenizer.chat(body.as_dicts())
+            ids = await self._tokenize(self.tokenizer.chat, messages)
         except ValueError as exc:
             raise ApiError(400, f"the chat template refused the messages: {exc}",
                            param="messages") from None
         req = await self._request(request, body, ids, body.limit())
         return await self._answer("chat", body, req)
 
-    def _encode(self, text: str) -> list[int]:
+    def _check_chars(self, chars: int, subject: str, param: str) -> None:
         # A text far longer than any context is refused before it is tokenized.
         limit = 64 * self.options.engine.max_model_len
-        if len(text) > limit:
-            raise ApiError(400, f"the prompt has {len(text)} characters; at most {limit}",
-                           param="prompt")
-        return self.tokenizer.encode(text)
+        if chars > limit:
+            raise ApiError(400, f"{subject} {chars} characters; at most {limit}", param=param)
+
+    async def _tokenize(self, tokenize: Callable[[Any], list[int]], text: Any) -> list[int]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizing, tokenize, text)
 
     @app.get("/cmx/info")
     async def info(self) -> dict[str, Any]:

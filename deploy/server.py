@@ -10,6 +10,10 @@ replicas with: the node and the time per request.
 Startup is deployable as shipped: the replica starts the context memory service if it is not
 running (or joins it), checks that the service's slots hold one of the model's blocks (else it
 fails with the number to set), and only then builds the engine.
+
+Shutdown (Serve calls ``__del__``) stops the engine, waits a bounded while for its processes to
+exit, and unlinks the shared memory they left (``EngineSegments``, recorded when the engine came
+up); a replica starting unlinks what engines of earlier replicas on this host left.
 """
 
 from __future__ import annotations
@@ -27,11 +31,14 @@ from cmx.deploy.errors import BadRequest
 from cmx.deploy.messages import Delta, GenerateRequest, ReplicaInfo, Summary
 from cmx.deploy.model import ModelInfo, model_info
 from cmx.deploy.service import MemoryLink, join_service
+from cmx.operate.orphans import EngineSegments
 from cmx.policies.prefetch import PrefetchOutcome, make_prefetch
 
 __all__ = ["LLMServer"]
 
 log = logging.getLogger(__name__)
+
+ENGINE_EXIT_S = 8.0  # how long a stopping replica waits for its engine's processes to exit
 
 
 class LLMServer:
@@ -50,7 +57,14 @@ class LLMServer:
                                  self.memory.ray_address, self.node)
         elif eng.connector != "none":
             kv = transfer_config(self.options, self.model, self.options.service or _default())
+        self._segments = EngineSegments.default()
+        self._segments.reap()  # of engines on this host gone before this one
         self.engine = build_engine(self.options, self.model, kv)
+        self._record: str | None = None
+        try:
+            self._record = self._segments.record(_engine_processes())
+        except OSError as exc:  # no record: what the engine leaves is not reaped
+            log.warning("the engine's shared memory was not recorded: %s", exc)
         options = {"timeout_s": eng.prefetch_timeout_s} if eng.prefetch == "timeout" else {}
         self.policy = make_prefetch(eng.prefetch, **options)
         self._io = ThreadPoolExecutor(4, thread_name_prefix="cmx-io")
@@ -143,9 +157,24 @@ class LLMServer:
                 "gating": self.options.engine.gate}
 
     def __del__(self) -> None:
-        engine = getattr(self, "engine", None)
-        if engine is not None:
-            engine.shutdown()
+        engine, self.engine = getattr(self, "engine", None), None
+        if engine is None:
+            return
+        engine.shutdown()
+        # vLLM's processes unlink their shared memory as they exit; one killed before it could
+        # (its parent gone first, then Ray's reaping of the actor's children) leaves it behind.
+        try:
+            wait_s = ENGINE_EXIT_S if self._record is not None else 0.0
+            self._segments.reap(wait_s=wait_s, wait_for=self._record)
+        except OSError as exc:
+            log.warning("the engine's shared memory was not reaped: %s", exc)
+
+
+def _engine_processes() -> list[int]:
+    """The pids of this replica's descendants: vLLM's engine core and its workers."""
+    import psutil
+
+    return [p.pid for p in psutil.Process().children(recursive=True)]
 
 
 def _client_error(exc: Exception) -> Exception:

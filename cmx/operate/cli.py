@@ -1,4 +1,5 @@
-"""``cmx up | status | lookup | block | evict | down``: the service from a shell.
+"""``cmx up | status | lookup | block | evict | down``: the service from a shell (and ``keys``,
+the OpenAI application's API key file, from ``cmx.deploy.keys_cli``).
 
 Read commands take ``--json``. Commands after ``up`` find the admin API and its token in the
 state file ``up`` wrote (``$CMX_STATE_DIR/state.json``, default ``~/.cache/cmx``); ``--url``
@@ -320,3 +321,9 @@ def down(
         return
     out.print(f"stopped {result.actors_stopped} actor(s)"
               + ("; the local Ray head is stopped" if result.ray_stopped else ""))
+
+
+# keys: the API key file of the OpenAI application (`cmx serve`)
+from cmx.deploy.keys_cli import app as _keys  # noqa: E402 - mounted after this module's commands
+
+app.add_typer(_keys, name="keys")

@@ -1,0 +1,163 @@
+"""The reaping rule of ``EngineSegments`` on files in a temporary directory standing for
+/dev/shm, held by real processes (a child that maps a file or holds it open, this process):
+a recorded segment is unlinked only once every process of its record is gone and no live
+process maps it or holds it open; a segment no record names is never touched."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cmx.operate.orphans import EngineSegments, ReapedSegment
+
+HOLDER = """
+import mmap, os, sys
+maps, fds = [], []
+for path in sys.argv[2:]:
+    fd = os.open(path, os.O_RDWR)
+    if sys.argv[1] == "map":
+        maps.append(mmap.mmap(fd, 0))
+        os.close(fd)
+    else:
+        fds.append(fd)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+class Holder:
+    """A child process that maps (or only opens) files until its stdin closes."""
+
+    def __init__(self, how: str, *paths: Path) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", HOLDER, how, *map(str, paths)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None and self.proc.stdout.readline() == "ready\n"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def let_go(self) -> None:
+        """Close its stdin: it exits on its own (not waited for here)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def shm(tmp_path: Path) -> Path:
+    path = tmp_path / "shm"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def segments(tmp_path: Path, shm: Path) -> EngineSegments:
+    return EngineSegments(str(tmp_path / "records"), shm_dir=str(shm))
+
+
+@pytest.fixture
+def holders() -> Iterator[list[Holder]]:
+    started: list[Holder] = []
+    yield started
+    for h in started:
+        h.stop()
+
+
+def make(shm: Path, name: str, size: int = 4096) -> Path:
+    path = shm / name
+    path.write_bytes(b"\1" * size)
+    return path
+
+
+def test_a_dead_engines_segments_are_reaped_and_nothing_else(
+    segments: EngineSegments, shm: Path, holders: list[Holder],
+) -> None:
+    queue, lock = make(shm, "psm_0a1b", 8192), make(shm, "sem.mp-x1y2", 32)
+    other, stranger = make(shm, "cmx-arena"), make(shm, "psm_stranger")  # no record names
+    engine = Holder("map", queue, lock, other)
+    bystander = Holder("open", other)  # lives on, holds no segment (as the resource tracker)
+    holders.extend([engine, bystander])
+    record = segments.record([engine.pid, bystander.pid])
+    assert record is not None
+    data = json.loads(Path(record).read_text())
+    assert data["segments"] == ["psm_0a1b", "sem.mp-x1y2"]
+    assert [pid for pid, _ in data["processes"]] == [engine.pid]
+
+    assert segments.reap() == []  # its process lives
+    assert queue.exists() and lock.exists()
+    engine.stop()
+    assert sorted(segments.reap(), key=lambda r: r.name) == [
+        ReapedSegment("psm_0a1b", 8192), ReapedSegment("sem.mp-x1y2", 32)]
+    assert not queue.exists() and not lock.exists() and not Path(record).exists()
+    assert other.exists() and stranger.exists()
+    assert segments.reap() == []
+
+
+def test_a_segment_a_live_process_maps_or_holds_open_is_kept_until_it_lets_go(
+    segments: EngineSegments, shm: Path, holders: list[Holder],
+) -> None:
+    mapped, opened = make(shm, "psm_mapped"), make(shm, "psm_opened")
+    engine = Holder("map", mapped, opened)
+    holders.append(engine)
+    assert segments.record([engine.pid]) is not None
+    engine.stop()
+    with open(mapped, "r+b") as f:
+        view = mmap.mmap(f.fileno(), 0)  # this process maps one
+    fd = os.open(opened, os.O_RDONLY)  # ... and holds the other open
+    try:
+        assert segments.reap() == []
+        assert mapped.exists() and opened.exists()
+    finally:
+        view.close()
+    assert segments.reap() == [ReapedSegment("psm_mapped", 4096)]
+    os.close(fd)
+    assert segments.reap() == [ReapedSegment("psm_opened", 4096)]
+
+
+def test_a_recorded_pid_now_of_another_process_counts_as_gone(
+    segments: EngineSegments, shm: Path, holders: list[Holder],
+) -> None:
+    make(shm, "psm_reused"), make(shm, "psm_live")
+    alive = Holder("open")
+    holders.append(alive)
+    os.makedirs(segments.root)
+    start = int(Path(f"/proc/{alive.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    for name, (pid, began) in {"psm_reused": (alive.pid, start - 1),
+                               "psm_live": (alive.pid, start)}.items():
+        Path(segments.root, f"{name}.json").write_text(
+            json.dumps({"processes": [[pid, began]], "segments": [name]}))
+    assert segments.reap() == [ReapedSegment("psm_reused", 4096)]
+    assert (shm / "psm_live").exists()
+
+
+def test_reap_waits_for_recorded_processes_to_exit(
+    segments: EngineSegments, shm: Path, holders: list[Holder],
+) -> None:
+    queue, running = make(shm, "psm_exiting"), make(shm, "psm_running")
+    engine, other = Holder("map", queue), Holder("map", running)  # another engine runs on
+    holders.extend([engine, other])
+    record = segments.record([engine.pid])
+    assert record is not None and segments.record([other.pid]) is not None
+    engine.let_go()  # it exits on its own: not yet waited for (a zombie holds nothing)
+    assert segments.reap(wait_s=60, wait_for=record) == [ReapedSegment("psm_exiting", 4096)]
+    assert not queue.exists() and running.exists()
+
+
+def test_processes_that_hold_no_segment_leave_no_record(
+    segments: EngineSegments, holders: list[Holder],
+) -> None:
+    idle = Holder("open")
+    holders.append(idle)
+    assert segments.record([idle.pid, 2**22 + 1]) is None
+    assert not os.path.exists(segments.root) or os.listdir(segments.root) == []

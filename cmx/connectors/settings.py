@@ -160,6 +160,11 @@ class Namespaces:
         """Every namespace opened so far, one per salt."""
         return list(self._open.values())
 
+    def forget(self) -> list[Any]:
+        """Every namespace opened so far, no longer held open here."""
+        opened, self._open = list(self._open.values()), {}
+        return opened
+
     @property
     def node_id(self) -> str:
         return str(self.cm.node_id)

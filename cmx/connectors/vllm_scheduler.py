@@ -28,6 +28,7 @@ cache (what was meant to stay out never goes in).
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections.abc import Iterable, Sequence
@@ -105,6 +106,7 @@ class SchedulerSide:
         # it got only after both: what the workers say then still reaches it, through this.
         self._finishing: dict[str, RequestState] = {}
         self.counters = Counters()
+        self.generation = 0  # resets so far: mixed into the salts of requests tracked since
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -112,10 +114,12 @@ class SchedulerSide:
               params: Any = None) -> None:
         """Start knowing a request; ``params`` is its ``kv_transfer_params``."""
         if req_id not in self.requests:
-            salt = namespace_salt(self.settings.salt, cache_salt)
-            self.namespaces.get(salt)  # opened: ``reset`` drops every namespace of this engine
-            self.requests[req_id] = RequestState(salt, tuple(prompt or ()),
-                                                 RequestOptions.of(params))
+            salt = generation_salt(namespace_salt(self.settings.salt, cache_salt),
+                                   self.generation)
+            options = RequestOptions.of(params)
+            if options.load or options.store:
+                self.namespaces.get(salt)  # opened: ``reset`` drops what this engine used
+            self.requests[req_id] = RequestState(salt, tuple(prompt or ()), options)
 
     def matched_tokens(self, req_id: str, local_tokens: int) -> int | None:
         """Tokens beyond ``local_tokens`` to load; None while the lookup runs."""
@@ -273,10 +277,14 @@ class SchedulerSide:
         return self.counters.take()
 
     def reset(self) -> bool:
-        """Evict every block of each namespace this engine has used (vLLM's ``reset_cache``);
-        other engines sharing those namespaces lose them too. False if a drop failed."""
+        """vLLM's ``reset_cache`` (as after a weight update in place): requests tracked from
+        now on use namespaces of a new generation, which nothing stored before holds (a store
+        still under way commits into the old one, out of their reach); then every block of
+        each namespace this engine used is evicted, best effort, other engines sharing them
+        losing them too. False if a drop failed."""
         ok = True
-        for ns in self.namespaces.opened():
+        self.generation += 1
+        for ns in self.namespaces.forget():
             try:
                 evicted = self.namespaces.cm.drop_namespace(ns.namespace)
                 log.info("dropped namespace %s: %d copies evicted", ns.namespace.id, evicted)
@@ -287,6 +295,12 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def generation_salt(salt: str, generation: int) -> str:
+    """The salt of a request tracked after ``generation`` resets: the salt itself before any,
+    so engines that never reset share namespaces as before."""
+    return salt if not generation else json.dumps([salt, f"reset-{generation}"])
 
 
 def _add(figures: dict[str, Any], name: str, tokens: int) -> None:

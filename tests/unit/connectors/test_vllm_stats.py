@@ -120,3 +120,29 @@ def test_a_workers_connector_leaves_reset_to_the_scheduler(plane: Plane) -> None
     conn: Any = connector(plane, KVConnectorRole.WORKER)
     assert conn.reset_cache() is None
     conn.shutdown()
+
+
+def test_after_reset_cache_a_store_still_under_way_is_out_of_new_requests_reach(
+    plane: Plane,
+) -> None:
+    conn = connector(plane, KVConnectorRole.SCHEDULER, salt="tenant")
+    side = conn._side_scheduler()
+    side.track("before", PROMPT, "a")
+    before = side.namespaces.get(side.requests["before"].salt)
+    assert conn.reset_cache() is True
+    # A store handed to a worker before the reset commits after it (vLLM cannot wait for it).
+    assert before.store(PROMPT[:2 * T], LAYOUT.random_kv(2 * T, seed=5)).wait() == 2
+    side.track("after", PROMPT, "a")
+    after = side.namespaces.get(side.requests["after"].salt)
+    assert after.namespace.digest != before.namespace.digest
+    assert after.lookup(PROMPT).num_tokens == 0  # the old weights' KV is never loaded
+    conn.shutdown()
+
+
+def test_requests_kept_out_of_the_cache_open_no_namespace(plane: Plane) -> None:
+    conn = connector(plane, KVConnectorRole.SCHEDULER, salt="tenant")
+    side = conn._side_scheduler()
+    for i in range(50):  # as the Serve app's cache-off requests: a salt of their own each
+        side.track(f"r{i}", PROMPT, f"nocache-{i}", {"cmx": {"load": False, "store": False}})
+    assert side.namespaces.opened() == []
+    conn.shutdown()

@@ -104,8 +104,8 @@ class Leases:
     def end_one(self, owner: str, key: BlockHash) -> bool:
         """End the oldest lease ``owner`` holds on ``key`` (for holders that keep no ids)."""
         with self._lock:
-            lease = next((i for i, h in self._held.items() if h.owner == owner and h.key == key),
-                         None)
+            lease = next((i for i, h in self._held.items()
+                          if _owned_by(h.owner, owner) and h.key == key), None)
         return lease is not None and self.end([lease]) == 1
 
     def end_pins(self, leases: Iterable[int | bytes]) -> None:
@@ -177,12 +177,17 @@ class LeasedPins:
     def pin(self, keys: Sequence[BlockHash], owner: str = ADMIN) -> Sequence[Any]:
         raise NotImplementedError
 
-    def pin_for(self, keys: Sequence[BlockHash], ttl_s: float) -> Sequence[Any]:
+    def pin_for(self, keys: Sequence[BlockHash], ttl_s: float, owner: str = ADMIN
+                ) -> Sequence[Any]:
         """An operator's pin of each key (None where it is not here), held ``ttl_s`` seconds
-        unless it is unpinned by key first (``unpin``). A bad TTL is a ValueError and pins
-        nothing."""
+        unless it is unpinned by key first (``unpin``). ``owner`` is ``ADMIN`` or
+        ``ADMIN:<id>``: a caller whose call failed or answered late gives back what it may
+        have pinned (``release_owner``). A bad TTL is a ValueError and pins nothing."""
         check_ttl(ttl_s)
-        pins = self.pin(keys, ADMIN)
+        if owner != ADMIN and not owner.startswith(f"{ADMIN}:"):
+            raise ValueError(f"an operator's pin is owned by {ADMIN!r} or {ADMIN}:<id>, "
+                             f"not {owner!r}")
+        pins = self.pin(keys, owner)
         self.leases.hold([p.lease for p in pins if p is not None], ttl_s)
         return pins
 
@@ -205,3 +210,10 @@ class LeasedPins:
 
     def _unpin_key(self, key: BlockHash) -> None:
         raise NotImplementedError
+
+
+def _owned_by(holder: str, owner: str) -> bool:
+    """Whether a lease held by ``holder`` counts as ``owner``'s: an operator's pins are each
+    owned by ``ADMIN:<id>`` and all ended by key as ``ADMIN``'s."""
+    return holder == owner or (owner == ADMIN and holder.startswith(f"{ADMIN}:"))
+

@@ -7,10 +7,12 @@ calls through ``RayLink`` (a tier's pin/unpin/evict); unit tests pass a fake.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 from cmx.actors.directory import Copy
+from cmx.actors.leases import ADMIN
 from cmx.actors.links import actor_name
 from cmx.config import ServiceConfig
 from cmx.errors import CmxError
@@ -74,7 +76,12 @@ class ServiceBackend:
         return self.link.call(actor_name(tier.value, node), method, list(keys))
 
     def pin(self, node: str, tier: Tier, key: BlockHash, ttl_s: float) -> bool:
-        pins = self.link.call(actor_name(tier.value, node), "pin_for", [key], ttl_s)
+        tier_actor, owner = actor_name(tier.value, node), f"{ADMIN}:{uuid.uuid4().hex}"
+        try:
+            pins = self.link.call(tier_actor, "pin_for", [key], ttl_s, owner)
+        except Exception:
+            self.link.tell(tier_actor, "release_owner", owner)  # a late pin would hold for ttl_s
+            raise
         return bool(pins) and pins[0] is not None
 
     def drop_namespace(self, namespace_id: str) -> int:

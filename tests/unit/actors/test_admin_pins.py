@@ -22,6 +22,7 @@ from cmx.api.app import create_app
 from cmx.api.backend import ServiceBackend
 from cmx.client import ContextMemory
 from cmx.config import AdminConfig
+from cmx.errors import UnavailableError
 from cmx.tiers import Tier
 
 NODES = ("a1" * 28, "b2" * 28)  # hex ids, as the API names nodes
@@ -130,3 +131,30 @@ def test_a_tier_refuses_a_bad_ttl_before_it_pins(admin: Admin, ttl: float) -> No
     with pytest.raises(ValueError, match="TTL"):
         dram.pin_for([bytes.fromhex(admin.key)], ttl)
     assert dram.stats().leases.pinned == 0 and dram.stats().pinned == 0
+
+
+class LateLink:
+    """The plane's link, but each ``pin_for`` answers too late: it ran, and the caller got
+    a timeout."""
+
+    def __init__(self, link: Any) -> None:
+        self._link = link
+
+    def call(self, name: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        answer = self._link.call(name, method, *args)
+        if method == "pin_for":
+            raise UnavailableError(f"{name}.{method} did not answer in time")
+        return answer
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._link, attr)
+
+
+def test_a_pin_whose_answer_came_too_late_is_given_back(admin: Admin) -> None:
+    cm = ContextMemory(admin.plane.config, NODES[0], owns_ray=False)
+    cm.link = LateLink(admin.plane.link)  # type: ignore[assignment]
+    dram = admin.plane.tiers[(NODES[0], Tier.DRAM)]
+    with pytest.raises(UnavailableError):
+        ServiceBackend(cm).pin(NODES[0], Tier.DRAM, bytes.fromhex(admin.key), TTL_S)
+    assert dram.stats().leases.pinned == 0 and dram.stats().pinned == 0
+    assert admin.evict(Tier.DRAM) == 1

@@ -33,8 +33,9 @@ def check_block_size(options: ServeOptions) -> None:
     ``CmxError`` naming the ``CMX_BLOCK_BYTES`` to set (``service.check_slots``), so that the
     caller says it, rather than each replica failing at startup into Serve's controller log.
 
-    The slots are the running service's where this process reaches it (a Ray driver on a node
-    of the service), else those the replicas would start the service with.
+    The slots are those the replicas would start the service with (the options' service
+    config, or ``CMX_BLOCK_BYTES``); a service already running with other slots is refused by
+    each replica as it joins it (``service.check_slots`` there).
     """
     if options.engine.connector != "cmx":
         return
@@ -42,26 +43,7 @@ def check_block_size(options: ServeOptions) -> None:
     from cmx.deploy.service import check_slots, service_config
 
     model = model_info(options.model, options.engine)
-    slot_bytes = _running_slot_bytes()
-    check_slots(slot_bytes or service_config(options, model).block_bytes, model)
-
-
-def _running_slot_bytes(timeout_s: float = 30.0) -> int | None:
-    """This node's DRAM tier's slot size; None where no driver is connected or none runs."""
-    import ray
-
-    if not ray.is_initialized():
-        return None
-    from cmx.errors import UnavailableError
-    from cmx.links import RayLink
-    from cmx.protocol import actor_name
-
-    node = ray.get_runtime_context().get_node_id()
-    try:
-        return int(RayLink().call(actor_name("dram", node), "info", timeout_s=timeout_s)
-                   .slot_bytes)
-    except UnavailableError:
-        return None
+    check_slots(service_config(options, model).block_bytes, model)
 
 
 def build(options: ServeOptions) -> Any:

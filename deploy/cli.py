@@ -114,7 +114,7 @@ def serve(
                                                 dtype=dtype))  # type: ignore[arg-type]
     try:
         # Slots too small for the model are said here, before anything starts; those of a
-        # running service are checked again once it is joined (``app.check_block_size``).
+        # service already running are checked by each replica as it joins it.
         check_block_size(options)
         with err.status("starting"):
             state, already = launch.start(options, address, port, step=lambda s: err.log(s))

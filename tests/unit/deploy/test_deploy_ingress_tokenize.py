@@ -12,18 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from ingress_standin import ReplicaStandIn, servable_dependency
 
 from cmx.deploy.auth import current_tenancy
 from cmx.deploy.config import EngineOptions, ServeOptions
 from cmx.deploy.ingress import OpenAIIngress, app
-from cmx.deploy.messages import Delta, GenerateRequest, ReplicaInfo, Summary
+from cmx.deploy.messages import ReplicaInfo
 from cmx.deploy.model import ChatTokenizer
 
 MAX_MODEL_LEN = 256
@@ -76,55 +77,17 @@ class RecordingTokenizer(ChatTokenizer):
         return super().chat(messages)
 
 
-class _Remote:
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.remote = fn
-
-
-class ReplicaStandIn:
-    """The ``LLMServer`` handle as the ingress calls it: ``info`` and a streamed ``generate``."""
-
-    def __init__(self) -> None:
-        self.requests: list[GenerateRequest] = []
-        self.info = _Remote(self._info)
-        self.generate = _Remote(self._generate)
-
-    def options(self, **_: Any) -> ReplicaStandIn:
-        return self
-
-    async def _info(self) -> ReplicaInfo:
-        return INFO
-
-    async def _generate(self, req: GenerateRequest) -> AsyncIterator[Any]:
-        self.requests.append(req)
-        yield [Delta(0, (6,), "hello", "length")]
-        yield Summary(prompt_tokens=len(req.prompt_ids), cached_tokens=0, loaded_tokens=0,
-                      ttft_s=0.0, total_s=0.0, prefetch="none", replica="r1", node="n1")
-
-
-def _servable_dependency() -> Callable[..., Any]:
-    """Serve's dependency that hands a route its replica's ingress object."""
-    from fastapi.routing import APIRoute
-
-    for route in app.routes:
-        if isinstance(route, APIRoute):
-            for dep in route.dependant.dependencies:
-                if dep.name == "self" and dep.call is not None:
-                    return dep.call
-    raise AssertionError("no route of the ingress takes the replica's object")
-
-
 @pytest.fixture
 def served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     tokenizer = RecordingTokenizer(write_tokenizer(tmp_path / "tokenizer"))
     monkeypatch.setattr("cmx.deploy.model.load_tokenizer", lambda _opts: tokenizer)
-    replica = ReplicaStandIn()
+    replica = ReplicaStandIn(INFO, 6, "hello")
     args = ServeOptions(engine=EngineOptions(block_size=32,
                                              max_model_len=MAX_MODEL_LEN)).to_args()
     ingress = OpenAIIngress.__new__(OpenAIIngress)
     asyncio.run(OpenAIIngress.__init__(ingress, replica, args))  # Serve's wrapper: async
     # Outside a replica, Serve's context is missing: its two look-ups return this object.
-    app.dependency_overrides[_servable_dependency()] = lambda: ingress
+    app.dependency_overrides[servable_dependency()] = lambda: ingress
     app.dependency_overrides[current_tenancy] = lambda: ingress.tenancy
     try:
         yield {"tokenizer": tokenizer, "replica": replica, "ingress": ingress}

@@ -20,14 +20,14 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from cmx.actors.agent import OffloadAgent
-from cmx.actors.arena_tier import ArenaTierService
-from cmx.actors.directory import DirectoryShard, Source
-from cmx.actors.links import RAY_NAMESPACE, RayLink, actor_name
-from cmx.actors.nvme_tier import NvmeTierService
-from cmx.actors.pool import PoolNodeService
+from cmx.actors.agent.core import OffloadAgent
+from cmx.actors.directory.shard import DirectoryShard, Source
+from cmx.actors.pool.node import PoolNodeService
+from cmx.actors.tiers.arena import ArenaTierService
+from cmx.actors.tiers.nvme import NvmeTierService
 from cmx.config import ServiceConfig
 from cmx.errors import UnavailableError
+from cmx.links import RAY_NAMESPACE, RayLink, actor_name
 from cmx.operate.degraded import Fallback, describe
 from cmx.operate.store_dirs import NodeDisk, Orphan
 from cmx.stats import AgentStats, TierStats
@@ -265,7 +265,7 @@ def _start_agent(node_id: str, config: ServiceConfig, alive: dict[str, dict[str,
                  ) -> Any:
     agent: type = AgentActor
     if config.dpu_access == "nixl" and _dpu_of(node_id, config, alive):
-        from cmx.actors.agent_dpu import DpuAgentActor  # it imports this module
+        from cmx.actors.dpu.agent import DpuAgentActor  # it imports this module
 
         agent = DpuAgentActor
     handle: Any = ray.remote(agent).options(

@@ -1,9 +1,9 @@
 """Mutating endpoints: pin, unpin, evict, drop a namespace. Each needs the admin token.
 
 A pin taken here holds the block for the TTL its request names (``ttl_s``: default an hour, at
-most a day; ``cmx.actors.leases``), then the tier gives it back, unless ``/api/v1/unpin`` of the
-same key ends it first (tiers count pins, so unpin once per pin). A restarted tier holds none.
-Eviction skips pinned and uncommitted blocks.
+most a day; ``cmx.actors.tiers.leases``), then the tier gives it back, unless
+``/api/v1/unpin`` of the same key ends it first (tiers count pins, so unpin once per pin). A
+restarted tier holds none. Eviction skips pinned and uncommitted blocks.
 """
 
 from __future__ import annotations

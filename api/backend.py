@@ -11,12 +11,12 @@ import uuid
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from cmx.actors.directory import Copy
-from cmx.actors.leases import ADMIN
-from cmx.actors.links import actor_name
+from cmx.actors.directory.shard import Copy
+from cmx.actors.tiers.leases import ADMIN
 from cmx.config import ServiceConfig
 from cmx.errors import CmxError
 from cmx.keys import BlockHash
+from cmx.links import actor_name
 from cmx.stats import ServiceStats
 from cmx.tiers import Tier
 

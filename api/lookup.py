@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cmx.actors.directory import Copy
+from cmx.actors.directory.shard import Copy
 from cmx.api.backend import Backend
 from cmx.api.models import CopyInfo, LookupBlock, LookupRequest, LookupResult
 from cmx.api.problems import ApiProblem

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from cmx.actors.leases import ADMIN_PIN_DEFAULT_S, ADMIN_PIN_MAX_S
+from cmx.actors.tiers.leases import ADMIN_PIN_DEFAULT_S, ADMIN_PIN_MAX_S
 from cmx.layout import PayloadOrder
 
 __all__ = [

@@ -97,7 +97,7 @@ def start_admin_actor(service: ServiceConfig, admin: AdminConfig, node_id: str,
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from cmx.actors.links import RAY_NAMESPACE
+    from cmx.links import RAY_NAMESPACE
 
     actor = ray.remote(AdminServerActor).options(
         name=ADMIN_ACTOR, namespace=RAY_NAMESPACE, get_if_exists=True, lifetime="detached",
@@ -111,7 +111,7 @@ def stop_admin_actor(timeout_s: float = 15.0) -> bool:
     """Stop the admin actor if it runs; returns whether it did."""
     import ray
 
-    from cmx.actors.links import RAY_NAMESPACE
+    from cmx.links import RAY_NAMESPACE
 
     try:
         actor = ray.get_actor(ADMIN_ACTOR, namespace=RAY_NAMESPACE)

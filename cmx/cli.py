@@ -45,9 +45,9 @@ def demo_storage(
     seed: Annotated[int, typer.Option(help="Seed of the token ids and KV payloads.")] = 0,
 ) -> None:
     """Store a long prefix's Llama-3-8B KV blocks through DRAM and NVMe, load and verify them."""
-    from cmx.demo import DemoOptions, run_demo
     from cmx.errors import CmxError
     from cmx.render import byte_progress, print_demo
+    from cmx.storage_demo import DemoOptions, run_demo
 
     opts = DemoOptions(tokens=tokens, workdir=workdir, keep=keep, seed=seed,
                        dram_bytes=None if dram_mib is None else dram_mib << 20)

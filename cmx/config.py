@@ -40,7 +40,7 @@ class ServiceConfig:
     host_label: str = "cmx.io/host-id"  # names the host a node (or a DPU) belongs to
     # How an agent on a DPU reaches its host: "shared" maps the host's shared memory and opens
     # its files (a DPU node on the host's machine); "nixl" moves every byte through NIXL, as a
-    # BlueField, a separate computer, must (actors/agent_dpu.py)
+    # BlueField, a separate computer, must (actors/dpu/agent.py)
     dpu_access: str = "shared"
     agent_workers: int = 4  # agent threads moving bytes
     agent_queue_bound: int = 256  # waiting moves per priority class before backpressure

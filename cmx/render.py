@@ -16,8 +16,8 @@ from rich.table import Table
 
 from cmx.bench.core import SuiteResult, Verdict
 from cmx.bench.report import FIGURE_HEADERS, figure_rows
-from cmx.demo import DemoResult, TierReport
-from cmx.demo import Progress as DemoProgress
+from cmx.storage_demo import DemoResult, TierReport
+from cmx.storage_demo import Progress as DemoProgress
 
 __all__ = ["byte_progress", "demo_table", "print_demo", "print_suite"]
 

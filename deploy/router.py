@@ -84,7 +84,7 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
 
     async def _where(self, keys: tuple[bytes, ...]) -> list[list[CopySeen]]:
         """Copies of the prompt's cached prefix, block by block; [] if the directory is late."""
-        from cmx.actors.directory import shard_of
+        from cmx.actors.directory.shard import shard_of
 
         by_shard: dict[int, list[int]] = {}
         for i, key in enumerate(keys):
@@ -112,7 +112,7 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
     def _shard(self, shard: int) -> Any:
         import ray
 
-        from cmx.actors.links import RAY_NAMESPACE, actor_name
+        from cmx.links import RAY_NAMESPACE, actor_name
 
         if shard not in self._shards:
             self._shards[shard] = ray.get_actor(actor_name("dir", shard), namespace=RAY_NAMESPACE)

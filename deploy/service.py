@@ -69,8 +69,8 @@ def join_service(options: ServeOptions, model: ModelInfo) -> MemoryLink:
     """Start or join the service (bounded), check its slots; raises ``CmxError`` if unusable."""
     import ray
 
-    from cmx.actors.links import actor_name
     from cmx.client import ContextMemory
+    from cmx.links import actor_name
 
     config = service_config(options, model)
     deadline = time.monotonic() + options.service_wait_s

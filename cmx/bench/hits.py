@@ -62,7 +62,7 @@ def _stored(cm: Any, layout: KVLayout, blocks: int) -> tuple[Any, np.ndarray, li
 
 def _dram_hits(cm: Any, ns: Any, toks: np.ndarray, keys: list[Any], reps: int) -> list[float]:
     """Load times of ``toks`` through the client, each a DRAM hit (HBM copy evicted first)."""
-    from cmx.actors.links import actor_name
+    from cmx.links import actor_name
 
     hbm = actor_name("hbm", cm.node_id)
     times = []

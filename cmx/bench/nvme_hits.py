@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cmx.agent_loads import WINDOW_BYTES, window_blocks
 from cmx.bench.cluster import bench_cluster
 from cmx.bench.core import GB, BenchContext, Figure, GiB, Goal, MiB, median
 from cmx.bench.raw import fio_engine, fio_path
+from cmx.client.loads import WINDOW_BYTES, window_blocks
 from cmx.config import ServiceConfig
 from cmx.errors import CmxError
 from cmx.layout import KVLayout
@@ -96,7 +96,7 @@ class StoreSplit:
 
 
 def _agent_sums(cm: Any) -> dict[str, float]:
-    from cmx.actors.links import actor_name
+    from cmx.links import actor_name
 
     hist = cm.link.call(actor_name("agent", cm.node_id), "stats").latency
     return {op: h.sum for op, h in hist.items()}
@@ -130,7 +130,7 @@ def _store(cm: Any, layout: KVLayout, nbytes: int, kv: Any) -> tuple[Any, Any, S
 
 
 def _only_on_nvme(cm: Any, ns: Any, toks: Any) -> None:
-    from cmx.actors.links import actor_name
+    from cmx.links import actor_name
     from cmx.tiers import Tier
 
     keys = [b.key for b in ns.lookup(toks).blocks]
@@ -157,10 +157,10 @@ def _load_seconds(cm: Any, ns: Any, toks: Any) -> tuple[float, float]:
 
 def _agent_seconds(cm: Any, ns: Any, toks: Any) -> float:
     """Seconds the agent takes to load the prefix into HBM, window by window as the client
-    asks (``cmx.agent_loads``' windows), without the client's checksum and copy out."""
+    asks (``cmx.client.loads``' windows), without the client's checksum and copy out."""
     import ray
 
-    from cmx.actors.links import RAY_NAMESPACE, actor_name
+    from cmx.links import RAY_NAMESPACE, actor_name
 
     agent = ray.get_actor(actor_name("agent", cm.node_id), namespace=RAY_NAMESPACE)
     hbm = ray.get_actor(actor_name("hbm", cm.node_id), namespace=RAY_NAMESPACE)

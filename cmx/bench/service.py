@@ -68,7 +68,7 @@ def _agent_load_gbps(cm: Any, node: str, ns: Any, toks: np.ndarray) -> tuple[flo
     """
     import ray
 
-    from cmx.actors.links import RAY_NAMESPACE, actor_name
+    from cmx.links import RAY_NAMESPACE, actor_name
 
     match = ns.lookup(toks)
     keys = [b.key for b in match.blocks]
@@ -193,7 +193,7 @@ def run_directory(ctx: BenchContext) -> SuiteResult:
 
 
 def _shard_with(n: int) -> tuple[Any, list[BlockHash]]:
-    from cmx.actors.directory import DirectoryShard, Entry, Source
+    from cmx.actors.directory.shard import DirectoryShard, Entry, Source
     from cmx.tiers import Tier
 
     keys = chain_keys(Namespace("g", SMALL).digest, np.arange(n * 16) % 50_000, 16)
@@ -247,7 +247,7 @@ def _growth(ctx: BenchContext) -> Table:
 def run_pool(ctx: BenchContext) -> SuiteResult:
     import ray
 
-    from cmx.actors.links import RAY_NAMESPACE, actor_name
+    from cmx.links import RAY_NAMESPACE, actor_name
     from cmx.tiers import Tier
 
     result = SuiteResult("pool", command="")

@@ -190,7 +190,7 @@ def _close_stores(timeout_s: float = 30.0) -> None:
     shared-memory arena behind (GiBs of /dev/shm), a closed one unlinks it."""
     import ray
 
-    from cmx.actors.links import RAY_NAMESPACE
+    from cmx.links import RAY_NAMESPACE
 
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
              if a.get("namespace") == RAY_NAMESPACE]

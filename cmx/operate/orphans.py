@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from cmx.actors.links import RAY_NAMESPACE, actor_name
+from cmx.links import RAY_NAMESPACE, actor_name
 from cmx.operate.store_dirs import Orphan
 
 __all__ = ["SEGMENT_PREFIXES", "EngineSegments", "ReapedSegment", "collect_orphans",

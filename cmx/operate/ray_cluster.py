@@ -29,8 +29,8 @@ import socket
 import time
 from typing import Any
 
-from cmx.actors.links import RAY_NAMESPACE
 from cmx.errors import UnavailableError
+from cmx.links import RAY_NAMESPACE
 from cmx.operate.local_ray import (
     RAYLET_TIMEOUT,
     START_ATTEMPTS,

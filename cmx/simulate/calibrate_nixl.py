@@ -20,8 +20,8 @@ PIECE = 2 << 20
 
 
 def _owner(conn: Any, nbytes: int, slot_bytes: int) -> None:
-    from cmx.actors.nixl_transport import NixlTransport
-    from cmx.actors.transport import Region
+    from cmx.actors.transport.base import Region
+    from cmx.actors.transport.nixl_ucx import NixlTransport
     from cmx.buffers import aligned_empty
 
     transport = NixlTransport("cmx-calibrate-owner")
@@ -34,7 +34,7 @@ def _owner(conn: Any, nbytes: int, slot_bytes: int) -> None:
 
 
 def _read(reader: Any, peer: Any, nbytes: int, slot_bytes: int) -> list[float]:
-    from cmx.actors.transport import Move, Region
+    from cmx.actors.transport.base import Move, Region
     from cmx.buffers import aligned_empty
 
     local = aligned_empty(nbytes)
@@ -56,7 +56,7 @@ def nixl_read_rate(nbytes: int, slot_bytes: int = 16 << 20) -> tuple[float | Non
     """(bytes/s, how) of the service's NIXL transport between two processes; (None, why) if
     it cannot run."""
     try:
-        from cmx.actors.nixl_transport import LANES, PIECE_BYTES, NixlTransport
+        from cmx.actors.transport.nixl_ucx import LANES, PIECE_BYTES, NixlTransport
 
         reader = NixlTransport("cmx-calibrate-reader")
     except Exception as exc:  # noqa: BLE001 - NIXL absent or broken: say so, use the copy

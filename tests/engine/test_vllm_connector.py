@@ -187,7 +187,7 @@ class DropOnLoad(Namespaces):
 
 def evict(cm: Any, keys: list[bytes]) -> None:
     """Remove every copy of ``keys`` from the service, as its own eviction would."""
-    from cmx.actors.links import actor_name
+    from cmx.links import actor_name
 
     holders: dict[tuple[str, str], list[bytes]] = {}
     for key, copies in zip(keys, cm.copies(keys)):

@@ -23,7 +23,7 @@ import numpy as np
 from ray.cluster_utils import Cluster
 from cmx import ContextMemory, KVLayout
 from cmx.config import ServiceConfig
-from cmx.actors.links import RAY_NAMESPACE, actor_name
+from cmx.links import RAY_NAMESPACE, actor_name
 
 nvme_dir = sys.argv[1]
 layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=64)

@@ -22,7 +22,7 @@ from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from cmx import ContextMemory, KVLayout
 from cmx.config import ServiceConfig
-from cmx.actors.links import RAY_NAMESPACE, actor_name
+from cmx.links import RAY_NAMESPACE, actor_name
 
 layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=64)
 block = layout.block_bytes

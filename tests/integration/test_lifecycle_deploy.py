@@ -15,7 +15,7 @@ import ray
 from lifecycle_support import new_machine
 from support import LAYOUT, client_on
 
-from cmx.actors.links import RAY_NAMESPACE, actor_name
+from cmx.links import RAY_NAMESPACE, actor_name
 
 WAIT = """
 import json, threading, torch
@@ -135,7 +135,7 @@ def _dpu_takeover(cluster: Any, config: Any, added: list[Any]) -> None:
 REPLICA = """
 import json, sys, torch, ray
 from cmx import ContextMemory, KVLayout
-from cmx.actors.links import RAY_NAMESPACE, actor_name
+from cmx.links import RAY_NAMESPACE, actor_name
 from cmx.actors.service import stop_service
 from cmx.config import ServiceConfig
 from cmx.deploy.config import ServeOptions

@@ -12,7 +12,7 @@ import torch
 from support import LAYOUT, client_on
 
 from cmx import LayoutMismatchError
-from cmx.actors.links import RAY_NAMESPACE, actor_name
+from cmx.links import RAY_NAMESPACE, actor_name
 from cmx.stats import AgentStats
 from cmx.tiers import Tier
 

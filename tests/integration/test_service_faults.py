@@ -16,7 +16,7 @@ import ray
 import torch
 from support import LAYOUT
 
-from cmx.actors.links import RAY_NAMESPACE, actor_name
+from cmx.links import RAY_NAMESPACE, actor_name
 
 T = LAYOUT.block_tokens
 BOUND_S = 45.0  # load_timeout_s (20) + a lookup + slack: no call may take longer

@@ -9,7 +9,7 @@ import ray
 import torch
 from support import LAYOUT, client_on
 
-from cmx.actors.links import RAY_NAMESPACE, actor_name
+from cmx.links import RAY_NAMESPACE, actor_name
 
 T = LAYOUT.block_tokens
 

@@ -14,8 +14,8 @@ import ray
 import torch
 from support import LAYOUT
 
-from cmx.actors.agent_pool import POOL_REFRESH_S
-from cmx.actors.links import RAY_NAMESPACE, actor_name
+from cmx.actors.agent.pool import POOL_REFRESH_S
+from cmx.links import RAY_NAMESPACE, actor_name
 from cmx.policies.rendezvous import owners
 from cmx.tiers import Tier
 

@@ -12,8 +12,8 @@ import ray
 import torch
 from support import LAYOUT, client_on
 
-from cmx.actors.links import RAY_NAMESPACE, actor_name
 from cmx.layout import KVLayout, PayloadOrder
+from cmx.links import RAY_NAMESPACE, actor_name
 from cmx.selection import Selection, SelectionError
 
 T = LAYOUT.block_tokens

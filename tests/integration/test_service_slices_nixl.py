@@ -15,9 +15,9 @@ import torch
 from support import LAYOUT, client_on
 from test_service_pool import drop_local_copies, reconcile, until
 
-from cmx.actors.agent_pool import POOL_REFRESH_S
-from cmx.actors.links import RAY_NAMESPACE, actor_name
+from cmx.actors.agent.pool import POOL_REFRESH_S
 from cmx.layout import KVLayout, PayloadOrder
+from cmx.links import RAY_NAMESPACE, actor_name
 from cmx.selection import Selection
 from cmx.storage.arena import SharedArena
 from cmx.tiers import Tier

@@ -21,8 +21,8 @@ import ray
 import torch
 from traffic import Shape, Traffic, held, kill, nothing_held, until
 
-from cmx.actors.links import RAY_NAMESPACE, actor_name
 from cmx.config import ServiceConfig
+from cmx.links import RAY_NAMESPACE, actor_name
 
 SOAK_S = float(os.environ.get("CMX_SOAK_S", "60"))
 SHAPE = Shape(prefixes=6, shared=2, own=3, loaders=6, storers=2, seed=31)

@@ -19,8 +19,8 @@ from support import LAYOUT
 from traffic import Traffic, held, kill, nothing_held, until
 
 from cmx import ContextMemory
-from cmx.actors.links import actor_name
 from cmx.config import ServiceConfig
+from cmx.links import actor_name
 from cmx.protocol import Priority
 
 T = LAYOUT.block_tokens

@@ -18,7 +18,7 @@ import ray
 import torch
 from support import LAYOUT
 
-from cmx.actors.links import RAY_NAMESPACE, actor_name
+from cmx.links import RAY_NAMESPACE, actor_name
 from cmx.tiers import Tier
 
 T = LAYOUT.block_tokens

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from cmx.checksum import checksum
+from cmx.client.stores import copy_block
 from cmx.layout import KVLayout, PayloadOrder
-from cmx.stores import copy_block
 
 
 @pytest.mark.parametrize("order", list(PayloadOrder))

@@ -14,11 +14,11 @@ import numpy as np
 from plane import Plane, make_plane
 from scenarios import blocks, small_config
 
-from cmx.actors.agent_dpu import DpuAgent
-from cmx.actors.dpu_host import HostEndpoint
-from cmx.actors.dpu_staging import host_staging_slots
-from cmx.actors.links import actor_name
+from cmx.actors.dpu.agent import DpuAgent
+from cmx.actors.dpu.host import HostEndpoint
+from cmx.actors.dpu.staging import host_staging_slots
 from cmx.keys import BlockHash
+from cmx.links import actor_name
 
 __all__ = ["A", "B", "dpu", "dpu_plane", "stored_on_dpu"]
 

@@ -6,16 +6,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cmx.actors.agent import OffloadAgent
-from cmx.actors.arena_tier import ArenaTierService
-from cmx.actors.directory import Copy, DirectoryShard, shard_of
-from cmx.actors.links import LocalLink, actor_name
-from cmx.actors.nvme_tier import NvmeTierService
+from cmx.actors.agent.core import OffloadAgent
+from cmx.actors.directory.shard import Copy, DirectoryShard, shard_of
+from cmx.actors.tiers.arena import ArenaTierService
+from cmx.actors.tiers.nvme import NvmeTierService
 from cmx.client import ContextMemory, NamespaceClient
+from cmx.client.node_plane import NodePlane
 from cmx.config import ServiceConfig
 from cmx.keys import Namespace
 from cmx.layout import KVLayout
-from cmx.node_plane import NodePlane
+from cmx.links import LocalLink, actor_name
 from cmx.tiers import Tier
 
 

@@ -7,11 +7,11 @@ from pathlib import Path
 import numpy as np
 from plane import Plane
 
-from cmx.actors.arena_tier import ArenaTierService
-from cmx.actors.links import actor_name
+from cmx.actors.tiers.arena import ArenaTierService
 from cmx.config import ServiceConfig
 from cmx.keys import BlockHash, Namespace, chain_keys
 from cmx.layout import KVLayout
+from cmx.links import actor_name
 from cmx.protocol import Loaded
 from cmx.tiers import Tier
 

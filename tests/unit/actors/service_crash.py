@@ -20,10 +20,10 @@ from unittest import mock
 
 from plane import Plane, make_plane
 
-from cmx.actors import nvme_tier
-from cmx.actors.links import actor_name
-from cmx.actors.nvme_tier import NvmeTierService
+from cmx.actors.tiers import nvme as nvme_tier
+from cmx.actors.tiers.nvme import NvmeTierService
 from cmx.config import ServiceConfig
+from cmx.links import actor_name
 from cmx.storage.nvme.dataplane import ExtentPlane
 from cmx.storage.nvme.extentio import ExtentIo
 from cmx.storage.nvme.extents import ExtentBooks

@@ -6,12 +6,12 @@ from __future__ import annotations
 from plane import Plane
 from scenarios import BLOCK
 
-from cmx.actors.directory import DirectoryShard
-from cmx.actors.links import actor_name
-from cmx.actors.pool import PoolNodeService
+from cmx.actors.directory.shard import DirectoryShard
+from cmx.actors.pool.node import PoolNodeService
 from cmx.actors.service import Controller
 from cmx.client import ContextMemory
 from cmx.keys import BlockHash
+from cmx.links import actor_name
 from cmx.tiers import Tier
 
 NS = "0123456789abcdef"  # a namespace id, as blocks are tagged with

@@ -15,9 +15,9 @@ from fastapi.testclient import TestClient
 from plane import Plane, make_plane
 from scenarios import LEASE_S, blocks, check, small_config
 
-from cmx.actors.arena_tier import DEFAULT_LEASE_S
-from cmx.actors.leases import ADMIN_PIN_DEFAULT_S, ADMIN_PIN_MAX_S
 from cmx.actors.service import Controller
+from cmx.actors.tiers.arena import DEFAULT_LEASE_S
+from cmx.actors.tiers.leases import ADMIN_PIN_DEFAULT_S, ADMIN_PIN_MAX_S
 from cmx.api.app import create_app
 from cmx.api.backend import ServiceBackend
 from cmx.client import ContextMemory

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import threading
 
-from cmx.actors.directory import ApplyResult, Copy, DirectoryShard, Entry, Source, shard_of
-from cmx.actors.events import EventPublisher
+from cmx.actors.directory.shard import ApplyResult, Copy, DirectoryShard, Entry, Source, shard_of
+from cmx.actors.tiers.events import EventPublisher
 from cmx.storage.base import EventKind, StoreEvent
 from cmx.tiers import Tier
 

@@ -3,7 +3,7 @@ a namespace drop must find the blocks of the last tenant as surely as those of t
 
 from __future__ import annotations
 
-from cmx.actors.directory import DirectoryShard, Entry, Source
+from cmx.actors.directory.shard import DirectoryShard, Entry, Source
 from cmx.keys import BlockHash
 from cmx.tiers import Tier
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cmx.actors.directory import Copy, DirectoryShard, Entry, Source
+from cmx.actors.directory.shard import Copy, DirectoryShard, Entry, Source
 from cmx.keys import BlockHash
 from cmx.tiers import Tier
 

@@ -17,16 +17,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cmx.actors.arena_tier import ArenaInfo
-from cmx.actors.dpu_access import (
+from cmx.actors.dpu.access import (
     HostAccess,
     HostAccessForbidden,
     HostPeer,
     HostRegion,
     LocalAccess,
 )
-from cmx.actors.dpu_nixl import NixlAccess
-from cmx.actors.transport import TransferError
+from cmx.actors.dpu.nixl_access import NixlAccess
+from cmx.actors.tiers.arena import ArenaInfo
+from cmx.actors.transport.base import TransferError
 from cmx.checksum import checksum
 from cmx.storage.arena import SharedArena
 from cmx.storage.nvme.dataplane import Extent
@@ -36,7 +36,7 @@ SLOT = 4 << 20
 
 
 def _serve(conn: Any, name: str = "test-host-endpoint") -> None:
-    from cmx.actors.dpu_host import HostEndpoint
+    from cmx.actors.dpu.host import HostEndpoint
 
     endpoint = HostEndpoint(name)
     while True:
@@ -159,7 +159,7 @@ def test_the_local_access_does_the_same_through_shared_memory_and_files(
 
 
 def _play_dpu(name: str, path: str, conn: Any) -> None:
-    from cmx.actors.dpu_access import forbid_host_access
+    from cmx.actors.dpu.access import forbid_host_access
     from cmx.storage.nvme.dataplane import ExtentPlane
 
     forbid_host_access()
@@ -191,7 +191,7 @@ def test_a_process_playing_a_dpu_cannot_map_host_memory_or_open_host_files(
 def test_an_unattached_arena_is_a_typed_error_not_a_stray_address(
     host: tuple[SharedArena, SharedArena, PipeEndpoint],
 ) -> None:
-    from cmx.actors.transport import TransferError
+    from cmx.actors.transport.base import TransferError
 
     dram, _, endpoint = host
     access = NixlAccess("test-dpu-agent-2", endpoint, bounce_bytes=1 << 20)
@@ -206,7 +206,7 @@ def test_an_unattached_arena_is_a_typed_error_not_a_stray_address(
 def test_a_restarted_host_tier_retires_its_earlier_arena_on_both_sides(
     host: tuple[SharedArena, SharedArena, PipeEndpoint],
 ) -> None:
-    from cmx.actors.dpu_access import HostArenaRetired
+    from cmx.actors.dpu.access import HostArenaRetired
 
     _, hbm, endpoint = host
     first = SharedArena.create(4 * SLOT, SLOT)

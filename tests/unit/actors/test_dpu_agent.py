@@ -18,7 +18,7 @@ from dpu_plane import A, B, dpu, dpu_plane
 from plane import Plane
 from scenarios import BLOCK, blocks, check, load, restart_tier
 
-from cmx.actors.agent_tiers import StaleEpochError
+from cmx.actors.agent.shared import StaleEpochError
 from cmx.keys import BlockHash
 from cmx.protocol import Loaded
 from cmx.tiers import Tier

@@ -19,10 +19,10 @@ from dpu_plane import A, B, dpu, dpu_plane, stored_on_dpu
 from plane import Plane
 from scenarios import BLOCK, LAYOUT, held
 
-import cmx.actors.dpu_host as dpu_host
-from cmx.actors.dpu_staging import LOCAL_STAGING_SLOTS
-from cmx.actors.slice_pull import SlicePuller
-from cmx.actors.transport import TransferError
+import cmx.actors.dpu.host as dpu_host
+from cmx.actors.dpu.staging import LOCAL_STAGING_SLOTS
+from cmx.actors.slices.pull import SlicePuller
+from cmx.actors.transport.base import TransferError
 from cmx.keys import BlockHash
 from cmx.selection import Selection, SlicedBlock, gather
 from cmx.storage.nvme.chunks import block_sums

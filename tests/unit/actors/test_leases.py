@@ -10,10 +10,10 @@ import pytest
 from plane import Plane, make_plane
 from scenarios import BLOCK, LEASE_S, blocks, check, held, load, small_config
 
-from cmx.actors.leases import LeaseKind, Leases
-from cmx.actors.links import actor_name
-from cmx.actors.pool import PoolNodeService
+from cmx.actors.pool.node import PoolNodeService
+from cmx.actors.tiers.leases import LeaseKind, Leases
 from cmx.errors import UnavailableError
+from cmx.links import actor_name
 from cmx.tiers import Tier
 
 
@@ -86,7 +86,7 @@ def test_a_store_whose_demotion_fails_leaves_its_keys_storable(plane: Plane) -> 
 def test_a_store_whose_copy_raises_leaves_its_keys_storable(
     plane: Plane, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import cmx.actors.agent_host as agent_module
+    import cmx.actors.agent.host as agent_module
 
     agent = plane.agents["node-a"]
     keys, payload = blocks(2, seed=35)
@@ -156,7 +156,7 @@ def test_a_peer_that_dies_between_stage_and_unstage_leaks_nothing(plane: Plane) 
 def test_a_transfer_failing_after_the_peer_staged_leaks_nothing(
     plane: Plane, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from cmx.actors.transport import TransferError
+    from cmx.actors.transport.base import TransferError
 
     keys, payload = blocks(3, seed=39)
     plane.agents["node-b"].store(keys, [None, *keys[:-1]], payload)

@@ -13,8 +13,8 @@ import torch
 from plane import Plane, make_plane, namespace_client
 from scenarios import LAYOUT, check, held, load, restart_tier, small_config
 
-from cmx.actors.links import LocalLink
 from cmx.client import NamespaceClient
+from cmx.links import LocalLink
 from cmx.protocol import arena_name
 from cmx.tiers import Tier
 

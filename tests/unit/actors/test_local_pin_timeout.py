@@ -12,8 +12,8 @@ import torch
 from plane import Plane, make_plane, namespace_client
 from scenarios import LAYOUT, check, held, small_config
 
-from cmx.actors.links import LocalLink
 from cmx.errors import UnavailableError
+from cmx.links import LocalLink
 from cmx.tiers import Tier
 
 NODE = f"pinlate-{uuid.uuid4().hex[:6]}"  # arenas named apart from other suites' on this host

@@ -14,8 +14,8 @@ from plane import Plane, make_plane
 from scenarios import blocks, check, small_config
 from tagging import NS, PoolMembers, drop, held_in, reannounce, restart_directory, start_pool
 
-from cmx.actors.nvme_tier import extent_tag
-from cmx.actors.pool import PoolNodeService
+from cmx.actors.pool.node import PoolNodeService
+from cmx.actors.tiers.nvme import extent_tag
 from cmx.keys import BlockHash
 from cmx.protocol import Offer
 from cmx.tiers import Tier

@@ -13,9 +13,9 @@ from plane import Plane, make_plane
 from scenarios import BLOCK, blocks, check, small_config
 from tagging import NS, PoolMembers, drop, held_in, reannounce, restart_directory, start_pool
 
-from cmx.actors.links import actor_name
-from cmx.actors.nvme_tier import NvmeTierService
+from cmx.actors.tiers.nvme import NvmeTierService
 from cmx.keys import BlockHash
+from cmx.links import actor_name
 from cmx.protocol import Offer
 from cmx.tiers import Tier
 

@@ -15,8 +15,8 @@ import pytest
 from plane import Plane, make_plane
 from scenarios import BLOCK, blocks, check, load, small_config
 
-from cmx.actors.links import actor_name
-from cmx.actors.pool import PoolNodeService
+from cmx.actors.pool.node import PoolNodeService
+from cmx.links import actor_name
 from cmx.protocol import Offer
 from cmx.storage.nvme.dataplane import ExtentPlane
 from cmx.storage.nvme.extentio import ExtentIo

@@ -16,11 +16,11 @@ import torch
 from plane import Plane, make_plane
 from scenarios import LAYOUT, check, held, small_config
 
-from cmx.actors.links import LocalLink
 from cmx.client import ContextMemory, NamespaceClient
+from cmx.client.node_plane import NodePlane
 from cmx.errors import UnavailableError
 from cmx.keys import Namespace
-from cmx.node_plane import NodePlane
+from cmx.links import LocalLink
 from cmx.tiers import Tier
 
 NODE = f"pipe-{uuid.uuid4().hex[:6]}"  # arenas named apart from other suites' on this host

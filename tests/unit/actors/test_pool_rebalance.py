@@ -15,10 +15,10 @@ from plane import Plane, make_plane
 from scenarios import blocks, check, load, small_config
 from tagging import NS, PoolMembers, held_in, start_pool
 
-from cmx.actors.links import actor_name
-from cmx.actors.pool import PoolNodeService
-from cmx.actors.pool_rebalance import Rebalanced
+from cmx.actors.pool.node import PoolNodeService
+from cmx.actors.pool.rebalance import Rebalanced
 from cmx.keys import BlockHash
+from cmx.links import actor_name
 from cmx.policies.rendezvous import owners
 from cmx.tiers import Tier
 

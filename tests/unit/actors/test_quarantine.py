@@ -14,8 +14,8 @@ import pytest
 from plane import Plane, make_plane
 from scenarios import BLOCK, blocks, check, load, restart_tier, small_config
 
+from cmx.client.node_plane import NodePlane
 from cmx.links import LocalLink
-from cmx.node_plane import NodePlane
 from cmx.tiers import Tier
 
 NODE = f"quar-{uuid.uuid4().hex[:6]}"  # arenas named apart from other suites' on this host

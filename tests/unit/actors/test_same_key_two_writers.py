@@ -24,7 +24,7 @@ from plane import Plane, make_plane, namespace_client
 from scenarios import LAYOUT, check, restart_tier, small_config
 from writers import StoreLink
 
-from cmx.namespaces import NamespaceClient
+from cmx.client.namespaces import NamespaceClient
 from cmx.tiers import Tier
 
 NODE = f"twowriters-{uuid.uuid4().hex[:6]}"  # arenas named apart from other suites' on this host

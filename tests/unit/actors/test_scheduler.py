@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from cmx.actors.scheduler import BusyError, Priority, Scheduler
+from cmx.actors.agent.scheduler import BusyError, Priority, Scheduler
 
 
 def test_loads_run_before_prefetches_before_demotions() -> None:

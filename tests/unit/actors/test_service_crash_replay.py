@@ -1,7 +1,7 @@
 """The service's NVMe tier at every crash point: its books in the tier, its bytes by the agent.
 
-The service runs the NVMe store split in two (``actors.nvme_tier``: reserve, commit, the
-journal; ``actors.agent_nvme`` over ``ExtentPlane``: the blocks' bytes, compaction's copies).
+The service runs the NVMe store split in two (``actors.tiers.nvme``: reserve, commit, the
+journal; ``actors.agent.nvme`` over ``ExtentPlane``: the blocks' bytes, compaction's copies).
 Blocks are stored the service's way (``NvmeWrites.write``: the tier reserves extents, the agent
 writes them, the tier commits and flushes), some are deleted (``NvmeTierService.evict``), and a
 small disk makes the tier evict and have the agent compact, with both halves' file calls in one
@@ -45,7 +45,7 @@ from service_crash import (
     written_segments,
 )
 
-from cmx.actors.nvme_tier import NvmeTierService
+from cmx.actors.tiers.nvme import NvmeTierService
 from cmx.buffers import aligned_empty
 from cmx.config import ServiceConfig
 from cmx.keys import BlockHash

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cmx.actors.slice_reads import ExtentSlices
+from cmx.actors.slices.reads import ExtentSlices
 from cmx.keys import BlockHash
 from cmx.layout import KVLayout, PayloadOrder
 from cmx.selection import Selection, gather
@@ -142,7 +142,7 @@ def _flip(ext: Extent, at: int) -> None:
 def test_a_pool_node_serves_a_selection_from_staging_or_from_its_disk(
     store: ExtentBooks, io: CountingIo
 ) -> None:
-    from cmx.actors.pool_slices import pool_selection
+    from cmx.actors.pool.slices import pool_selection
     from cmx.checksum import checksum
     from cmx.storage.dram import DramStore
 
@@ -190,7 +190,7 @@ class HookBooks(ExtentBooks):
 def test_a_pool_node_that_finds_a_copy_corrupt_drops_that_copy_not_one_written_since(
     tmp_path: Path, io: CountingIo
 ) -> None:
-    from cmx.actors.pool_slices import pool_selection
+    from cmx.actors.pool.slices import pool_selection
     from cmx.storage.dram import DramStore
 
     store = HookBooks(str(tmp_path / "nvme"), capacity_bytes=64 << 20, block_bytes=4 << 20,

@@ -13,10 +13,9 @@ import pytest
 from plane import Plane, make_plane
 from scenarios import BLOCK, LAYOUT, blocks, check, held, small_config
 
-from cmx.actors import slice_expose
-from cmx.actors.links import actor_name
-from cmx.actors.pool import PoolNodeService
-from cmx.actors.slice_expose import (
+from cmx.actors.pool.node import PoolNodeService
+from cmx.actors.slices import expose as slice_expose
+from cmx.actors.slices.expose import (
     ExposedSlice,
     SliceOutbox,
     exposed_ranges,
@@ -25,6 +24,7 @@ from cmx.actors.slice_expose import (
 )
 from cmx.checksum import checksum
 from cmx.keys import BlockHash
+from cmx.links import actor_name
 from cmx.protocol import Offer
 from cmx.selection import Selection, gather
 from cmx.tiers import Tier

@@ -10,7 +10,7 @@ import pytest
 from plane import Plane, make_plane
 from scenarios import BLOCK, LEASE_S, blocks, check, load, small_config
 
-from cmx.actors.links import actor_name
+from cmx.links import actor_name
 from cmx.stats import (
     AgentStats,
     DirectoryStats,

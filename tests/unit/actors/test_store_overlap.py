@@ -15,8 +15,8 @@ import torch
 from plane import Plane, make_plane, namespace_client
 from scenarios import BLOCK, LAYOUT, check, held, small_config
 
-from cmx.actors.links import LocalLink
 from cmx.client import NamespaceClient
+from cmx.links import LocalLink
 from cmx.tiers import Tier
 
 NODE = f"overlap-{uuid.uuid4().hex[:6]}"  # arenas named apart from other suites' on this host

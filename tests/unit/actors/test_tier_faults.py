@@ -16,12 +16,12 @@ from plane import Plane, make_plane
 from scenarios import BLOCK, LAYOUT, blocks, check, held, load, small_config
 from writers import StoreLink, during_copy
 
-from cmx.actors.links import LocalLink, actor_name
 from cmx.checksum import checksum
 from cmx.client import ContextMemory, NamespaceClient
+from cmx.client.node_plane import NodePlane
 from cmx.errors import UnavailableError
 from cmx.keys import Namespace
-from cmx.node_plane import NodePlane
+from cmx.links import LocalLink, actor_name
 from cmx.protocol import arena_name
 from cmx.storage.nvme.dataplane import Extent, ExtentPlane
 from cmx.tiers import Tier

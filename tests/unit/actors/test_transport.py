@@ -9,8 +9,8 @@ import threading
 import numpy as np
 import pytest
 
-from cmx.actors.nixl_transport import PIECE_BYTES, NixlTransport
-from cmx.actors.transport import Move, Region, TransferError
+from cmx.actors.transport.base import Move, Region, TransferError
+from cmx.actors.transport.nixl_ucx import PIECE_BYTES, NixlTransport
 from cmx.buffers import aligned_empty
 
 SLOTS = 12

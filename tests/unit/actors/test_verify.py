@@ -11,8 +11,8 @@ import torch
 from plane import Plane, make_plane
 from scenarios import BLOCK, LAYOUT, blocks, check, load, small_config
 
-from cmx.actors.agent import OffloadAgent
-from cmx.client import copy_verified
+from cmx.actors.agent.core import OffloadAgent
+from cmx.client.copy_out import copy_verified
 from cmx.keys import BlockHash
 from cmx.tiers import Tier
 

@@ -19,7 +19,7 @@ class StoreLink(LocalLink):
 
 def during_copy(monkeypatch: pytest.MonkeyPatch, act: Callable[[], None]) -> Callable[[], bool]:
     """Run ``act`` once while a client copies a block into its slot: after the first piece
-    is copied, before it is hashed (``cmx.stores.copy_block`` hashes each piece as it
+    is copied, before it is hashed (``cmx.client.stores.copy_block`` hashes each piece as it
     lands). Returns whether it ran."""
     ran: list[bool] = []
     feed = ChecksumStream.feed

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from cmx.actors.directory import Copy
+from cmx.actors.directory.shard import Copy
 from cmx.api.backend import Backend, NotSupportedError
 from cmx.config import AdminConfig
 from cmx.errors import UnavailableError

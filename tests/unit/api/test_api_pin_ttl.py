@@ -13,7 +13,7 @@ import pytest
 from api_fakes import NODE_A, TOKEN, FakeBackend, admin
 from fastapi.testclient import TestClient
 
-from cmx.actors.leases import ADMIN_PIN_DEFAULT_S, ADMIN_PIN_MAX_S
+from cmx.actors.tiers.leases import ADMIN_PIN_DEFAULT_S, ADMIN_PIN_MAX_S
 from cmx.api.app import create_app
 from cmx.tiers import Tier
 

@@ -26,7 +26,6 @@ from vllm_plane import (
     plane_of,
 )
 
-from cmx.actors.links import LocalLink
 from cmx.config import ServiceConfig
 from cmx.connectors.paged import PagedLayout
 from cmx.connectors.settings import ConnectorSettings, Namespaces
@@ -34,7 +33,7 @@ from cmx.connectors.vllm_meta import CMXStepMetadata, CMXWorkerReport, SaveSpec,
 from cmx.connectors.vllm_scheduler import SchedulerSide
 from cmx.connectors.vllm_worker import WorkerSide
 from cmx.errors import LayoutMismatchError, UnavailableError
-from cmx.links import _Answered
+from cmx.links import LocalLink, _Answered
 
 PROMPT = tuple(range(700, 700 + 2 * T + 3))  # two full blocks and a partial one
 

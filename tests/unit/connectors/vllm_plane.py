@@ -12,14 +12,14 @@ from vllm.config import KVTransferConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-from cmx.actors.links import LocalLink
 from cmx.client import ContextMemory
+from cmx.client.node_plane import NodePlane
 from cmx.config import ServiceConfig
 from cmx.connectors.paged import PagedLayout, block_view
 from cmx.connectors.settings import ConnectorSettings
 from cmx.connectors.vllm import CMXConnector
 from cmx.layout import KVLayout
-from cmx.node_plane import NodePlane
+from cmx.links import LocalLink
 
 T, LAYERS, HEADS, DIM, BLOCKS = 8, 3, 2, 16, 8
 LAYOUT = KVLayout(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, block_tokens=T,

@@ -1,0 +1,89 @@
+"""The agent moving evicted blocks one tier down: HBM -> DRAM -> NVMe."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from cmx.actors.agent.host import HostBytes
+from cmx.actors.agent.nvme import NvmeWrites
+from cmx.actors.agent.shared import Counters, NodeTiers
+from cmx.actors.tiers.arena import Grant
+from cmx.errors import CmxError
+from cmx.keys import BlockHash
+from cmx.policies.admission import AdmissionPolicy
+from cmx.policies.placement import PlacementPolicy
+from cmx.tiers import Tier
+
+__all__ = ["Demotion"]
+
+log = logging.getLogger(__name__)
+
+
+class Demotion:
+    def __init__(self, tiers: NodeTiers, host: HostBytes, nvme: NvmeWrites, counters: Counters,
+                 placement: PlacementPolicy, nvme_admission: AdmissionPolicy) -> None:
+        self.tiers = tiers
+        self.host = host
+        self.nvme = nvme
+        self.counters = counters
+        self.placement = placement  # write-through or write-back, over DRAM then NVMe
+        self.nvme_admission = nvme_admission  # which blocks DRAM may write to NVMe
+
+    def demote_victims(self, tier: Tier, grants: Sequence[Grant | None]) -> None:
+        """Move blocks evicted from ``tier`` one tier down before their slots are rewritten.
+
+        A demotion that fails drops its blocks (a cache may always drop one): the caller's
+        write into the slots goes on, and nothing granted on the way is left held."""
+        victims = [g for g in grants if g is not None and g.victim is not None]
+        if not victims:
+            return
+        try:
+            if tier is Tier.HBM:
+                self._demote_to_dram(victims)
+            elif tier is Tier.DRAM:
+                victims = [g for g in victims if self.placed_below(g.victim.key)]  # type: ignore[union-attr]
+                items = [(g.victim.key, g.victim.size, g.victim.checksum) for g in victims]  # type: ignore[union-attr]
+                parents = {g.victim.key: g.victim.parent for g in victims}  # type: ignore[union-attr]
+                tags = {g.victim.key: g.victim.namespace for g in victims}  # type: ignore[union-attr]
+                self.nvme.write(Tier.DRAM, items, parents, tags,
+                                sources=[self.host.slot_source(g.epoch, g.slot) for g in victims])
+        except (CmxError, OSError) as exc:  # OSError: the NVMe disk failed or filled
+            self.counters.dropped["demotion_failed"] += len(victims)
+            log.warning("demotion of %d blocks from %s failed: %s", len(victims), tier.value, exc)
+
+    def placed_below(self, key: BlockHash) -> bool:
+        """Whether a block DRAM evicts goes to NVMe: the placement's rule, with NVMe admission
+        (a block seen fewer than ``nvme_admission_min_count`` times is dropped)."""
+        admitted = self.nvme_admission.admit(key)
+        if self.placement.on_evict(Tier.DRAM, admitted, has_lower_copy=False) is Tier.NVME:
+            return True
+        self.counters.dropped["not_admitted_to_nvme"] += 1
+        return False
+
+    def _demote_to_dram(self, victims: list[Grant]) -> None:
+        tiers = self.tiers
+        keys = [g.victim.key for g in victims]  # type: ignore[union-attr]
+        have = tiers.call(Tier.DRAM, "contains", keys)
+        todo = [g for g, h in zip(victims, have) if not h]
+        if not todo:
+            return
+        grants = tiers.call(
+            Tier.DRAM, "reserve", [(g.victim.key, g.victim.parent) for g in todo], tiers.owner  # type: ignore[union-attr]
+        )
+        try:
+            self.demote_victims(Tier.DRAM, grants)
+            commits: dict[str, list[tuple[int, int, int | None]]] = {}  # by namespace id
+            for src, dst in zip(todo, grants):
+                if dst is None:
+                    continue
+                v = src.victim
+                assert v is not None
+                self.host.copy_slot(src, dst, v.size)
+                commits.setdefault(v.namespace, []).append((dst.lease, v.size, v.checksum))
+                self.counters.count_move("hbm->dram", "local", v.size)
+        except BaseException:
+            tiers.give_back(Tier.DRAM, abort=[g.lease for g in grants if g is not None])
+            raise
+        for namespace, done in commits.items():  # the tag goes down with the block
+            tiers.call(Tier.DRAM, "commit", done, namespace)

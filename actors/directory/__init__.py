@@ -1,0 +1,1 @@
+"""The directory: block key -> where its copies are, in shards (``shard``)."""

@@ -1,0 +1,389 @@
+"""Control plane of a memory tier (HBM or DRAM) of one node.
+
+The tier owns capacity, the index and eviction of a shared-memory arena; it never touches a
+payload byte. The node's offload agent maps the same arena and moves the bytes.
+
+Protocol, in call order (the agent is the only caller that writes). Every pin and every
+reservation is a lease (``actors.tiers.leases``): it names an owner, is ended by its id and is taken
+back when it expires, so a holder that fails or dies never keeps a slot.
+
+1. ``reserve([(key, parent)], owner)`` -> a Grant per key (None if the key is already here,
+   or no slot can be freed). A grant may carry a ``victim``: an evicted block whose bytes are
+   still in the granted slot. The agent demotes the victim to the tier below *before* writing.
+2. The agent writes the slot *in the arena of the grant's epoch* (a restarted tier has a new
+   arena; the old grant's slot there may hold another block), then ``commit([(lease, size,
+   checksum)])`` (visible to lookups once this returns: the directory has applied the event)
+   or ``abort([lease])``. A lease of an earlier incarnation commits nothing. A reservation
+   its holder did not end (its lease expired, or its owner was released) may still have a
+   writer copying into it: its slot is fenced, held out of use for another lease period, so
+   that late copy lands in a slot no other block uses (``actors.tiers.fences``;
+   ``stats().fenced_slots``).
+3. Readers ``pin(keys, owner)`` -> where each block is (None on a miss), read the slots in
+   the arena of the pin's epoch, ``unpin([lease])``.
+
+A load asks ``acquire`` (pin what is here, reserve the rest) and ends with ``commit_pinned``
+(commit, then pin): two round trips where the steps alone take four. ``quarantine_pinned``
+drops the copy a reader's pin named, found corrupt (a pin of an earlier incarnation, or of a
+copy since replaced, drops nothing); a pinned one goes when its last pin does, and is pinned
+by no one meanwhile.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from cmx.actors.directory.shard import Entry, Source
+from cmx.actors.tiers.events import EventPublisher
+from cmx.actors.tiers.fences import SlotFences
+from cmx.actors.tiers.leases import ADMIN, Clock, LeasedPins, LeaseKind, Leases
+from cmx.errors import BlockStateError, StoreClosedError, StoreFullError
+from cmx.keys import BlockHash
+from cmx.protocol import Pinned, arena_name
+from cmx.stats import TierStats
+from cmx.storage.arena import SHM_DIR, reap_orphans
+from cmx.storage.base import EventKind, StoreEvent
+from cmx.storage.blocks import BlockMeta, Reservation
+from cmx.storage.dram import DramStore
+from cmx.tiers import Tier
+
+__all__ = ["ArenaInfo", "ArenaTierService", "Grant", "Pinned", "Victim"]
+
+DEFAULT_LEASE_S = 90.0
+
+
+@dataclass(frozen=True)
+class Victim:
+    key: BlockHash
+    size: int
+    checksum: int | None
+    parent: BlockHash | None
+    namespace: str = ""  # its namespace id, carried to the tier it is demoted to
+
+
+@dataclass(frozen=True)
+class Grant:
+    key: BlockHash
+    slot: int
+    epoch: str  # of the tier that granted it: a restarted tier has a new arena
+    lease: int  # commit or abort by it
+    victim: Victim | None = None  # demote it out of ``slot`` before writing
+
+
+@dataclass(frozen=True)
+class ArenaInfo:
+    tier: Tier
+    node: str
+    arena: str  # shared-memory name the agent attaches
+    slot_bytes: int
+    num_slots: int
+    emulated: bool  # an HBM tier on host memory (no GPU)
+    epoch: str
+
+
+class ArenaTierService(LeasedPins):
+    def __init__(
+        self,
+        tier: Tier,
+        node: str,
+        capacity_bytes: int,
+        block_bytes: int,
+        directory: object,
+        num_shards: int,
+        eviction: str = "lru",
+        emulated: bool = False,
+        lease_s: float = DEFAULT_LEASE_S,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self.tier = tier
+        self.node = node
+        self.emulated = emulated
+        self.epoch = uuid.uuid4().hex[:8]
+        self._evicted: dict[int, Victim] = {}  # slot -> block evicted from it, until granted
+        _unlink_stale_arenas(arena_name(tier, node, ""))
+        reap_orphans()  # arenas of nodes torn down on this host before
+        self.store = DramStore(
+            capacity_bytes,
+            block_bytes,
+            eviction,
+            name=arena_name(tier, node, self.epoch),
+            on_evict=self._on_evict,
+        )
+        self.leases = Leases(lease_s, clock)
+        self.fences = SlotFences(self.store, lease_s, clock)
+        self._reservations: dict[int, Reservation] = {}  # lease -> open reservation
+        self._doomed: set[BlockHash] = set()  # quarantined while pinned: dropped at last unpin
+        self._quarantined = 0
+        self._refused = 0  # commits of a lease that had ended or was of an earlier incarnation
+        self._tags: dict[BlockHash, str] = {}  # namespace id of blocks stored through here
+        self._lock = threading.Lock()
+        self.publisher = EventPublisher(
+            Source(node, tier),
+            self.epoch,
+            num_shards,
+            lambda shard, method, *args: directory.call(  # type: ignore[attr-defined]
+                f"cmx:dir:{shard}", method, *args
+            ),
+            self._holdings,
+            self.store._lock,
+            lambda key: self._tags.get(BlockHash(key), ""),
+        )
+        self.store.subscribe(self.publisher.on_event)
+        self.store.subscribe(self._forget_tag)
+
+    def info(self) -> ArenaInfo:
+        arena = self.store.arena
+        return ArenaInfo(
+            self.tier, self.node, arena.name, arena.slot_bytes, arena.num_slots,
+            self.emulated, self.epoch,
+        )
+
+    # -- writes --------------------------------------------------------------------------------
+
+    def reserve(
+        self, items: Sequence[tuple[BlockHash, BlockHash | None]], owner: str
+    ) -> list[Grant | None]:
+        self.leases.expire()
+        self.fences.lift()
+        grants: list[Grant | None] = []
+        for key, parent in items:
+            try:
+                res = self.store.reserve(key, parent)
+            except (BlockStateError, StoreFullError):
+                grants.append(None)
+                continue
+            with self._lock:
+                lease = self.leases.grant(owner, LeaseKind.RESERVE, key, self._fence_one)
+                self._reservations[lease] = res
+                victim = self._evicted.pop(res.slot, None)
+            grants.append(Grant(key, res.slot, self.epoch, lease, victim))
+        return grants
+
+    def commit(self, items: Sequence[tuple[int, int, int]], namespace: str = "",
+               wait: bool = True) -> int:
+        """Commit written blocks (by lease) and publish them; returns how many were committed.
+        With ``wait``, returns once the directory has them; otherwise they are sent behind."""
+        return sum(self.commit_each(items, namespace, wait))
+
+    def commit_each(self, items: Sequence[tuple[int, int, int]], namespace: str = "",
+                    wait: bool = True) -> list[bool]:
+        """``commit``, answering per item whether it was committed (False: its lease had
+        ended, or is of an earlier incarnation of this tier)."""
+        return [k is not None for k, _ in self._commit(items, namespace, wait, None)]
+
+    def commit_pinned(
+        self, items: Sequence[tuple[int, int, int]], namespace: str = "",
+        wait: bool = True, owner: str = "",
+    ) -> list[Pinned | None]:
+        """``commit``, then ``pin`` for ``owner`` what was committed, in one round trip: what
+        a load asks last, and what a write-through store asks before its NVMe writes. Each
+        block is pinned as it is committed, so a reservation running beside this never
+        evicts it in between. None for a lease that is not an open reservation here."""
+        self.leases.expire()
+        return [p for _, p in self._commit(items, namespace, wait, owner)]
+
+    def _commit(self, items: Sequence[tuple[int, int, int]], namespace: str, wait: bool,
+                owner: str | None) -> list[tuple[BlockHash | None, Pinned | None]]:
+        """Commit each item (by lease); with an ``owner``, each is pinned for it under the
+        store's lock, from the moment it is visible."""
+        done: list[tuple[BlockHash | None, Pinned | None]] = []
+        for lease, size, csum in items:
+            held = self.leases.take(lease)
+            with self._lock:
+                res = self._reservations.pop(lease, None) if held is not None else None
+            if res is None:
+                self._refused += 1
+                done.append((None, None))
+                continue
+            if namespace:
+                self._tags[res.key] = namespace
+            with self.store._lock:
+                self.store.commit(res, size, csum)
+                pin = self._pin_one(res.key, owner) if owner is not None else None
+            done.append((res.key, pin))
+        if wait:
+            self.publisher.flush()
+        else:
+            self.publisher.flush_soon()
+        return done
+
+    def abort(self, leases: Sequence[int]) -> None:
+        """Give back reservations their holder will not write: the slots are free at once."""
+        for lease in leases:
+            held = self.leases.take(lease)
+            if held is None:
+                continue
+            if held.kind is not LeaseKind.RESERVE:
+                held.undo(lease)  # a pin: ended as ``unpin`` ends it
+                continue
+            with self._lock:
+                res = self._reservations.pop(lease, None)
+            if res is not None:
+                self.store.abort(res)
+
+    def _fence_one(self, lease: int) -> None:
+        """A reservation ended without its holder (expired, or its owner released): its
+        writer may still be copying, so the slot is fenced (``actors.tiers.fences``)."""
+        with self._lock:
+            res = self._reservations.pop(lease, None)
+        if res is not None:
+            self.fences.fence(res)
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def pin(self, keys: Sequence[BlockHash], owner: str = ADMIN) -> list[Pinned | None]:
+        self.leases.expire()
+        return [self._pin_one(key, owner) for key in keys]
+
+    def _pin_one(self, key: BlockHash, owner: str) -> Pinned | None:
+        if key in self._doomed or not self.store.pin(key):
+            return None
+        ref = self.store.locate(key)
+        csum = self.store.checksum_of(key)
+        if ref is None or csum is None:  # removed between pin and locate: not under a pin
+            self._unpin_key(key)
+            return None
+        lease = self.leases.grant(owner, LeaseKind.PIN, key, self._unpin_later(key))
+        return Pinned(key, ref.slot, ref.size, csum, self.epoch, lease, ref.copy,
+                      self._tags.get(key, ""))
+
+    def acquire(
+        self, items: Sequence[tuple[BlockHash, BlockHash | None]], owner: str
+    ) -> list[Pinned | Grant | None]:
+        """``pin`` each key that is here and ``reserve`` a slot for each that is not: what a
+        load asks first, in one round trip."""
+        pins = self.pin([key for key, _ in items], owner)
+        grants = iter(self.reserve([item for item, p in zip(items, pins) if p is None], owner))
+        return [p if p is not None else next(grants) for p in pins]
+
+    def _unpin_key(self, key: BlockHash) -> None:
+        try:
+            self.store.unpin(key)
+        except (BlockStateError, StoreClosedError):
+            return  # the block went with a close, or the tier is stopping: nothing stays pinned
+        if key in self._doomed and self._drop(key):
+            self._doomed.discard(key)
+            self.publisher.flush()
+
+    def quarantine(self, keys: Sequence[BlockHash]) -> int:
+        """Drop the copies of ``keys`` held now, found corrupt; a pinned one goes at its last
+        unpin. A reader that holds pins quarantines by them (``quarantine_pinned``)."""
+        n = self._quarantine(keys)
+        self.publisher.flush()
+        return n
+
+    def quarantine_pinned(self, pins: Sequence[Pinned]) -> int:
+        """Drop the copies these pins named, found corrupt by their reader; a pinned one goes
+        at its last unpin. A pin of an earlier incarnation of this tier, or of a copy since
+        evicted or stored again, names no copy held here: it drops nothing."""
+        with self.store._lock:  # no copy is replaced between the check and the drop
+            n = self._quarantine([p.key for p in pins
+                                  if p.epoch == self.epoch and self._copy_of(p.key) == p.copy])
+        self.publisher.flush()
+        return n
+
+    def _quarantine(self, keys: Sequence[BlockHash]) -> int:
+        n = 0
+        for key in keys:
+            if key not in self.store:
+                continue
+            n += 1
+            if not self._drop(key):
+                self._doomed.add(key)
+        self._quarantined += n
+        return n
+
+    def _copy_of(self, key: BlockHash) -> int | None:
+        ref = self.store.locate(key)
+        return ref.copy if ref is not None else None
+
+    def _drop(self, key: BlockHash) -> bool:
+        try:
+            self.store.delete(key)
+            return True
+        except BlockStateError:
+            return False  # pinned
+
+    def contains(self, keys: Sequence[BlockHash]) -> list[bool]:
+        return [key in self.store for key in keys]
+
+    def evict(self, keys: Sequence[BlockHash]) -> int:
+        """Drop unpinned blocks; returns how many left."""
+        gone = self.store.delete_unpinned(keys)
+        self.publisher.flush()
+        return gone
+
+    # -- upkeep --------------------------------------------------------------------------------
+
+    def heartbeat(self) -> bool:
+        self.leases.expire()
+        self.fences.lift()
+        return self.publisher.flush(heartbeat=True)
+
+    def stats(self) -> TierStats:
+        s = self.store.stats()
+        reserved = int(s.extra["reserved"])  # type: ignore[call-overload]
+        # A copy a consumer found corrupt is dropped here, not by the store's own checks.
+        store = replace(s, quarantined=s.quarantined + self._quarantined)
+        return TierStats(self.tier, self.node, self.epoch, store, s.pinned, reserved,
+                         self.leases.stats(), len(self.fences), self._refused,
+                         emulated=self.emulated)
+
+    def check_integrity(self) -> None:
+        self.store.check_integrity()
+        s = self.store.stats()
+        leases = self.leases.stats()
+        if leases.reserved != s.extra["reserved"]:
+            raise AssertionError(f"{leases.reserved} reservation leases, "
+                                 f"{s.extra['reserved']} reserved blocks")
+        if bool(leases.pinned) != bool(s.pinned):
+            raise AssertionError(f"{leases.pinned} pin leases, {s.pinned} pinned blocks")
+        self.fences.check_integrity()
+
+    def close(self) -> None:
+        self.store.close()
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _on_evict(self, key: BlockHash, view: object, meta: BlockMeta) -> None:
+        slot = self.store.locate(key)
+        if slot is not None:
+            self._evicted[slot.slot] = Victim(key, meta.size, meta.checksum, meta.parent,
+                                              self._tags.get(key, ""))
+
+    def _forget_tag(self, event: StoreEvent) -> None:
+        if event.kind is EventKind.REMOVED:
+            self._tags.pop(event.key, None)
+            self._doomed.discard(event.key)
+
+    def _holdings(self) -> list[Entry]:
+        entries = []
+        for key in self.store.keys():
+            ref = self.store.locate(key)
+            if ref is not None:
+                entries.append(
+                    Entry(key, True, ref.size, ref.checksum or 0, self._tags.get(key, ""))
+                )
+        return entries
+
+
+def _unlink_stale_arenas(prefix: str) -> None:
+    """Remove arenas an earlier incarnation of this tier left behind (it was killed).
+
+    One tier of a kind runs per node, so every arena with this node's and kind's prefix is
+    from a dead process; a reader still mapping one keeps its mapping until it re-attaches.
+    """
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(prefix):
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+            except OSError:
+                pass

@@ -1,0 +1,109 @@
+"""Publishing a tier's store events to the directory shards.
+
+The publisher numbers events per (source, shard) with no gaps, batches them, and sends each
+batch to its shard. A shard that answers NEED_RESYNC gets the tier's full holdings for that
+shard instead. ``flush()`` returns once every event so far is applied (or the shard is known
+unreachable: then the copy is simply invisible until the next heartbeat resyncs it).
+
+Shards are reached through ``send(shard, method, *args)``, so the publisher runs unchanged
+against plain DirectoryShard objects in unit tests and against Ray actors in the service.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
+
+from cmx.actors.directory.shard import ApplyResult, Entry, Source, shard_of
+from cmx.storage.base import EventKind, StoreEvent
+
+__all__ = ["EventPublisher"]
+
+Send = Callable[..., object]
+
+
+class EventPublisher:
+    def __init__(
+        self,
+        source: Source,
+        epoch: str,
+        num_shards: int,
+        send: Send,
+        holdings: Callable[[], Sequence[Entry]],
+        atomic: AbstractContextManager[object],
+        tag: Callable[[bytes], str] = lambda key: "",
+    ) -> None:
+        self.source = source
+        self.epoch = epoch
+        self.num_shards = num_shards
+        self._send = send
+        self._holdings = holdings
+        self._atomic = atomic  # the store's lock: no event is emitted while it is held
+        self._tag = tag  # a stored block's namespace id, where the tier knows it
+        self._lock = threading.Lock()  # guards pending and seq
+        self._send_lock = threading.Lock()  # one batch in flight per publisher keeps order
+        self._pending: list[list[Entry]] = [[] for _ in range(num_shards)]
+        self._seq = [0] * num_shards
+        self._senders: ThreadPoolExecutor | None = None  # one thread per shard, once needed
+        self._behind: ThreadPoolExecutor | None = None  # flush_soon's thread, once needed
+        self.failures = 0
+        self.resyncs = 0
+
+    def on_event(self, event: StoreEvent) -> None:
+        entry = Entry(
+            key=event.key,
+            stored=event.kind is EventKind.STORED,
+            size=event.size,
+            checksum=event.checksum or 0,
+            namespace=self._tag(event.key) if event.kind is EventKind.STORED else "",
+        )
+        shard = shard_of(event.key, self.num_shards)
+        with self._lock:
+            self._pending[shard].append(entry)
+            self._seq[shard] += 1
+
+    def flush(self, heartbeat: bool = False) -> bool:
+        """Send every pending batch, to all shards at once; with ``heartbeat``, empty ones too
+        (they carry the sequence number a shard checks for gaps). True if all took them."""
+        with self._send_lock:
+            with self._lock:
+                batches = [(s, self._pending[s], self._seq[s]) for s in range(self.num_shards)
+                           if heartbeat or self._pending[s]]
+                self._pending = [[] for _ in range(self.num_shards)]
+            if len(batches) < 2:
+                return all([self._deliver(*batch) for batch in batches])
+            if self._senders is None:
+                self._senders = ThreadPoolExecutor(self.num_shards,
+                                                   thread_name_prefix="cmx-publish")
+            return all(list(self._senders.map(lambda batch: self._deliver(*batch), batches)))
+
+    def flush_soon(self) -> None:
+        """``flush`` from a background thread; returns at once. Batches keep their order."""
+        if self._behind is None:
+            self._behind = ThreadPoolExecutor(1, thread_name_prefix="cmx-publish-behind")
+        self._behind.submit(self.flush)
+
+    def _deliver(self, shard: int, entries: list[Entry], seq: int) -> bool:
+        try:
+            result = self._send(shard, "apply", self.source, self.epoch, seq, entries)
+            if ApplyResult(result) is ApplyResult.NEED_RESYNC:
+                self._resync(shard)
+            return True
+        except Exception:  # noqa: BLE001 - an unreachable shard resyncs on a later heartbeat
+            with self._lock:
+                self.failures += 1
+            return False
+
+    def _resync(self, shard: int) -> None:
+        # Holdings and the cursor are read together under the store's lock (events are emitted
+        # under it), so that events after the snapshot continue exactly from its number.
+        with self._atomic:
+            entries = [e for e in self._holdings() if shard_of(e.key, self.num_shards) == shard]
+            with self._lock:
+                seq = self._seq[shard]
+                self._pending[shard] = []
+        self._send(shard, "resync", self.source, self.epoch, seq, entries)
+        with self._lock:
+            self.resyncs += 1

@@ -1,0 +1,2 @@
+"""Node-to-node transports: the interface and the Ray fallback (``base``), NIXL over UCX
+(``nixl_ucx``)."""

@@ -1,0 +1,159 @@
+"""A namespace of the context memory: store, look up and load the KV of token sequences.
+
+A load takes the longest cached prefix in two parts. What this node holds in memory (HBM or
+DRAM) is pinned in one round trip to the node's tiers (``NodePlane.pin_prefix``, no directory
+lookup) and copied out of their shared memory here, each block checked against its checksum.
+The rest is looked up in the directory and moved into this node's HBM by its agent, from NVMe,
+another node or the pool, and copied out the same way. Pins are leases: they are let go one
+way after the copy, or expire.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from cmx.client.copy_out import copy_payloads, copy_verified, empty_kv
+from cmx.client.loads import load_through_agent, window_blocks
+from cmx.client.matches import BlockLocation, Match
+from cmx.client.stores import StoreHandle, store_into_dram
+from cmx.errors import CmxError, LayoutMismatchError
+from cmx.keys import BlockHash, Namespace, chain_keys
+from cmx.protocol import actor_name, best_copy
+from cmx.selection import IndexSpec, Selection
+from cmx.tiers import Tier
+
+if TYPE_CHECKING:
+    from cmx.client.memory import ContextMemory
+
+__all__ = [
+    "BlockLocation", "Match", "NamespaceClient", "StoreHandle", "copy_payloads",
+    "copy_verified",
+]
+
+log = logging.getLogger(__name__)
+
+
+class NamespaceClient:
+    def __init__(
+        self, cm: ContextMemory, namespace: Namespace, replication: int | None = None
+    ) -> None:
+        self.cm = cm
+        self.namespace = namespace
+        self.layout = namespace.layout
+        self.replication = replication
+        # Every block is checked as it is copied out; only a benchmark of what checking
+        # costs turns this off.
+        self.verify = True
+
+    def keys(self, token_ids: object) -> list[BlockHash]:
+        return chain_keys(self.namespace.digest, token_ids, self.layout.block_tokens)
+
+    def store(self, token_ids: object, kv: Any, start: int = 0) -> StoreHandle:
+        """Copy the full blocks of ``kv`` once into DRAM slots this node's agent grants
+        (``cmx.client.stores``); returns once the bytes are there, the commit going on behind.
+
+        ``kv`` holds the KV of ``token_ids[start:]``; ``start`` is a multiple of the block
+        size, so an engine that already stored a prefix hands over only what is new.
+        """
+        T = self.layout.block_tokens
+        if start < 0 or start % T:
+            raise LayoutMismatchError(f"start {start} is not a multiple of {T} tokens")
+        keys = self.keys(token_ids)
+        first = start // T
+        self.layout.check_kv(kv)
+        if first > len(keys) or kv.shape[3] < (len(keys) - first) * T:
+            raise LayoutMismatchError(
+                f"kv holds {kv.shape[3]} tokens from {start}; token_ids have "
+                f"{len(keys) * T} in full blocks"
+            )
+        if first >= len(keys):
+            return StoreHandle(None, 0, self.cm.config.call_timeout_s)
+        new = keys[first:]
+        parents = [keys[first - 1] if first else None, *new[:-1]]
+        return store_into_dram(self.cm, self.layout, new, parents, kv, self.namespace.id,
+                               f"client:{uuid.uuid4().hex}", self.replication)
+
+    def lookup(self, token_ids: object) -> Match:
+        blocks = self._locate(self.keys(token_ids))
+        return Match(len(blocks) * self.layout.block_tokens, blocks)
+
+    def _locate(self, keys: Sequence[BlockHash]) -> tuple[BlockLocation, ...]:
+        """The longest prefix of ``keys`` the directory knows, and where each copy is."""
+        copies = self.cm.copies(keys) if keys else []
+        blocks = []
+        for key, found in zip(keys, copies):
+            if not found:
+                break
+            best = best_copy(found, self.cm.node_id)
+            blocks.append(BlockLocation(key, best.tier, best.node, tuple(found)))
+        return tuple(blocks)
+
+    def load(self, token_ids: object, match: Match | None = None, layers: IndexSpec = None,
+             heads: IndexSpec = None) -> Any:
+        """KV [layers, 2, kv_heads, n, head_dim] of the longest loadable cached prefix.
+
+        Without ``match``, this node's memory is asked first and the directory only for what
+        it does not hold; with one, the prefix ``match`` shows in this node's memory is.
+        ``layers`` / ``heads`` (an index, a range or slice of step 1, consecutive indices):
+        only those, [len(layers), 2, len(heads), n, head_dim], and only their bytes moved
+        (``cmx.client.selections``); SelectionError for a selection outside the layout."""
+        if layers is not None or heads is not None:
+            from cmx.client.selections import load_selection
+
+            selection = Selection.of(self.layout, layers, heads)
+            return load_selection(self, selection, match or self.lookup(token_ids))
+
+        keys = [b.key for b in match.blocks] if match is not None else self.keys(token_ids)
+        T = self.layout.block_tokens
+        out = empty_kv(self.layout, len(keys) * T)
+        here = len(keys) if match is None else _held_here(match, self.cm.node_id)
+        loaded, whole = self._load_local(keys[:here], out)
+        if whole and loaded < len(keys):
+            rest = match.blocks[loaded:] if match is not None else self._locate(keys[loaded:])
+            loaded += load_through_agent(self, list(rest), out, loaded)
+        return out[:, :, :, : loaded * T]
+
+    def _load_local(self, keys: Sequence[BlockHash], out: Any) -> tuple[int, bool]:
+        """Copy the prefix of ``keys`` held in this node's memory into ``out``: (blocks
+        copied, whether all that were pinned were intact, so the rest may be looked for)."""
+        if not keys:
+            return 0, True
+        plane = self.cm.plane
+        pins = plane.pin_prefix(keys, f"client:{uuid.uuid4().hex}")
+        try:
+            payloads = [(p.pin.key, plane.payload(p), p.pin.checksum) for p in pins]
+        except (CmxError, OSError, ValueError) as exc:  # the tier restarted: its arena is gone
+            log.warning("a local block's arena is gone: %s", exc)
+            plane.unpin(pins)
+            return 0, True  # the agent maps the tier's new incarnation
+        try:
+            copied = copy_payloads(self.layout, payloads, out, 0, self.verify)
+        except BaseException:
+            plane.unpin(pins)
+            raise
+        if copied < len(pins):  # sent while pinned: the copy read goes, not a later one
+            plane.quarantine(pins[copied : copied + 1])
+        plane.unpin(pins)
+        return copied, copied == len(pins)
+
+    def prefetch(self, token_ids: object) -> Any:
+        """Start moving the cached prefix toward this node's HBM tier; returns an ObjectRef."""
+        match = self.lookup(token_ids)
+        if not match.blocks:
+            return None
+        blocks = list(match.blocks)[: window_blocks(self.cm.config)]
+        return self.cm.link.submit(
+            actor_name("agent", self.cm.node_id), "prefetch",
+            [b.key for b in blocks], [list(b.copies) for b in blocks], self.namespace.id,
+        )
+
+
+def _held_here(match: Match, node: str) -> int:
+    """How many leading blocks of ``match`` the directory shows in ``node``'s memory."""
+    for i, b in enumerate(match.blocks):
+        if not any(c.node == node and c.tier in (Tier.HBM, Tier.DRAM) for c in b.copies):
+            return i
+    return len(match.blocks)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,11 @@ from cmx.keys import Namespace
 from cmx.layout import KVLayout
 from cmx.links import LocalLink, actor_name
 from cmx.tiers import Tier
+
+# Node names of this run: a tier unlinks every arena its node's name left in /dev/shm, so two
+# runs on one machine must not share names (arena names keep a node's first 12 characters).
+RUN = uuid.uuid4().hex[:5]
+NODE_A, NODE_B, NODE_C = f"node-a-{RUN}", f"node-b-{RUN}", f"node-c-{RUN}"
 
 
 class FakeClock:
@@ -72,7 +78,7 @@ class LaggingLink(LocalLink):
                 super().tell(*t[:2], *t[2])
 
 
-def make_plane(config: ServiceConfig, nodes: tuple[str, ...] = ("node-a", "node-b"),
+def make_plane(config: ServiceConfig, nodes: tuple[str, ...] = (NODE_A, NODE_B),
                link_type: type[LocalLink] = LocalLink) -> Plane:
     clock = FakeClock()
     targets: dict[str, Any] = {}

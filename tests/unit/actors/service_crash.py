@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -39,7 +40,7 @@ from crash_plane import Op, PlaneFiles, crash_images  # noqa: E402
 __all__ = ["NODE", "ServiceFiles", "crash", "crash_images", "live_tier", "recorded_plane",
            "restart_nvme", "surviving_plane", "written_segments"]
 
-NODE = "crash-replay"  # its own arenas: no other plane of this machine unlinks them
+NODE = f"crash-{uuid.uuid4().hex[:6]}"  # arenas named apart from other suites' on this host
 
 
 class ServiceFiles(PlaneFiles):

@@ -3,7 +3,7 @@ pool node, the drop a client makes, and where the directory sees a block's copie
 
 from __future__ import annotations
 
-from plane import Plane
+from plane import NODE_A, Plane
 from scenarios import BLOCK
 
 from cmx.actors.directory.shard import DirectoryShard
@@ -44,7 +44,7 @@ def start_pool(plane: Plane, node: str, root: str = "") -> PoolNodeService:
 
 def drop(plane: Plane) -> int:
     """``ContextMemory.drop_namespace`` of NS, over the plane's link."""
-    cm = ContextMemory(plane.config, "node-a", owns_ray=False)
+    cm = ContextMemory(plane.config, NODE_A, owns_ray=False)
     cm.link = plane.link  # type: ignore[assignment]
     return cm.drop_namespace(NS)
 

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from plane import LaggingLink, Plane, make_plane
+from plane import NODE_A, NODE_B, LaggingLink, Plane, make_plane
 
 from cmx.config import ServiceConfig
 from cmx.keys import Namespace, chain_keys
@@ -60,52 +60,52 @@ def check(plane: Plane) -> None:
 
 def test_store_then_load_locally_from_dram(plane: Plane) -> None:
     keys, payload = blocks(3, seed=1)
-    assert store(plane, "node-a", keys, payload) == 3
+    assert store(plane, NODE_A, keys, payload) == 3
     assert all(c and c[0].tier is Tier.DRAM for c in plane.lookup(keys))
-    data, loaded = load(plane, "node-a", keys)
+    data, loaded = load(plane, NODE_A, keys)
     assert np.array_equal(data, payload)
     assert {b.source_tier for b in loaded} == {Tier.DRAM}
-    data, loaded = load(plane, "node-a", keys)  # now a hit in HBM
+    data, loaded = load(plane, NODE_A, keys)  # now a hit in HBM
     assert {b.source_tier for b in loaded} == {Tier.HBM}
     for tier in (Tier.HBM, Tier.DRAM):  # pins taken ahead and not used went back too
-        stats = plane.tiers[("node-a", tier)].stats()
+        stats = plane.tiers[(NODE_A, tier)].stats()
         assert (stats.pinned, stats.reserved) == (0, 0), tier
     check(plane)
 
 
 def test_dram_overflow_demotes_to_nvme_and_everything_loads(plane: Plane) -> None:
     keys, payload = blocks(20, seed=2)  # DRAM holds 8
-    assert store(plane, "node-a", keys, payload) == 20
+    assert store(plane, NODE_A, keys, payload) == 20
     tiers = [{c.tier for c in copies} for copies in plane.lookup(keys)]
     assert all(t for t in tiers)
     assert sum(Tier.NVME in t for t in tiers) >= 12
-    data = np.concatenate([load(plane, "node-a", keys[i : i + 2])[0] for i in range(0, 20, 2)])
+    data = np.concatenate([load(plane, NODE_A, keys[i : i + 2])[0] for i in range(0, 20, 2)])
     assert np.array_equal(data, payload)
-    moved = plane.agents["node-a"].counters.moved
+    moved = plane.agents[NODE_A].counters.moved
     assert moved["dram->nvme"] >= 12 * BLOCK and moved["nvme->hbm"] > 0
     check(plane)
 
 
 def test_load_from_the_other_node_over_the_transport(plane: Plane) -> None:
     keys, payload = blocks(12, seed=3)  # some in B's DRAM, some demoted to B's NVMe
-    store(plane, "node-b", keys, payload)
+    store(plane, NODE_B, keys, payload)
     got = []
     for i in range(0, 12, 3):
-        data, loaded = load(plane, "node-a", keys[i : i + 3])
-        assert {b.source_node for b in loaded} == {"node-b"}
+        data, loaded = load(plane, NODE_A, keys[i : i + 3])
+        assert {b.source_node for b in loaded} == {NODE_B}
         got.append(data)
     assert np.array_equal(np.concatenate(got), payload)
-    agent = plane.agents["node-a"]
+    agent = plane.agents[NODE_A]
     assert agent.counters.moved_via[agent.transport.name] == 12 * BLOCK
-    assert plane.agents["node-b"].counters.moved["nvme->dram"] > 0  # NVMe blocks were staged
+    assert plane.agents[NODE_B].counters.moved["nvme->dram"] > 0  # NVMe blocks were staged
     check(plane)
 
 
 def test_corrupt_nvme_block_is_a_miss_and_quarantined(plane: Plane) -> None:
     keys, payload = blocks(12, seed=4)
-    store(plane, "node-a", keys, payload)
-    nvme = plane.tiers[("node-a", Tier.NVME)]
-    dram = plane.tiers[("node-a", Tier.DRAM)].store
+    store(plane, NODE_A, keys, payload)
+    nvme = plane.tiers[(NODE_A, Tier.NVME)]
+    dram = plane.tiers[(NODE_A, Tier.DRAM)].store
     victim = next(k for k in keys if k in nvme.store and k not in dram)
     entry = nvme.store.entry_of(victim)
     with open(nvme.store.segment_path(entry.seg), "r+b") as f:
@@ -114,7 +114,7 @@ def test_corrupt_nvme_block_is_a_miss_and_quarantined(plane: Plane) -> None:
         f.seek(entry.offset + 100)
         f.write(bytes([byte[0] ^ 0xFF]))
     i = keys.index(victim)
-    data, loaded = load(plane, "node-a", keys[i : i + 1])
+    data, loaded = load(plane, NODE_A, keys[i : i + 1])
     assert loaded == [] and data.size == 0
     assert victim not in nvme.store
     assert nvme.stats().store.quarantined == 1
@@ -124,8 +124,8 @@ def test_corrupt_nvme_block_is_a_miss_and_quarantined(plane: Plane) -> None:
 
 def test_load_stops_at_the_first_block_no_one_has(plane: Plane) -> None:
     keys, payload = blocks(4, seed=5)
-    store(plane, "node-a", keys[:2] , payload[: 2 * BLOCK])
-    data, loaded = load(plane, "node-a", keys)
+    store(plane, NODE_A, keys[:2] , payload[: 2 * BLOCK])
+    data, loaded = load(plane, NODE_A, keys)
     assert len(loaded) == 2 and np.array_equal(data, payload[: 2 * BLOCK])
     check(plane)
 
@@ -138,10 +138,10 @@ def test_fallback_transport_moves_the_same_bytes_and_says_so(tmp_path) -> None:
     plane = make_plane(config)
     try:
         keys, payload = blocks(3, seed=6)
-        store(plane, "node-b", keys, payload)
-        data, loaded = load(plane, "node-a", keys)
+        store(plane, NODE_B, keys, payload)
+        data, loaded = load(plane, NODE_A, keys)
         assert np.array_equal(data, payload)
-        agent = plane.agents["node-a"]
+        agent = plane.agents[NODE_A]
         assert agent.transport.name == "ray"
         moved_via = agent.counters.moved_via
         assert moved_via["ray"] == 3 * BLOCK and "nixl-ucx" not in moved_via
@@ -161,13 +161,13 @@ def test_a_load_larger_than_the_peers_memory_moves_window_by_window(tmp_path) ->
     plane = make_plane(config, link_type=LaggingLink)
     try:
         keys, payload = blocks(12, seed=7)
-        store(plane, "node-b", keys, payload)
-        plane.tiers[("node-b", Tier.DRAM)].evict(keys)  # only B's NVMe has them now
-        plane.tiers[("node-b", Tier.HBM)].evict(keys)
+        store(plane, NODE_B, keys, payload)
+        plane.tiers[(NODE_B, Tier.DRAM)].evict(keys)  # only B's NVMe has them now
+        plane.tiers[(NODE_B, Tier.HBM)].evict(keys)
         # B stages NVMe blocks into its DRAM, which holds 4 at a time: three windows.
-        data, loaded = load(plane, "node-a", keys)
+        data, loaded = load(plane, NODE_A, keys)
         assert len(loaded) == 12 and np.array_equal(data, payload)
-        assert plane.agents["node-b"].counters.moved["nvme->dram"] == 12 * BLOCK
+        assert plane.agents[NODE_B].counters.moved["nvme->dram"] == 12 * BLOCK
         check(plane)
     finally:
         plane.close()
@@ -178,17 +178,17 @@ def test_nvme_admission_keeps_blocks_seen_once_off_the_disk(tmp_path) -> None:
         block_bytes=BLOCK, hbm_bytes=4 * BLOCK, dram_bytes=8 * BLOCK, nvme_bytes=64 * BLOCK,
         nvme_dir=str(tmp_path), nvme_segment_bytes=16 * BLOCK, nvme_admission_min_count=2,
     )
-    plane = make_plane(config, nodes=("node-a",))
+    plane = make_plane(config, nodes=(NODE_A,))
     try:
-        agent = plane.agents["node-a"]
+        agent = plane.agents[NODE_A]
         hot, hot_payload = blocks(4, seed=8)
-        store(plane, "node-a", hot, hot_payload)
-        load(plane, "node-a", hot)  # seen twice: admitted to NVMe
+        store(plane, NODE_A, hot, hot_payload)
+        load(plane, NODE_A, hot)  # seen twice: admitted to NVMe
         cold, cold_payload = blocks(4, seed=9)
-        store(plane, "node-a", cold, cold_payload)  # seen once
+        store(plane, NODE_A, cold, cold_payload)  # seen once
         filler, filler_payload = blocks(8, seed=10)
-        store(plane, "node-a", filler, filler_payload)  # evicts hot and cold from DRAM
-        nvme = plane.tiers[("node-a", Tier.NVME)].store
+        store(plane, NODE_A, filler, filler_payload)  # evicts hot and cold from DRAM
+        nvme = plane.tiers[(NODE_A, Tier.NVME)].store
         assert all(k in nvme for k in hot)
         assert not any(k in nvme for k in cold)
         assert agent.counters.dropped["not_admitted_to_nvme"] >= 4
@@ -202,10 +202,10 @@ def test_write_through_puts_admitted_blocks_on_nvme_as_they_are_stored(tmp_path)
         block_bytes=BLOCK, hbm_bytes=4 * BLOCK, dram_bytes=8 * BLOCK, nvme_bytes=64 * BLOCK,
         nvme_dir=str(tmp_path), nvme_segment_bytes=16 * BLOCK, placement="write_through",
     )
-    plane = make_plane(config, nodes=("node-a",))
+    plane = make_plane(config, nodes=(NODE_A,))
     try:
         keys, payload = blocks(3, seed=11)
-        store(plane, "node-a", keys, payload)
+        store(plane, NODE_A, keys, payload)
         assert all({Tier.DRAM, Tier.NVME} <= {c.tier for c in copies}
                    for copies in plane.lookup(keys))
         check(plane)

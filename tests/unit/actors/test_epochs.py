@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from plane import Plane, make_plane
+from plane import NODE_A, Plane, make_plane
 from scenarios import blocks, check, load, restart_tier, small_config
 
 from cmx.tiers import Tier
@@ -15,13 +15,13 @@ from cmx.tiers import Tier
 
 @pytest.fixture
 def plane(tmp_path) -> Iterator[Plane]:
-    p = make_plane(small_config(tmp_path), nodes=("node-a",))
+    p = make_plane(small_config(tmp_path), nodes=(NODE_A,))
     yield p
     p.close()
 
 
 def test_dram_restart_inside_a_store_never_serves_another_keys_bytes(plane: Plane) -> None:
-    agent = plane.agents["node-a"]
+    agent = plane.agents[NODE_A]
     (kb,), pb = blocks(1, seed=11)
     (kc,), pc = blocks(1, seed=12)
     demote = agent.demotion.demote_victims
@@ -32,7 +32,7 @@ def test_dram_restart_inside_a_store_never_serves_another_keys_bytes(plane: Plan
         # kb's DRAM slot was granted by the tier that is about to be replaced.
         if tier is Tier.DRAM and not restarted:
             restarted.append(True)
-            restart_tier(plane, "node-a", Tier.DRAM)
+            restart_tier(plane, NODE_A, Tier.DRAM)
             stored_c.append(agent.store([kc], [None], pc))  # takes the same slot, new arena
         return demote(tier, grants)
 
@@ -40,14 +40,14 @@ def test_dram_restart_inside_a_store_never_serves_another_keys_bytes(plane: Plan
     assert agent.store([kb], [None], pb) == 0  # the grant died with its tier: nothing stored
     agent.demotion.demote_victims = demote  # type: ignore[method-assign]
     assert stored_c == [1]
-    data, loaded = load(plane, "node-a", [kc])
+    data, loaded = load(plane, NODE_A, [kc])
     assert len(loaded) == 1 and np.array_equal(data, pc)
-    assert load(plane, "node-a", [kb])[1] == []
+    assert load(plane, NODE_A, [kb])[1] == []
     check(plane)
 
 
 def test_hbm_restart_inside_a_load_never_serves_another_keys_bytes(plane: Plane) -> None:
-    agent = plane.agents["node-a"]
+    agent = plane.agents[NODE_A]
     (kb,), pb = blocks(1, seed=21)
     (kc,), pc = blocks(1, seed=22)
     agent.store([kb], [None], pb)
@@ -60,16 +60,16 @@ def test_hbm_restart_inside_a_load_never_serves_another_keys_bytes(plane: Plane)
         # kb's HBM slot was granted by the tier that is about to be replaced.
         if tier is Tier.HBM and not restarted:
             restarted.append(True)
-            restart_tier(plane, "node-a", Tier.HBM)
-            inner.append(load(plane, "node-a", [kc]))  # fills the same slot, new arena
+            restart_tier(plane, NODE_A, Tier.HBM)
+            inner.append(load(plane, NODE_A, [kc]))  # fills the same slot, new arena
         return demote(tier, grants)
 
     agent.demotion.demote_victims = restart_then_load_c  # type: ignore[method-assign]
-    data, loaded = load(plane, "node-a", [kb])
+    data, loaded = load(plane, NODE_A, [kb])
     agent.demotion.demote_victims = demote  # type: ignore[method-assign]
     assert loaded == [] and data.size == 0  # a miss, not a copy into the new arena
     assert np.array_equal(inner[0][0], pc)
-    data, loaded = load(plane, "node-a", [kc])  # now an HBM hit in the new tier
+    data, loaded = load(plane, NODE_A, [kc])  # now an HBM hit in the new tier
     assert [b.source_tier for b in loaded] == [Tier.HBM]
     assert np.array_equal(data, pc)
     check(plane)

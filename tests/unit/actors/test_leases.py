@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from plane import Plane, make_plane
+from plane import NODE_A, NODE_B, Plane, make_plane
 from scenarios import BLOCK, LEASE_S, blocks, check, held, load, small_config
 
 from cmx.actors.pool.node import PoolNodeService
@@ -57,28 +57,28 @@ def test_leases_expire_on_the_clock_and_count() -> None:
 
 def test_a_load_failing_part_way_leaves_nothing_held(plane: Plane) -> None:
     keys, payload = blocks(6, seed=31)
-    plane.agents["node-a"].store(keys, [None, *keys[:-1]], payload)
-    load(plane, "node-a", keys[:4])  # HBM (4 slots) is full of keys 0-3
+    plane.agents[NODE_A].store(keys, [None, *keys[:-1]], payload)
+    load(plane, NODE_A, keys[:4])  # HBM (4 slots) is full of keys 0-3
     want = [keys[0], keys[1], keys[4], keys[5]]
-    with _Down(plane, "node-a", "dram"):  # HBM's victims cannot go down, the fills fail
-        data, loaded = load(plane, "node-a", want)
+    with _Down(plane, NODE_A, "dram"):  # HBM's victims cannot go down, the fills fail
+        data, loaded = load(plane, NODE_A, want)
     assert len(loaded) == 2  # the HBM hits; the rest a miss
-    assert held(plane, "node-a", Tier.HBM) == (0, 0)
-    data, loaded = load(plane, "node-a", keys[:4])
+    assert held(plane, NODE_A, Tier.HBM) == (0, 0)
+    data, loaded = load(plane, NODE_A, keys[:4])
     assert len(loaded) == 4 and np.array_equal(data, payload[: 4 * BLOCK])
     check(plane)
 
 
 def test_a_store_whose_demotion_fails_leaves_its_keys_storable(plane: Plane) -> None:
-    agent = plane.agents["node-a"]
+    agent = plane.agents[NODE_A]
     keys, payload = blocks(8, seed=32)
     agent.store(keys, [None, *keys[:-1]], payload)  # DRAM (8 slots) is full
     more, more_payload = blocks(4, seed=33)
-    with _Down(plane, "node-a", "nvme"):  # the evicted blocks cannot be demoted
+    with _Down(plane, NODE_A, "nvme"):  # the evicted blocks cannot be demoted
         agent.store(more, [None, *more[:-1]], more_payload)
-    assert held(plane, "node-a", Tier.DRAM) == (0, 0)
+    assert held(plane, NODE_A, Tier.DRAM) == (0, 0)
     agent.store(more, [None, *more[:-1]], more_payload)
-    data, loaded = load(plane, "node-a", more)
+    data, loaded = load(plane, NODE_A, more)
     assert len(loaded) == 4 and np.array_equal(data, more_payload)
     check(plane)
 
@@ -88,7 +88,7 @@ def test_a_store_whose_copy_raises_leaves_its_keys_storable(
 ) -> None:
     import cmx.actors.agent.host as agent_module
 
-    agent = plane.agents["node-a"]
+    agent = plane.agents[NODE_A]
     keys, payload = blocks(2, seed=35)
 
     def broken(data: object) -> int:
@@ -98,57 +98,57 @@ def test_a_store_whose_copy_raises_leaves_its_keys_storable(
         m.setattr(agent_module, "checksum", broken)
         with pytest.raises(OSError, match="copy failed"):
             agent.store(keys, [None, keys[0]], payload)
-    assert held(plane, "node-a", Tier.DRAM) == (0, 0)
+    assert held(plane, NODE_A, Tier.DRAM) == (0, 0)
     assert agent.store(keys, [None, keys[0]], payload) == 2
     check(plane)
 
 
 def test_pins_a_caller_never_releases_expire_after_the_lease_time(plane: Plane) -> None:
-    agent = plane.agents["node-a"]
+    agent = plane.agents[NODE_A]
     keys, payload = blocks(3, seed=36)
     agent.store(keys, [None, *keys[:-1]], payload)
     result = agent.load(keys, plane.lookup(keys), owner="client:gone")
-    assert len(result.blocks) == 3 and held(plane, "node-a", Tier.HBM)[0] == 3
+    assert len(result.blocks) == 3 and held(plane, NODE_A, Tier.HBM)[0] == 3
     plane.clock.advance(LEASE_S - 1)
-    plane.tiers[("node-a", Tier.HBM)].heartbeat()
-    assert held(plane, "node-a", Tier.HBM)[0] == 3  # still within the lease
+    plane.tiers[(NODE_A, Tier.HBM)].heartbeat()
+    assert held(plane, NODE_A, Tier.HBM)[0] == 3  # still within the lease
     plane.clock.advance(1)
-    plane.tiers[("node-a", Tier.HBM)].heartbeat()
-    assert held(plane, "node-a", Tier.HBM) == (0, 0)
-    assert plane.tiers[("node-a", Tier.HBM)].stats().leases.expired == 3
+    plane.tiers[(NODE_A, Tier.HBM)].heartbeat()
+    assert held(plane, NODE_A, Tier.HBM) == (0, 0)
+    assert plane.tiers[(NODE_A, Tier.HBM)].stats().leases.expired == 3
     agent.release([b.lease for b in result.blocks])  # late: changes nothing
     check(plane)
 
 
 def test_a_load_its_caller_gave_up_on_gives_its_pins_back(plane: Plane) -> None:
-    agent = plane.agents["node-a"]
+    agent = plane.agents[NODE_A]
     keys, payload = blocks(3, seed=37)
     agent.store(keys, [None, *keys[:-1]], payload)
-    load(plane, "node-a", keys[:1])  # one HBM hit, pinned at once by the next load
+    load(plane, NODE_A, keys[:1])  # one HBM hit, pinned at once by the next load
     # The caller's wait ran out while the load ran: its give_up arrives before the answer.
     agent.give_up("client:late")
     result = agent.load(keys, plane.lookup(keys), owner="client:late")
     assert result.blocks == []
-    assert held(plane, "node-a", Tier.HBM) == (0, 0)
+    assert held(plane, NODE_A, Tier.HBM) == (0, 0)
     # ...or after it: what the finished load pinned is given back then.
     result = agent.load(keys, plane.lookup(keys), owner="client:later")
     assert len(result.blocks) == 3
     assert agent.give_up("client:later") == 3
-    assert held(plane, "node-a", Tier.HBM) == (0, 0)
+    assert held(plane, NODE_A, Tier.HBM) == (0, 0)
     check(plane)
 
 
 def test_a_peer_that_dies_between_stage_and_unstage_leaks_nothing(plane: Plane) -> None:
     keys, payload = blocks(6, seed=38)
-    plane.agents["node-b"].store(keys, [None, *keys[:-1]], payload)
-    staged = plane.agents["node-b"].stage(keys, plane.agents["node-a"].owner)
+    plane.agents[NODE_B].store(keys, [None, *keys[:-1]], payload)
+    staged = plane.agents[NODE_B].stage(keys, plane.agents[NODE_A].owner)
     assert all(s is not None for s in staged)
-    assert held(plane, "node-b", Tier.DRAM)[0] == 6
+    assert held(plane, NODE_B, Tier.DRAM)[0] == 6
     # node-a's agent dies here: it never unstages.
     plane.clock.advance(LEASE_S)
-    plane.tiers[("node-b", Tier.DRAM)].heartbeat()
-    assert held(plane, "node-b", Tier.DRAM) == (0, 0)
-    data, loaded = load(plane, "node-a", keys[:3])
+    plane.tiers[(NODE_B, Tier.DRAM)].heartbeat()
+    assert held(plane, NODE_B, Tier.DRAM) == (0, 0)
+    data, loaded = load(plane, NODE_A, keys[:3])
     assert np.array_equal(data, payload[: 3 * BLOCK])
     check(plane)
 
@@ -159,17 +159,17 @@ def test_a_transfer_failing_after_the_peer_staged_leaks_nothing(
     from cmx.actors.transport.base import TransferError
 
     keys, payload = blocks(3, seed=39)
-    plane.agents["node-b"].store(keys, [None, *keys[:-1]], payload)
-    agent = plane.agents["node-a"]
+    plane.agents[NODE_B].store(keys, [None, *keys[:-1]], payload)
+    agent = plane.agents[NODE_A]
 
     def broken(*args: object, **kwargs: object) -> None:
         raise TransferError("peer went away mid-transfer")
 
     monkeypatch.setattr(agent.transport, "read", broken)
-    data, loaded = load(plane, "node-a", keys)
+    data, loaded = load(plane, NODE_A, keys)
     assert loaded == []
-    assert held(plane, "node-a", Tier.HBM) == (0, 0)
-    assert held(plane, "node-b", Tier.DRAM) == (0, 0)
+    assert held(plane, NODE_A, Tier.HBM) == (0, 0)
+    assert held(plane, NODE_B, Tier.DRAM) == (0, 0)
     check(plane)
 
 
@@ -183,16 +183,16 @@ def test_a_pool_node_whose_read_fails_leaks_nothing(
                            clock=plane.clock)
     try:
         keys, payload = blocks(3, seed=40)
-        plane.agents["node-a"].store(keys, [None, *keys[:-1]], payload)
-        source = plane.agents["node-a"]
-        pins = plane.tiers[("node-a", Tier.DRAM)].pin(keys, source.owner)
+        plane.agents[NODE_A].store(keys, [None, *keys[:-1]], payload)
+        source = plane.agents[NODE_A]
+        pins = plane.tiers[(NODE_A, Tier.DRAM)].pin(keys, source.owner)
         from cmx.protocol import Offer
 
         region = source.tiers.current(Tier.DRAM)[0].arena
-        plane.link._targets[actor_name("agent", "node-a")] = source  # type: ignore[attr-defined]
+        plane.link._targets[actor_name("agent", NODE_A)] = source  # type: ignore[attr-defined]
         offers = [Offer(p.key, None, region, p.slot, p.size, p.checksum) for p in pins]
-        assert pool.ingest(actor_name("agent", "node-a"), offers) == 3
-        plane.tiers[("node-a", Tier.DRAM)].unpin([p.lease for p in pins])
+        assert pool.ingest(actor_name("agent", NODE_A), offers) == 3
+        plane.tiers[(NODE_A, Tier.DRAM)].unpin([p.lease for p in pins])
         pool.drop_staging()  # a cold read: every block comes off the pool's disk
 
         def broken(*args: object) -> None:
@@ -215,10 +215,10 @@ def test_a_pool_node_whose_read_fails_leaks_nothing(
 
 def test_a_load_without_its_hbm_tier_fails_and_holds_nothing(plane: Plane) -> None:
     keys, payload = blocks(2, seed=41)
-    plane.agents["node-a"].store(keys, [None, keys[0]], payload)
-    with _Down(plane, "node-a", "hbm"), pytest.raises(UnavailableError):
-        plane.agents["node-a"].load(keys, plane.lookup(keys))
-    assert held(plane, "node-a", Tier.DRAM) == (0, 0)
+    plane.agents[NODE_A].store(keys, [None, keys[0]], payload)
+    with _Down(plane, NODE_A, "hbm"), pytest.raises(UnavailableError):
+        plane.agents[NODE_A].load(keys, plane.lookup(keys))
+    assert held(plane, NODE_A, Tier.DRAM) == (0, 0)
 
 
 def test_a_release_that_reaches_a_closed_tier_is_quiet(plane: Plane) -> None:
@@ -226,9 +226,9 @@ def test_a_release_that_reaches_a_closed_tier_is_quiet(plane: Plane) -> None:
     store is closed, nothing stays pinned, and the release must not raise (Ray logs an unhandled
     error for every such call)."""
     keys, payload = blocks(2, seed=37)
-    agent = plane.agents["node-a"]
+    agent = plane.agents[NODE_A]
     agent.store(keys, [None, keys[0]], payload)
     result = agent.load(keys, plane.lookup(keys))
     assert len(result.blocks) == 2
-    plane.tiers[("node-a", Tier.HBM)].close()
+    plane.tiers[(NODE_A, Tier.HBM)].close()
     agent.release([b.lease for b in result.blocks])  # raised StoreClosedError

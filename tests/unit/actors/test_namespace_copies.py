@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from plane import Plane, make_plane
+from plane import NODE_A, NODE_B, Plane, make_plane
 from scenarios import blocks, check, small_config
 from tagging import NS, PoolMembers, drop, held_in, reannounce, restart_directory, start_pool
 
@@ -36,15 +36,15 @@ def test_a_dram_copy_promoted_from_nvme_for_a_peer_keeps_the_namespace(tmp_path:
                                     nvme_admission_min_count=1))
     try:
         keys, payload = blocks(2, seed=21)
-        plane.agents["node-a"].store(keys, [None, keys[0]], payload, NS)
-        dram = plane.tiers[("node-a", Tier.DRAM)]
+        plane.agents[NODE_A].store(keys, [None, keys[0]], payload, NS)
+        dram = plane.tiers[(NODE_A, Tier.DRAM)]
         assert dram.evict(keys) == 2  # only node-a's NVMe holds them
-        reader = plane.agents["node-b"]
+        reader = plane.agents[NODE_B]
         loaded = reader.load(keys, plane.lookup(keys), namespace=NS).blocks
-        assert [(b.source_tier, b.source_node) for b in loaded] == [(Tier.NVME, "node-a")] * 2
+        assert [(b.source_tier, b.source_node) for b in loaded] == [(Tier.NVME, NODE_A)] * 2
         reader.release([b.lease for b in loaded])
         assert dram.contains(keys) == [True, True]  # promoted there for the peer
-        evict_all_but(plane, keys, "node-a", Tier.DRAM)
+        evict_all_but(plane, keys, NODE_A, Tier.DRAM)
         assert held_in(plane, keys) == {Tier.DRAM}
         restart_directory(plane)
         reannounce(plane)
@@ -74,10 +74,10 @@ def test_an_hbm_copy_made_without_a_namespace_takes_the_tag_of_its_source(
         pools.append(start_pool(plane, "pool-1"))
     try:
         keys, payload = blocks(2, seed=22)
-        plane.agents["node-a"].store(keys, [None, keys[0]], payload, NS)
-        evict_all_but(plane, keys, "node-a", tier)
+        plane.agents[NODE_A].store(keys, [None, keys[0]], payload, NS)
+        evict_all_but(plane, keys, NODE_A, tier)
         assert held_in(plane, keys) == {tier}
-        node = "node-a" if source.startswith("this node") else "node-b"
+        node = NODE_A if source.startswith("this node") else NODE_B
         agent = plane.agents[node]
         if how == "prefetch":  # the caller names no namespace: the source's tag goes along
             assert agent.prefetch(keys, plane.lookup(keys)) == 2
@@ -109,8 +109,8 @@ def test_a_pool_copy_held_untagged_adopts_the_namespace_of_a_later_offer(
     pool = start_pool(plane, "pool-1")
     try:
         keys, payload = blocks(3, seed=23)
-        agent = plane.agents["node-a"]
-        dram = plane.tiers[("node-a", Tier.DRAM)]
+        agent = plane.agents[NODE_A]
+        dram = plane.tiers[(NODE_A, Tier.DRAM)]
         agent.store(keys, [None, *keys[:-1]], payload)  # no namespace: the pool's copies none
         assert [extent_tag(pool.store, k) for k in keys] == [""] * 3
         written = pool.store.stats().bytes_written
@@ -144,9 +144,9 @@ def test_an_offer_with_a_bad_tag_adopts_nothing_for_blocks_the_pool_holds(
     pool = start_pool(plane, "pool-1")
     try:
         keys, payload = blocks(2, seed=24)
-        source = plane.agents["node-a"]
+        source = plane.agents[NODE_A]
         source.store(keys, [None, keys[0]], payload)  # untagged, in DRAM and the pool
-        dram = plane.tiers[("node-a", Tier.DRAM)]
+        dram = plane.tiers[(NODE_A, Tier.DRAM)]
         pins = dram.pin(keys, source.owner)
         region = source.tiers.current(Tier.DRAM)[0].arena
         offers = [Offer(p.key, None, region, p.slot, p.size, p.checksum, tag)

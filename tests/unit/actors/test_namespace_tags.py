@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from plane import Plane, make_plane
+from plane import NODE_A, NODE_B, Plane, make_plane
 from scenarios import BLOCK, blocks, check, small_config
 from tagging import NS, PoolMembers, drop, held_in, reannounce, restart_directory, start_pool
 
@@ -46,20 +46,20 @@ def test_blocks_on_nvme_keep_their_namespace_after_the_tier_and_the_directory_re
     plane = make_plane(small_config(tmp_path, placement=placement, nvme_admission_min_count=1))
     try:
         keys, payload = blocks(12, seed=5)  # DRAM holds 8: the first are demoted (write-back)
-        plane.agents["node-a"].store(keys, [None, *keys[:-1]], payload, NS)
-        nvme = plane.tiers[("node-a", Tier.NVME)]
+        plane.agents[NODE_A].store(keys, [None, *keys[:-1]], payload, NS)
+        nvme = plane.tiers[(NODE_A, Tier.NVME)]
         on_nvme = {k for k, here in zip(keys, nvme.contains(keys)) if here}
         assert on_nvme, "nothing reached NVMe"
         root = nvme.store.root
         nvme.close()
         restart_directory(plane)
-        nvme = reopen_nvme(plane, "node-a", root)
+        nvme = reopen_nvme(plane, NODE_A, root)
         assert nvme.heartbeat()  # first contact: the tier resyncs the new shards
-        assert tagged_on_nvme(plane, "node-a") == on_nvme
+        assert tagged_on_nvme(plane, NODE_A) == on_nvme
         nvme.close()
-        nvme = reopen_nvme(plane, "node-a", root)  # the directory kept, the tier restarted
+        nvme = reopen_nvme(plane, NODE_A, root)  # the directory kept, the tier restarted
         assert nvme.heartbeat()
-        assert tagged_on_nvme(plane, "node-a") == on_nvme
+        assert tagged_on_nvme(plane, NODE_A) == on_nvme
         check(plane)
     finally:
         plane.close()
@@ -70,14 +70,14 @@ def test_a_drops_nvme_evictions_are_durable_before_the_tier_is_closed(tmp_path: 
                                     nvme_admission_min_count=1))
     try:
         keys, payload = blocks(4, seed=6)
-        plane.agents["node-a"].store(keys, [None, *keys[:-1]], payload, NS)
-        nvme = plane.tiers[("node-a", Tier.NVME)]
+        plane.agents[NODE_A].store(keys, [None, *keys[:-1]], payload, NS)
+        nvme = plane.tiers[(NODE_A, Tier.NVME)]
         assert nvme.contains(keys) == [True] * 4
         assert nvme.evict(keys[2:]) == 2
         # The files as a crash now leaves them: the tier never closes (no snapshot at close).
         crashed = str(tmp_path / "crashed")
         shutil.copytree(nvme.store.root, crashed)
-        again = reopen_nvme(plane, "node-a", crashed)
+        again = reopen_nvme(plane, NODE_A, crashed)
         assert again.contains(keys) == [True, True, False, False]
         again.check_integrity()
     finally:
@@ -94,8 +94,8 @@ def test_a_drop_after_the_directory_restarts_removes_copies_held_only_in_hbm(
     plane = make_plane(small_config(tmp_path))
     try:
         keys, payload = blocks(2, seed=7)
-        plane.agents["node-a"].store(keys, [None, keys[0]], payload, NS)
-        node = "node-b" if how == "load from a peer" else "node-a"
+        plane.agents[NODE_A].store(keys, [None, keys[0]], payload, NS)
+        node = NODE_B if how == "load from a peer" else NODE_A
         agent = plane.agents[node]
         if how == "prefetch":
             assert agent.prefetch(keys, plane.lookup(keys), namespace=NS) == 2
@@ -103,7 +103,7 @@ def test_a_drop_after_the_directory_restarts_removes_copies_held_only_in_hbm(
             loaded = agent.load(keys, plane.lookup(keys), namespace=NS).blocks
             assert len(loaded) == 2
             agent.release([b.lease for b in loaded])
-        assert plane.tiers[("node-a", Tier.DRAM)].evict(keys) == 2
+        assert plane.tiers[(NODE_A, Tier.DRAM)].evict(keys) == 2
         hbm = plane.tiers[(node, Tier.HBM)]
         assert held_in(plane, keys) == {Tier.HBM} and hbm.contains(keys) == [True, True]
         restart_directory(plane)
@@ -120,11 +120,11 @@ def test_hbm_copies_demoted_to_dram_keep_their_namespace(tmp_path: Path) -> None
     plane = make_plane(small_config(tmp_path))
     try:
         keys, payload = blocks(6, seed=8)
-        agent = plane.agents["node-a"]
+        agent = plane.agents[NODE_A]
         agent.store(keys[:2], [None, keys[0]], payload[: 2 * BLOCK], NS)
         loaded = agent.load(keys[:2], plane.lookup(keys[:2]), namespace=NS).blocks
         agent.release([b.lease for b in loaded])
-        dram = plane.tiers[("node-a", Tier.DRAM)]
+        dram = plane.tiers[(NODE_A, Tier.DRAM)]
         assert dram.evict(keys[:2]) == 2  # only HBM holds them now
         others = keys[2:]
         agent.store(others, [None, *others[:-1]], payload[2 * BLOCK :])
@@ -149,9 +149,9 @@ def test_a_drop_after_the_directory_restarts_removes_copies_held_only_in_the_poo
     pool = start_pool(plane, "pool-1")
     try:
         keys, payload = blocks(3, seed=9)
-        plane.agents["node-a"].store(keys, [None, *keys[:-1]], payload, NS)
+        plane.agents[NODE_A].store(keys, [None, *keys[:-1]], payload, NS)
         assert pool.contains(keys) == [True] * 3
-        assert plane.tiers[("node-a", Tier.DRAM)].evict(keys) == 3
+        assert plane.tiers[(NODE_A, Tier.DRAM)].evict(keys) == 3
         assert held_in(plane, keys) == {Tier.POOL}
         restart_directory(plane)
         if pool_restarts:  # the tags come back from the pool node's disk
@@ -175,7 +175,7 @@ def test_a_drops_pool_evictions_are_durable_before_the_pool_node_is_closed(
     pool = start_pool(plane, "pool-1")
     try:
         keys, payload = blocks(4, seed=10)
-        plane.agents["node-a"].store(keys, [None, *keys[:-1]], payload, NS)
+        plane.agents[NODE_A].store(keys, [None, *keys[:-1]], payload, NS)
         assert pool.evict(keys[2:]) == 2
         # The files as a crash now leaves them: the node never closes (no snapshot at close).
         crashed = str(tmp_path / "crashed")
@@ -198,15 +198,15 @@ def test_an_offer_with_a_tag_too_long_to_keep_is_refused_before_anything_is_held
     pool = start_pool(plane, "pool-1")
     try:
         keys, payload = blocks(2, seed=11)
-        source = plane.agents["node-a"]
+        source = plane.agents[NODE_A]
         source.store(keys, [None, keys[0]], payload, NS)
-        dram = plane.tiers[("node-a", Tier.DRAM)]
+        dram = plane.tiers[(NODE_A, Tier.DRAM)]
         pins = dram.pin(keys, source.owner)
         region = source.tiers.current(Tier.DRAM)[0].arena
         offers = [Offer(p.key, None, region, p.slot, p.size, p.checksum, tag)
                   for p, tag in zip(pins, [NS, "x" * 4096]) if p is not None]
         with pytest.raises(ValueError, match="tag"):
-            pool.ingest(actor_name("agent", "node-a"), offers)
+            pool.ingest(actor_name("agent", NODE_A), offers)
         dram.unpin([p.lease for p in pins if p is not None])
         assert pool.contains(keys) == [False, False]
         assert (pool.stats().pinned, pool.stats().reserved) == (0, 0)

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 import pytest
-from plane import Plane, make_plane
+from plane import NODE_A, NODE_B, Plane, make_plane
 from scenarios import BLOCK, blocks, check, load, small_config
 
 from cmx.actors.pool.node import PoolNodeService
@@ -98,9 +98,9 @@ def only_on_nvme(plane: Plane, node: str, keys: Sequence[bytes]) -> None:
 
 
 def test_a_write_through_store_writes_its_blocks_in_parallel(plane: Plane) -> None:
-    io = counting(plane.agents["node-a"])
+    io = counting(plane.agents[NODE_A])
     keys, payload = blocks(N, seed=1)
-    assert plane.agents["node-a"].store(keys, [None, *keys[:-1]], payload) == N
+    assert plane.agents[NODE_A].store(keys, [None, *keys[:-1]], payload) == N
     assert io.most["write"] == N  # every block of the window in flight at once
     assert all(Tier.NVME in {c.tier for c in cs} for cs in plane.lookup(keys))
     check(plane)
@@ -108,10 +108,10 @@ def test_a_write_through_store_writes_its_blocks_in_parallel(plane: Plane) -> No
 
 def test_a_load_from_local_nvme_reads_its_blocks_in_parallel(plane: Plane) -> None:
     keys, payload = blocks(N, seed=2)
-    plane.agents["node-a"].store(keys, [None, *keys[:-1]], payload)
-    only_on_nvme(plane, "node-a", keys)
-    io = counting(plane.agents["node-a"])
-    data, got = load(plane, "node-a", keys)
+    plane.agents[NODE_A].store(keys, [None, *keys[:-1]], payload)
+    only_on_nvme(plane, NODE_A, keys)
+    io = counting(plane.agents[NODE_A])
+    data, got = load(plane, NODE_A, keys)
     assert np.array_equal(data, payload)
     assert {b.source_tier for b in got} == {Tier.NVME}
     assert io.most["read"] >= 16
@@ -120,14 +120,14 @@ def test_a_load_from_local_nvme_reads_its_blocks_in_parallel(plane: Plane) -> No
 
 def test_a_peers_nvme_blocks_are_promoted_in_parallel(plane: Plane) -> None:
     keys, payload = blocks(N, seed=3)
-    plane.agents["node-a"].store(keys, [None, *keys[:-1]], payload)
-    only_on_nvme(plane, "node-a", keys)
-    io = counting(plane.agents["node-a"])
-    data, got = load(plane, "node-b", keys)
+    plane.agents[NODE_A].store(keys, [None, *keys[:-1]], payload)
+    only_on_nvme(plane, NODE_A, keys)
+    io = counting(plane.agents[NODE_A])
+    data, got = load(plane, NODE_B, keys)
     assert np.array_equal(data, payload)
-    assert {b.source_node for b in got} == {"node-a"}
+    assert {b.source_node for b in got} == {NODE_A}
     assert io.most["read"] >= 16
-    assert plane.agents["node-a"].counters.moved["nvme->dram"] == N * BLOCK
+    assert plane.agents[NODE_A].counters.moved["nvme->dram"] == N * BLOCK
     check(plane)
 
 
@@ -140,13 +140,13 @@ def test_a_pool_node_stages_cold_blocks_in_parallel(plane: Plane) -> None:
     try:
         io = counting(pool)
         keys, payload = blocks(N, seed=4)
-        source = plane.agents["node-a"]
+        source = plane.agents[NODE_A]
         source.store(keys, [None, *keys[:-1]], payload)
-        dram = plane.tiers[("node-a", Tier.DRAM)]
+        dram = plane.tiers[(NODE_A, Tier.DRAM)]
         pins = dram.pin(keys, source.owner)
         region = source.tiers.current(Tier.DRAM)[0].arena
         offers = [Offer(p.key, None, region, p.slot, p.size, p.checksum) for p in pins]
-        assert pool.ingest(actor_name("agent", "node-a"), offers) == N
+        assert pool.ingest(actor_name("agent", NODE_A), offers) == N
         dram.unpin([p.lease for p in pins])
         assert io.most["write"] == N
         pool.drop_staging()  # a cold read: every block comes off the pool's disk
@@ -167,7 +167,7 @@ def test_compaction_is_decided_by_the_tier_and_its_bytes_moved_by_the_agent(tmp_
                                 nvme_bytes=64 * BLOCK, nvme_segment_bytes=16 * BLOCK,
                                 placement="write_through"))
     try:
-        agent, nvme = p.agents["node-a"], p.tiers[("node-a", Tier.NVME)]
+        agent, nvme = p.agents[NODE_A], p.tiers[(NODE_A, Tier.NVME)]
         keys, payload = blocks(80, seed=5)
         agent.store(keys[:64], [None, *keys[:63]], payload[: 64 * BLOCK])
         assert nvme.evict(keys[0:48:2]) == 24  # a third of the log is dead: compaction's turn
@@ -179,9 +179,9 @@ def test_compaction_is_decided_by_the_tier_and_its_bytes_moved_by_the_agent(tmp_
         assert engine.io_sizes("read") == {} and engine.io_sizes("write") == {}
         survivors = [i for i in range(80) if keys[i] in nvme.store]
         assert set(range(1, 48, 2)) <= set(survivors)  # compaction kept every live block
-        only_on_nvme(p, "node-a", [keys[i] for i in survivors])
+        only_on_nvme(p, NODE_A, [keys[i] for i in survivors])
         for i in survivors:
-            data, got = load(p, "node-a", [keys[i]])
+            data, got = load(p, NODE_A, [keys[i]])
             assert np.array_equal(data, payload[i * BLOCK : (i + 1) * BLOCK])
             assert got[0].source_tier is Tier.NVME
         check(p)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from plane import Plane, make_plane
+from plane import RUN, Plane, make_plane
 from scenarios import blocks, check, load, small_config
 from tagging import NS, PoolMembers, held_in, start_pool
 
@@ -24,7 +24,7 @@ from cmx.tiers import Tier
 
 MEMBERS = ["pool-1", "pool-2", "pool-3"]
 # Node names of this file alone: a tier unlinks the arenas its node's name left behind.
-WRITER, READER = NODES = ("rebalance-w", "rebalance-r")
+WRITER, READER = NODES = (f"rebal-w-{RUN}", f"rebal-r-{RUN}")  # apart from other runs' arenas
 N = 4
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from plane import Plane, make_plane
+from plane import NODE_A, NODE_B, Plane, make_plane
 from scenarios import BLOCK, LAYOUT, blocks, check, held, small_config
 
 from cmx.actors.pool.node import PoolNodeService
@@ -105,11 +105,11 @@ def only_in(plane: Plane, node: str, keys: list[BlockHash], tier: Tier) -> Block
 
 def test_a_peer_selection_moves_only_its_ranges_over_nixl(plane: Plane) -> None:
     keys, payload = blocks(12, seed=31)  # B's DRAM holds 8: the rest only on its NVMe
-    plane.agents["node-b"].store(keys, [None, *keys[:-1]], payload)
+    plane.agents[NODE_B].store(keys, [None, *keys[:-1]], payload)
     before = [{c.tier for c in cs} for cs in plane.lookup(keys)]
     assert any(t == {Tier.NVME} for t in before) and any(Tier.DRAM in t for t in before)
-    a = plane.agents["node-a"]
-    got = load_slices(plane, "node-a", keys)
+    a = plane.agents[NODE_A]
+    got = load_slices(plane, NODE_A, keys)
     assert [b.data.tobytes() for b in got] == [e.tobytes() for e in expected(payload, 12)]
     assert {b.source_tier for b in got} == {Tier.DRAM, Tier.NVME}
     assert a.transport.stats.range_bytes == 12 * SEL  # the selected bytes, not 12 blocks
@@ -120,8 +120,8 @@ def test_a_peer_selection_moves_only_its_ranges_over_nixl(plane: Plane) -> None:
     assert moved["dram@peer->selection"] + moved["nvme@peer->selection"] == 12 * SEL
     # Nothing stays pinned or leased on B, and nothing was promoted there.
     for tier in (Tier.HBM, Tier.DRAM, Tier.NVME):
-        assert held(plane, "node-b", tier) == (0, 0), tier
-    plane.agents["node-b"].host.outbox().check_integrity()
+        assert held(plane, NODE_B, tier) == (0, 0), tier
+    plane.agents[NODE_B].host.outbox().check_integrity()
     assert [{c.tier for c in cs} for cs in plane.lookup(keys)] == before
     check(plane)
 
@@ -130,15 +130,15 @@ def test_nvme_selections_wider_than_the_outbox_come_in_windows(
         plane: Plane, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(slice_expose, "OUTBOX_MAX_SLOTS", 2)
     keys, payload = blocks(16, seed=32)
-    plane.agents["node-b"].store(keys, [None, *keys[:-1]], payload)
+    plane.agents[NODE_B].store(keys, [None, *keys[:-1]], payload)
     on_nvme = sum({c.tier for c in cs} == {Tier.NVME} for cs in plane.lookup(keys))
     assert on_nvme > 2
-    a = plane.agents["node-a"]
-    got = load_slices(plane, "node-a", keys)
+    a = plane.agents[NODE_A]
+    got = load_slices(plane, NODE_A, keys)
     assert [b.data.tobytes() for b in got] == [e.tobytes() for e in expected(payload, 16)]
     assert a.transport.stats.range_bytes == 16 * SEL
     assert a.transport.stats.range_reads >= on_nvme // 2  # a window per two NVMe blocks
-    box = plane.agents["node-b"].host.outbox()
+    box = plane.agents[NODE_B].host.outbox()
     assert box.region.num_slots == 2 and box.free_slots() == 2
     box.check_integrity()
 
@@ -153,24 +153,24 @@ def flip_dram_byte(plane: Plane, node: str, key: BlockHash) -> None:
 
 def test_a_corrupt_peer_dram_copy_is_a_miss_and_quarantined_there(plane: Plane) -> None:
     keys, payload = blocks(12, seed=33)
-    plane.agents["node-b"].store(keys, [None, *keys[:-1]], payload)
-    victim = only_in(plane, "node-b", keys, Tier.DRAM)
-    flip_dram_byte(plane, "node-b", victim)
+    plane.agents[NODE_B].store(keys, [None, *keys[:-1]], payload)
+    victim = only_in(plane, NODE_B, keys, Tier.DRAM)
+    flip_dram_byte(plane, NODE_B, victim)
     i = keys.index(victim)
-    got = load_slices(plane, "node-a", keys)
+    got = load_slices(plane, NODE_A, keys)
     assert len(got) == i  # the prefix ends at the corrupt block
     assert [b.data.tobytes() for b in got] == [e.tobytes() for e in expected(payload, i)]
-    assert plane.tiers[("node-b", Tier.DRAM)].stats().store.quarantined == 1
+    assert plane.tiers[(NODE_B, Tier.DRAM)].stats().store.quarantined == 1
     assert plane.lookup([victim])[0] == []
-    assert held(plane, "node-b", Tier.DRAM) == (0, 0)
+    assert held(plane, NODE_B, Tier.DRAM) == (0, 0)
     check(plane)
 
 
 def test_a_corrupt_peer_nvme_chunk_is_a_miss_and_quarantined_there(plane: Plane) -> None:
     keys, payload = blocks(12, seed=34)
-    plane.agents["node-b"].store(keys, [None, *keys[:-1]], payload)
-    victim = only_in(plane, "node-b", keys, Tier.NVME)
-    nvme = plane.tiers[("node-b", Tier.NVME)]
+    plane.agents[NODE_B].store(keys, [None, *keys[:-1]], payload)
+    victim = only_in(plane, NODE_B, keys, Tier.NVME)
+    nvme = plane.tiers[(NODE_B, Tier.NVME)]
     entry = nvme.store.entry_of(victim)
     run_off = RUNS[0][0]  # a byte inside the selection, so its chunk is read
     with open(nvme.store.segment_path(entry.seg), "r+b") as f:
@@ -178,18 +178,18 @@ def test_a_corrupt_peer_nvme_chunk_is_a_miss_and_quarantined_there(plane: Plane)
         byte = f.read(1)
         f.seek(entry.offset + run_off)
         f.write(bytes([byte[0] ^ 0xFF]))
-    got = load_slices(plane, "node-a", [victim])
+    got = load_slices(plane, NODE_A, [victim])
     assert got == []
     assert nvme.stats().store.quarantined == 1 and victim not in nvme.store
-    plane.agents["node-b"].host.outbox().check_integrity()
+    plane.agents[NODE_B].host.outbox().check_integrity()
     check(plane)
 
 
 def test_bytes_damaged_in_flight_are_a_miss_and_the_source_copy_is_quarantined(
         plane: Plane, monkeypatch: pytest.MonkeyPatch) -> None:
     keys, payload = blocks(3, seed=35)
-    plane.agents["node-b"].store(keys, [None, *keys[:-1]], payload)
-    a = plane.agents["node-a"]
+    plane.agents[NODE_B].store(keys, [None, *keys[:-1]], payload)
+    a = plane.agents[NODE_A]
     real = a.transport.read_ranges
 
     def damaging(peer: Any, remote: Any, local: Any, landing: np.ndarray,
@@ -199,11 +199,11 @@ def test_bytes_damaged_in_flight_are_a_miss_and_the_source_copy_is_quarantined(
         return n
 
     monkeypatch.setattr(a.transport, "read_ranges", damaging)
-    got = load_slices(plane, "node-a", keys)
+    got = load_slices(plane, NODE_A, keys)
     assert len(got) == 1 and got[0].data.tobytes() == expected(payload, 1)[0].tobytes()
-    assert plane.tiers[("node-b", Tier.DRAM)].stats().store.quarantined == 1
+    assert plane.tiers[(NODE_B, Tier.DRAM)].stats().store.quarantined == 1
     assert plane.lookup([keys[1]])[0] == []
-    assert held(plane, "node-b", Tier.DRAM) == (0, 0)
+    assert held(plane, NODE_B, Tier.DRAM) == (0, 0)
     check(plane)
 
 
@@ -212,17 +212,17 @@ def test_without_nixl_the_selection_travels_by_value_and_says_so(
     p = make_plane(small_config(tmp_path, transport="ray"))
     try:
         keys, payload = blocks(4, seed=36)
-        p.agents["node-b"].store(keys, [None, *keys[:-1]], payload)
-        a = p.agents["node-a"]
+        p.agents[NODE_B].store(keys, [None, *keys[:-1]], payload)
+        a = p.agents[NODE_A]
         with caplog.at_level(logging.WARNING):
             got = a.load_slices(keys, p.lookup(keys), RUNS)
         assert [b.data.tobytes() for b in got] == [e.tobytes() for e in expected(payload, 4)]
         assert a.counters.moved_via["ray"] == 4 * SEL and a.transport.stats.range_bytes == 0
         assert "through Ray's object store" in caplog.text
-        assert actor_name("agent", "node-b") in caplog.text
+        assert actor_name("agent", NODE_B) in caplog.text
 
         # By value too, the bytes are checked where they land: damaged ones end the prefix.
-        owner = p.agents["node-b"]
+        owner = p.agents[NODE_B]
         real = owner.read_selection
 
         def damaging(keys: list[BlockHash], runs: Any) -> list[Any]:
@@ -247,16 +247,16 @@ def pooled(plane: Plane) -> Iterator[tuple[PoolNodeService, list[BlockHash], np.
     plane.link._targets[actor_name("pool", "pool-1")] = pool  # type: ignore[attr-defined]
     try:
         keys, payload = blocks(6, seed=37)
-        source = plane.agents["node-a"]
+        source = plane.agents[NODE_A]
         source.store(keys, [None, *keys[:-1]], payload)
-        dram = plane.tiers[("node-a", Tier.DRAM)]
+        dram = plane.tiers[(NODE_A, Tier.DRAM)]
         pins = dram.pin(keys, source.owner)
         region = source.tiers.current(Tier.DRAM)[0].arena
         offers = [Offer(p.key, None, region, p.slot, p.size, p.checksum) for p in pins]
-        assert pool.ingest(actor_name("agent", "node-a"), offers) == 6
+        assert pool.ingest(actor_name("agent", NODE_A), offers) == 6
         dram.unpin([p.lease for p in pins])
         for tier in (Tier.HBM, Tier.DRAM, Tier.NVME):
-            plane.tiers[("node-a", tier)].evict(keys)
+            plane.tiers[(NODE_A, tier)].evict(keys)
         assert all({c.tier for c in cs} == {Tier.POOL} for cs in plane.lookup(keys))
         pool.drop_staging()
         yield pool, keys, payload
@@ -268,7 +268,7 @@ def pooled(plane: Plane) -> Iterator[tuple[PoolNodeService, list[BlockHash], np.
 def test_a_pool_selection_from_its_disk_then_its_staging_moves_only_its_ranges(
         plane: Plane, pooled: tuple[PoolNodeService, list[BlockHash], np.ndarray]) -> None:
     pool, keys, payload = pooled
-    b = plane.agents["node-b"]
+    b = plane.agents[NODE_B]
     # First from the pool's disk (the covering chunks, via its outbox), then from its staging.
     for n in (1, 2):
         got = b.load_slices(keys, plane.lookup(keys), RUNS)
@@ -291,7 +291,7 @@ def test_a_corrupt_pool_copy_is_a_miss_and_quarantined_there(
         byte = f.read(1)
         f.seek(entry.offset + RUNS[0][0])
         f.write(bytes([byte[0] ^ 0xFF]))
-    got = plane.agents["node-b"].load_slices(keys, plane.lookup(keys), RUNS)
+    got = plane.agents[NODE_B].load_slices(keys, plane.lookup(keys), RUNS)
     assert [s.data.tobytes() for s in got] == [e.tobytes() for e in expected(payload, 3)]
     assert keys[3] not in pool.store and pool.stats().store.quarantined == 1
     assert plane.lookup([keys[3]])[0] == []

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from plane import Plane, make_plane
+from plane import NODE_A, NODE_B, Plane, make_plane
 from scenarios import BLOCK, LEASE_S, blocks, check, load, small_config
 
 from cmx.links import actor_name
@@ -56,61 +56,61 @@ def test_a_memory_tier_counts_pins_reservations_and_leases_as_they_come_and_go(
     plane: Plane,
 ) -> None:
     keys, payload = blocks(5, seed=71)
-    assert plane.agents["node-a"].store(keys[:3], [None, *keys[:2]], payload[: 3 * BLOCK]) == 3
-    dram = plane.tiers[("node-a", Tier.DRAM)]
-    s = tier(plane, "node-a", Tier.DRAM)
-    assert (s.tier, s.node, s.blocks, s.pinned, s.reserved) == (Tier.DRAM, "node-a", 3, 0, 0)
+    assert plane.agents[NODE_A].store(keys[:3], [None, *keys[:2]], payload[: 3 * BLOCK]) == 3
+    dram = plane.tiers[(NODE_A, Tier.DRAM)]
+    s = tier(plane, NODE_A, Tier.DRAM)
+    assert (s.tier, s.node, s.blocks, s.pinned, s.reserved) == (Tier.DRAM, NODE_A, 3, 0, 0)
     assert (s.capacity_bytes, s.leases) == (8 * BLOCK, LeaseStats(0, 0, 0, 0))
 
     pins = dram.pin(keys[:2], owner="client:a")
-    s = tier(plane, "node-a", Tier.DRAM)
+    s = tier(plane, NODE_A, Tier.DRAM)
     assert (s.pinned, s.leases.pinned) == (2, 2)
     dram.unpin([p.lease for p in pins])
-    assert (tier(plane, "node-a", Tier.DRAM).pinned,
-            tier(plane, "node-a", Tier.DRAM).leases.pinned) == (0, 0)
+    assert (tier(plane, NODE_A, Tier.DRAM).pinned,
+            tier(plane, NODE_A, Tier.DRAM).leases.pinned) == (0, 0)
 
     grants = dram.reserve([(k, None) for k in keys[3:]], "client:gone")
-    s = tier(plane, "node-a", Tier.DRAM)
+    s = tier(plane, NODE_A, Tier.DRAM)
     assert all(grants) and (s.reserved, s.leases.reserved) == (2, 2)
     assert s.used_bytes == 5 * BLOCK  # reserved slots count as used
     plane.clock.advance(LEASE_S)
     dram.heartbeat()
-    s = tier(plane, "node-a", Tier.DRAM)
+    s = tier(plane, NODE_A, Tier.DRAM)
     assert (s.reserved, s.leases.reserved, s.leases.expired) == (0, 0, 2)
     assert s.used_bytes == 3 * BLOCK
 
     dram.pin(keys[:1], owner="client:b")
     assert dram.release_owner("client:b") == 1
-    s = tier(plane, "node-a", Tier.DRAM)
+    s = tier(plane, NODE_A, Tier.DRAM)
     assert (s.pinned, s.leases.released) == (0, 1)
     check(plane)
 
 
 def test_an_nvme_tier_counts_its_reserved_extents_and_their_expiry(plane: Plane) -> None:
     keys, _ = blocks(2, seed=72)
-    nvme = plane.tiers[("node-a", Tier.NVME)]
+    nvme = plane.tiers[(NODE_A, Tier.NVME)]
     extents = nvme.reserve([(k, None, BLOCK) for k in keys], "agent:gone")
-    s = tier(plane, "node-a", Tier.NVME)
+    s = tier(plane, NODE_A, Tier.NVME)
     assert all(extents) and (s.tier, s.reserved, s.leases.reserved) == (Tier.NVME, 2, 2)
     plane.clock.advance(LEASE_S)
     nvme.heartbeat()
-    s = tier(plane, "node-a", Tier.NVME)
+    s = tier(plane, NODE_A, Tier.NVME)
     assert (s.reserved, s.leases.expired, s.blocks) == (0, 2, 0)
     check(plane)
 
 
 def test_an_agent_counts_what_it_stored_loaded_promoted_and_demoted(plane: Plane) -> None:
-    agent = plane.agents["node-a"]
+    agent = plane.agents[NODE_A]
     keys, payload = blocks(10, seed=73)
     before = agent.stats()
     assert (before.stores, before.loads, before.promoted_bytes, before.demoted_bytes) == (0, 0,
                                                                                          0, 0)
     assert agent.store(keys, [None, *keys[:-1]], payload) == 10  # DRAM holds 8: two demoted
-    data, loaded = load(plane, "node-a", keys[-2:])  # the last two are still in DRAM
+    data, loaded = load(plane, NODE_A, keys[-2:])  # the last two are still in DRAM
     assert np.array_equal(data, payload[8 * BLOCK:])
     s = agent.stats()
     assert isinstance(s, AgentStats)
-    assert (s.agent, s.node, s.placed_on, s.dpu) == (agent.name, "node-a", "node-a", False)
+    assert (s.agent, s.node, s.placed_on, s.dpu) == (agent.name, NODE_A, NODE_A, False)
     assert (s.stores, s.loads) == (3, 1)  # a store commits in windows of half of DRAM
     assert s.moved_bytes["client->dram"] == 10 * BLOCK
     assert s.promoted_bytes == s.moved_bytes["dram->hbm"] == 2 * BLOCK
@@ -121,12 +121,12 @@ def test_an_agent_counts_what_it_stored_loaded_promoted_and_demoted(plane: Plane
 
 
 def test_an_agent_counts_the_copies_found_corrupt_where_they_were_found(plane: Plane) -> None:
-    agent = plane.agents["node-a"]
+    agent = plane.agents[NODE_A]
     keys, payload = blocks(12, seed=74)
     agent.store(keys, [None, *keys[:-1]], payload)
-    nvme = plane.tiers[("node-a", Tier.NVME)]
+    nvme = plane.tiers[(NODE_A, Tier.NVME)]
     victim = next(k for k in keys if k in nvme.store
-                  and k not in plane.tiers[("node-a", Tier.DRAM)].store)
+                  and k not in plane.tiers[(NODE_A, Tier.DRAM)].store)
     entry = nvme.store.entry_of(victim)
     with open(nvme.store.segment_path(entry.seg), "r+b") as f:
         f.seek(entry.offset + 100)
@@ -134,16 +134,16 @@ def test_an_agent_counts_the_copies_found_corrupt_where_they_were_found(plane: P
         f.seek(entry.offset + 100)
         f.write(bytes([byte[0] ^ 0xFF]))
     i = keys.index(victim)
-    assert load(plane, "node-a", keys[i : i + 1])[1] == []
+    assert load(plane, NODE_A, keys[i : i + 1])[1] == []
     s = agent.stats()
     assert dict(s.corrupt_blocks) == {"nvme": 1} and s.verify_failures == 1
-    assert tier(plane, "node-a", Tier.NVME).store.quarantined == 1
+    assert tier(plane, NODE_A, Tier.NVME).store.quarantined == 1
 
     last = keys[-1]  # in DRAM; the caller of a load says its bytes were wrong
     result = agent.load([last], plane.lookup([last]))
     agent.release([b.lease for b in result.blocks], corrupt=result.blocks)
     assert agent.stats().corrupt_blocks == {"nvme": 1, "consumer": 1}
-    assert tier(plane, "node-a", Tier.DRAM).store.quarantined == 1
+    assert tier(plane, NODE_A, Tier.DRAM).store.quarantined == 1
     check(plane)
 
 
@@ -151,19 +151,19 @@ def test_the_service_stats_show_a_tier_that_does_not_answer_as_unreachable(
     plane: Plane,
 ) -> None:
     keys, payload = blocks(3, seed=75)
-    plane.agents["node-a"].store(keys, [None, *keys[:-1]], payload)
+    plane.agents[NODE_A].store(keys, [None, *keys[:-1]], payload)
     targets = plane.link._targets  # type: ignore[attr-defined]
-    targets["cmx:controller"] = Controller(["node-a", "node-b"], ["pool-x"])
-    del targets[actor_name("dram", "node-b")]  # it died: every call to it fails
+    targets["cmx:controller"] = Controller([NODE_A, NODE_B], ["pool-x"])
+    del targets[actor_name("dram", NODE_B)]  # it died: every call to it fails
 
     stats = collect(plane.link, shards=2, replication=2)
-    assert isinstance(stats, ServiceStats) and set(stats.nodes) == {"node-a", "node-b"}
-    b = stats.nodes["node-b"]
+    assert isinstance(stats, ServiceStats) and set(stats.nodes) == {NODE_A, NODE_B}
+    b = stats.nodes[NODE_B]
     assert isinstance(b, NodeStats) and isinstance(b.agent, AgentStats)
     down = b.tiers[Tier.DRAM]
     assert isinstance(down, Unreachable) and "dram" in down.reason
     assert isinstance(b.tiers[Tier.HBM], TierStats) and isinstance(b.tiers[Tier.NVME], TierStats)
-    a = stats.nodes["node-a"]
+    a = stats.nodes[NODE_A]
     assert all(isinstance(t, TierStats) for t in a.tiers.values())
     dram_a = a.tiers[Tier.DRAM]
     assert isinstance(dram_a, TierStats) and dram_a.blocks == 3
@@ -180,9 +180,9 @@ def test_a_part_whose_stats_fail_is_unreachable_with_why(plane: Plane) -> None:
     def broken() -> TierStats:
         raise RuntimeError("arena unmapped")
 
-    plane.tiers[("node-a", Tier.HBM)].stats = broken
-    plane.link._targets["cmx:controller"] = Controller(["node-a"], [])  # type: ignore[attr-defined]
-    hbm = collect(plane.link, shards=2, replication=1).nodes["node-a"].tiers[Tier.HBM]
+    plane.tiers[(NODE_A, Tier.HBM)].stats = broken
+    plane.link._targets["cmx:controller"] = Controller([NODE_A], [])  # type: ignore[attr-defined]
+    hbm = collect(plane.link, shards=2, replication=1).nodes[NODE_A].tiers[Tier.HBM]
     assert isinstance(hbm, Unreachable) and "arena unmapped" in hbm.reason
 
 

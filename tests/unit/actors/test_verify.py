@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
-from plane import Plane, make_plane
+from plane import NODE_A, NODE_B, Plane, make_plane
 from scenarios import BLOCK, LAYOUT, blocks, check, load, small_config
 
 from cmx.actors.agent.core import OffloadAgent
@@ -42,15 +42,15 @@ def offered(plane: Plane, key: BlockHash) -> set[tuple[Tier, str]]:
 
 def test_a_corrupt_peer_copy_is_quarantined_and_never_returned(plane: Plane) -> None:
     keys, payload = blocks(3, seed=51)
-    plane.agents["node-b"].store(keys, [None, *keys[:-1]], payload)
-    corrupt(plane, "node-b", Tier.DRAM, keys[1])
-    data, loaded = load(plane, "node-a", keys)
+    plane.agents[NODE_B].store(keys, [None, *keys[:-1]], payload)
+    corrupt(plane, NODE_B, Tier.DRAM, keys[1])
+    data, loaded = load(plane, NODE_A, keys)
     assert len(loaded) == 1 and np.array_equal(data, payload[:BLOCK])
-    assert keys[1] not in plane.tiers[("node-b", Tier.DRAM)].store
-    assert (Tier.DRAM, "node-b") not in offered(plane, keys[1])
-    assert plane.tiers[("node-b", Tier.DRAM)].stats().store.quarantined == 1
+    assert keys[1] not in plane.tiers[(NODE_B, Tier.DRAM)].store
+    assert (Tier.DRAM, NODE_B) not in offered(plane, keys[1])
+    assert plane.tiers[(NODE_B, Tier.DRAM)].stats().store.quarantined == 1
     for _ in range(2):  # never offered again: a miss from then on
-        data, loaded = load(plane, "node-a", keys[1:])
+        data, loaded = load(plane, NODE_A, keys[1:])
         assert loaded == []
     check(plane)
 
@@ -58,10 +58,10 @@ def test_a_corrupt_peer_copy_is_quarantined_and_never_returned(plane: Plane) -> 
 def test_the_consumer_finds_a_block_corrupted_after_it_was_verified(plane: Plane) -> None:
     """A DRAM copy that went bad after it was stored: the reader's check catches it, and
     both the HBM copy it read and the DRAM copy that one came from are dropped."""
-    agent: OffloadAgent = plane.agents["node-a"]
+    agent: OffloadAgent = plane.agents[NODE_A]
     keys, payload = blocks(2, seed=52)
     agent.store(keys, [None, keys[0]], payload)
-    corrupt(plane, "node-a", Tier.DRAM, keys[1])
+    corrupt(plane, NODE_A, Tier.DRAM, keys[1])
     result = agent.load(keys, plane.lookup(keys))
     arena = agent.tiers.current(Tier.HBM)[1]
     out = torch.zeros(LAYOUT.shape(2 * LAYOUT.block_tokens), dtype=LAYOUT.torch_dtype())
@@ -72,16 +72,16 @@ def test_the_consumer_finds_a_block_corrupted_after_it_was_verified(plane: Plane
     assert not out[:, :, :, LAYOUT.block_tokens :].any()  # nothing of the bad block used
     agent.release([b.lease for b in result.blocks], bad)
     assert offered(plane, keys[1]) == set()
-    assert keys[1] not in plane.tiers[("node-a", Tier.HBM)].store
-    assert keys[1] not in plane.tiers[("node-a", Tier.DRAM)].store
+    assert keys[1] not in plane.tiers[(NODE_A, Tier.HBM)].store
+    assert keys[1] not in plane.tiers[(NODE_A, Tier.DRAM)].store
     check(plane)
 
 
 def test_a_copy_quarantined_while_pinned_goes_at_its_last_unpin(plane: Plane) -> None:
-    agent = plane.agents["node-a"]
+    agent = plane.agents[NODE_A]
     keys, payload = blocks(1, seed=53)
     agent.store(keys, [None], payload)
-    dram = plane.tiers[("node-a", Tier.DRAM)]
+    dram = plane.tiers[(NODE_A, Tier.DRAM)]
     (pin,) = dram.pin(keys, "client:x")
     assert dram.quarantine(keys) == 1
     assert dram.pin(keys, "client:y") == [None]  # nobody new reads it
@@ -92,7 +92,7 @@ def test_a_copy_quarantined_while_pinned_goes_at_its_last_unpin(plane: Plane) ->
 
 
 def test_copy_verified_uses_nothing_past_a_bad_block(plane: Plane) -> None:
-    agent = plane.agents["node-a"]
+    agent = plane.agents[NODE_A]
     keys, payload = blocks(3, seed=54)
     agent.store(keys, [None, *keys[:-1]], payload)
     result = agent.load(keys, plane.lookup(keys))
@@ -103,7 +103,7 @@ def test_copy_verified_uses_nothing_past_a_bad_block(plane: Plane) -> None:
     assert (intact, [b.key for b in bad]) == (0, [keys[0]])
     assert not out.any()
     agent.release([b.lease for b in result.blocks], bad)
-    data, loaded = load(plane, "node-a", keys)
+    data, loaded = load(plane, NODE_A, keys)
     assert loaded == []  # its only copies were in HBM and DRAM: both dropped
     assert BLOCK == payload.nbytes // 3
     check(plane)

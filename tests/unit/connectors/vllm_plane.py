@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ T, LAYERS, HEADS, DIM, BLOCKS = 8, 3, 2, 16, 8
 LAYOUT = KVLayout(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, block_tokens=T,
                   dtype="float32")  # 6,144 bytes a block
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-NODE = "engine-node"
+NODE = f"engine-{uuid.uuid4().hex[:6]}"  # arenas named apart from other runs'
 BOUND_S = 30.0  # a liveness bound only
 LEASE_S = 60.0  # the plane's clock moves only when a test moves it
 

@@ -5,6 +5,7 @@ tiers of an in-process plane, their time a fake clock."""
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,8 @@ from cmx.config import AdminConfig
 from cmx.errors import UnavailableError
 from cmx.tiers import Tier
 
-NODES = ("a1" * 28, "b2" * 28)  # hex ids, as the API names nodes
+# Hex ids, as the API names nodes; new ones each run, so two runs never share arena names.
+NODES = tuple(sorted(secrets.token_hex(28) for _ in range(2)))
 TOKEN = "test-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 TTL_S = 300.0  # longer than any lease: the tiers' here and the service's default

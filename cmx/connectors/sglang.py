@@ -5,7 +5,7 @@ SGLang (0.5.x) plugs a storage backend in by module path::
     --enable-hierarchical-cache --hicache-storage-backend dynamic
     --hicache-storage-backend-extra-config '{"backend_name": "cmx",
         "module_path": "cmx.connectors.sglang", "class_name": "CMXHiCacheStorage",
-        "ray_address": "auto"}'
+        "ray_address": "10.0.0.5:6379"}'     # the service's GCS address
 
 SGLang hands the backend pages of its host KV pool, each named by SGLang's own chained page
 hash (a string). The service keys blocks by token ids, so a page is stored as one block whose

@@ -1,9 +1,11 @@
 """Prefetch policies, one per sibling file, behind ``make_prefetch(name)``.
 
 A request's prefix starts moving toward its replica's node when the request arrives (py-kvcache's
-scheduler-aware preloading); the policy decides how long the replica, once free, waits for that
-move before it starts the request (SGLang HiCache's ``best_effort``, ``wait_complete`` and
-``timeout``).
+scheduler-aware preloading); the policy decides how long the request waits for that move before
+it goes on (SGLang HiCache's ``best_effort``, ``wait_complete`` and ``timeout``). The Serve
+application waits at the request's arrival, right after asking for the move, before the request
+joins vLLM's queue (``deploy.server``); the simulator waits when the request's replica is free
+(``cmx.simulate.engine``).
 """
 
 from __future__ import annotations

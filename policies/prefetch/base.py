@@ -5,12 +5,14 @@ Protocol, in call order:
 1. A request arrives at a replica; the replica asks the node's agent to move the request's
    cached prefix toward it (``NamespaceClient.prefetch``) and wraps the answer in a
    ``PendingPrefetch``: started at, and a way to wait on it.
-2. The replica becomes free for the request and calls ``policy.wait(prefetch, clock)``. The base
-   asks the policy for a deadline (``_deadline``), waits until the move completes or the
-   deadline passes, and returns ``Waited``: the outcome and the seconds spent waiting.
-3. The replica loads the prefix. A move still in flight is not cancelled: the load waits for it
-   in the background while the replica computes (``deploy.server``), so stopping the
-   wait early costs nothing but the bytes not yet moved.
+2. The replica calls ``policy.wait(prefetch, clock)``: the Serve application at once, at the
+   request's arrival, before the request goes to vLLM (``deploy.server``); the simulator when
+   the request's replica is free (``cmx.simulate.engine``). The base asks the policy for a
+   deadline (``_deadline``), waits until the move completes or the deadline passes, and
+   returns ``Waited``: the outcome and the seconds spent waiting.
+3. The request goes on, and its engine loads what is cached by then. A move still in flight is
+   not cancelled (the agent finishes it), so stopping the wait early costs nothing but the
+   bytes not yet moved.
 
 The clock is injected (a callable returning seconds), so tests drive a fake one.
 """
@@ -45,7 +47,7 @@ class PrefetchOutcome(str, enum.Enum):
 @dataclass(frozen=True)
 class Waited:
     outcome: PrefetchOutcome
-    waited_s: float  # time the free replica spent waiting for the move
+    waited_s: float  # time the request spent waiting for the move
 
 
 class PrefetchPolicy(ABC):
@@ -79,4 +81,4 @@ class PrefetchPolicy(ABC):
 
     @abstractmethod
     def _deadline(self, prefetch: PendingPrefetch, now: float) -> float:
-        """Clock time until which a free replica waits for ``prefetch`` (``now``: not at all)."""
+        """Clock time until which the request waits for ``prefetch`` (``now``: not at all)."""

@@ -1,7 +1,7 @@
 """tests/gpu runs where CUDA is present; elsewhere (CI has no GPU) each test skips, saying why.
 
-These are the project's only skips. ``test_imports.py`` runs everywhere: it checks that what
-the GPU machine imports needs none of what it lacks.
+``test_imports.py`` runs everywhere: it checks that what the GPU machine imports needs none of
+what it lacks. The other skips in the tests are listed in docs/GPU.md.
 """
 
 from __future__ import annotations

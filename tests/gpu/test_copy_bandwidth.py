@@ -1,10 +1,12 @@
 """HBM <-> pinned DRAM on a stream of its own, against cudaMemcpy of the same bytes.
 
-The HBM tier's copies run on a non-default CUDA stream, ordered by events, never on the
-engine's compute stream. For every block size from 2 MiB to 256 MiB this measures:
+What this GPU gives a copy between pinned host memory and HBM on a non-default CUDA stream,
+off the engine's compute stream. The service does not make such copies yet: its HBM tier is
+emulated on host memory (docs/GPU.md). For every block size from 2 MiB to 256 MiB this
+measures:
 
 - host -> device and device -> host, ``copy_`` with ``non_blocking`` on a side stream, timed
-  by events on that stream: the tier's copy;
+  by events on that stream: the stream copy;
 - ``cudaMemcpy`` (CuPy's runtime binding; synchronous, legacy default stream) of the same
   bytes between the same buffers: the copy ceiling;
 - a device -> device copy of the same bytes: HBM's own speed, for scale.

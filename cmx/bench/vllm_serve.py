@@ -1,0 +1,252 @@
+"""Suite "e2e-serve": two vLLM OpenAI servers (CPU, SmolLM2-135M-Instruct) driven by vLLM's own
+benchmark client (``vllm bench serve``, ``vllm.benchmarks.serve``, run by ``vllm_client``), at a
+few request rates.
+
+Three setups, one after the other, each two servers on this machine:
+
+- **cmx**: CMXConnector in both, sharing one service on a local Ray cluster;
+- **none**: vLLM without a connector;
+- **offloading**: vLLM's own ``OffloadingConnector`` (CPU offloading), each server its own.
+
+Each rate is one run of two clients started together, one per server, each sending half the
+requests at half the rate, the same requests (same seed) with the second ``lag_s`` later: a
+prompt reaches both servers, the second time after the first has had time to store it. The
+workloads are vLLM's ``prefix_repetition`` dataset (prompts sharing a few long prefixes) and
+``random`` with a shared prefix (``--random-prefix-len``). Throughput and TTFT p50/p99 come from
+the clients' result files, merged (``vllm_results``). A setup whose servers do not start is
+recorded with its error and the others run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from cmx.bench.core import BenchContext, Figure, SuiteResult, Table
+from cmx.bench.vllm_results import ServeRun, merge, read_result
+
+__all__ = ["SETUPS", "ServeSettings", "client_args", "run_e2e_serve"]
+
+SETUPS = ("cmx", "none", "offloading")
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    prefix_len: int = 3072  # tokens of each shared prefix
+    suffix_len: int = 512  # tokens of each request's own tail
+    num_prefixes: int = 4  # prefix_repetition: distinct prefixes among the requests
+    output_len: int = 8  # generated tokens per request
+    num_prompts: int = 64  # per run, both clients together
+    rates: tuple[float, ...] = (0.5, 1.0, 2.0)  # requests per second, both clients together
+    lag_s: float = 5.0  # the second client starts this much after the first
+    datasets: tuple[str, ...] = ("prefix_repetition", "random")
+    start_timeout_s: float = 900.0  # one server's start
+    run_timeout_s: float = 1800.0  # one run of the clients
+
+    @property
+    def max_model_len(self) -> int:
+        return self.prefix_len + self.suffix_len + self.output_len + 64
+
+
+def client_args(dataset: str, s: ServeSettings, url: str, model: str, rate: float,
+                prompts: int, result: Path) -> list[str]:
+    """``vllm.benchmarks.serve``'s arguments for one client of a run."""
+    args = ["--backend", "vllm", "--base-url", url, "--model", model, "--tokenizer", model,
+            "--dataset-name", dataset, "--num-prompts", str(prompts),
+            "--request-rate", f"{rate:g}", "--seed", "0", "--ignore-eos", "--disable-tqdm",
+            "--save-result", "--save-detailed", "--result-dir", str(result.parent),
+            "--result-filename", result.name]
+    if dataset == "prefix_repetition":
+        return args + ["--prefix-repetition-prefix-len", str(s.prefix_len),
+                       "--prefix-repetition-suffix-len", str(s.suffix_len),
+                       "--prefix-repetition-num-prefixes", str(s.num_prefixes),
+                       "--prefix-repetition-output-len", str(s.output_len)]
+    if dataset == "random":
+        return args + ["--random-prefix-len", str(s.prefix_len),
+                       "--random-input-len", str(s.suffix_len),
+                       "--random-output-len", str(s.output_len)]
+    raise ValueError(f"unknown dataset {dataset!r}")
+
+
+def _kv_config(setup: str, address: str, service: dict[str, Any]) -> dict[str, Any] | None:
+    if setup == "none":
+        return None
+    if setup == "offloading":
+        return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30}}
+    from cmx.bench.e2e_engine import transfer_config
+
+    return transfer_config(setup, address, service)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _Server:
+    """One ``vllm.entrypoints.openai.api_server`` process."""
+
+    def __init__(self, model: str, kv: dict[str, Any] | None, max_len: int, log: Path) -> None:
+        self.port = _free_port()
+        self.log = log
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+               "--host", "127.0.0.1", "--port", str(self.port), "--block-size", "32",
+               "--max-model-len", str(max_len), "--dtype", "bfloat16", "--enforce-eager",
+               "--seed", "0"]
+        if kv is not None:
+            cmd += ["--kv-transfer-config", json.dumps(kv)]
+        threads = max(1, (os.cpu_count() or 2) // 2)
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "OMP_NUM_THREADS": str(threads),
+               "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_NO_USAGE_STATS": "1"}
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout_s: float) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {_tail(self.log)}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(2)
+        raise TimeoutError(f"server not ready in {timeout_s:.0f} s: {_tail(self.log)}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _tail(log: Path, lines: int = 3) -> str:
+    try:
+        text = log.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "(no log)"
+    errors = [t for t in text if "Error" in t or "error" in t]
+    return " | ".join((errors or text)[-lines:])[-600:]
+
+
+def _run(ctx: BenchContext, servers: list[_Server], model: str, dataset: str,
+         s: ServeSettings, rate: float, out: Path) -> ServeRun:
+    """One run: a client per server, together; their results merged."""
+    n = len(servers)
+    procs, paths = [], []
+    for i, server in enumerate(servers):
+        if i:
+            time.sleep(s.lag_s)
+        path = out / f"{dataset}-{rate:g}-{i}.json"
+        args = client_args(dataset, s, server.url, model, rate / n, s.num_prompts // n, path)
+        log = open(out / f"{path.stem}.log", "w")  # noqa: SIM115 - closed when it ends
+        procs.append((subprocess.Popen([sys.executable, "-m", "cmx.bench.vllm_client", *args],
+                                       stdout=log, stderr=subprocess.STDOUT), log))
+        paths.append(path)
+    for proc, log in procs:
+        try:
+            code = proc.wait(s.run_timeout_s)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            log.close()
+        if code:
+            raise RuntimeError(f"vllm bench serve exited with {code}: "
+                               f"{_tail(Path(log.name))}")
+    return merge([read_result(p) for p in paths])
+
+
+def _setup(ctx: BenchContext, setup: str, s: ServeSettings, address: str,
+           service: dict[str, Any]) -> dict[tuple[str, float], ServeRun]:
+    from cmx.models import smollm2_path
+
+    model = smollm2_path()
+    out = ctx.scratch(f"e2e-serve-{setup}")
+    kv = _kv_config(setup, address, service)
+    servers = [_Server(model, kv, s.max_model_len, out / f"server-{i}.log") for i in range(2)]
+    runs: dict[tuple[str, float], ServeRun] = {}
+    try:
+        for server in servers:
+            server.wait_ready(s.start_timeout_s)
+        ctx.log(f"e2e-serve {setup}: servers on {servers[0].port}, {servers[1].port}")
+        for dataset in s.datasets:
+            for rate in s.rates:
+                run = runs[(dataset, rate)] = _run(ctx, servers, model, dataset, s, rate, out)
+                ctx.log(f"e2e-serve {setup} {dataset} {rate:g} req/s: "
+                        f"{run.request_throughput:.2f} req/s, TTFT p50 {run.ttft_p50_ms:.0f} ms,"
+                        f" p99 {run.ttft_p99_ms:.0f} ms, {run.failed} failed")
+    finally:
+        for server in servers:
+            server.stop()
+    return runs
+
+
+def _report(result: SuiteResult, got: dict[str, dict[tuple[str, float], ServeRun]]) -> None:
+    rows = [(setup, ds, f"{rate:g}", f"{r.completed}/{r.failed}", f"{r.request_throughput:.3f}",
+             f"{r.token_throughput:.0f}", f"{r.ttft_p50_ms:.0f}", f"{r.ttft_p99_ms:.0f}")
+            for setup, runs in got.items() for (ds, rate), r in runs.items()]
+    result.tables.append(Table(
+        "vllm bench serve, two servers, one client each (merged)",
+        ("setup", "dataset", "rate (req/s)", "completed/failed", "req/s", "tokens/s",
+         "TTFT p50 (ms)", "TTFT p99 (ms)"), tuple(rows)))
+    base = got.get("none", {})
+    for setup in ("cmx", "offloading"):
+        for key, r in got.get(setup, {}).items():
+            if key not in base:
+                continue
+            ds, rate = key
+            result.figures.append(Figure(
+                "e2e-serve", f"TTFT p50, {ds} at {rate:g} req/s, {setup}", "ms",
+                (r.ttft_p50_ms,), "vLLM without a connector, same run settings",
+                (base[key].ttft_p50_ms,), None, f"p99 {r.ttft_p99_ms:.0f} ms against "
+                f"{base[key].ttft_p99_ms:.0f} ms; one run per rate"))
+
+
+def run_e2e_serve(ctx: BenchContext, settings: ServeSettings | None = None,
+                  setups: tuple[str, ...] = SETUPS) -> SuiteResult:
+    from cmx.bench.cluster import bench_cluster
+    from cmx.config import ServiceConfig
+
+    s = settings or ServeSettings()
+    result = SuiteResult("e2e-serve", command="")
+    got: dict[str, dict[tuple[str, float], ServeRun]] = {}
+    for setup in setups:
+        try:
+            if setup == "cmx":
+                config = ServiceConfig(block_bytes=2 * MiB, hbm_bytes=128 * MiB,
+                                       dram_bytes=1024 * MiB, nvme_bytes=4096 * MiB,
+                                       nvme_dir=str(ctx.scratch("e2e-serve-nvme")))
+                with bench_cluster(config) as bc:
+                    got[setup] = _setup(ctx, setup, s, bc.cluster.address, asdict(bc.config))
+            else:
+                got[setup] = _setup(ctx, setup, s, "", {})
+        except Exception as exc:  # noqa: BLE001 - one setup that fails must not cost the others
+            result.notes.append(f"setup {setup!r}: no figures ({type(exc).__name__}: {exc})")
+            ctx.log(f"e2e-serve {setup} failed: {exc}")
+    _report(result, got)
+    result.notes.append(
+        f"SmolLM2-135M-Instruct, vLLM OpenAI server (CPU, bfloat16, blocks of 32 tokens), two "
+        f"servers per setup; {s.num_prompts} requests per run ({s.prefix_len}-token prefixes, "
+        f"{s.suffix_len}-token tails, {s.output_len} output tokens), the second client "
+        f"{s.lag_s:g} s after the first with the same requests; one run per rate")
+    return result

@@ -3,7 +3,8 @@ this agent pulls them into HBM with the transport, each block checked as its pie
 
 Where the directory shows no copy on this node, the load asks the peer to stage at the same
 time as it asks this node's HBM for slots (``acquire``, ``StagedAhead``): one round trip
-instead of two before the first byte moves.
+instead of two before the first byte moves. This node's DRAM and NVMe pin their own copies in
+that same round trip.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from cmx.errors import UnavailableError
 from cmx.keys import BlockHash
 from cmx.links import actor_name
 from cmx.protocol import Loaded, Staged
+from cmx.storage.nvme.dataplane import Extent
 from cmx.tiers import Tier
 
 __all__ = ["RemoteFills", "StagedAhead"]
@@ -34,11 +36,12 @@ log = logging.getLogger(__name__)
 @dataclass
 class StagedAhead:
     """What was asked at the same time as this node's HBM was asked for slots: blocks a peer
-    agent staged, and blocks pinned in this node's DRAM. A fill takes what it uses."""
+    agent staged, and blocks pinned in this node's DRAM and NVMe. A fill takes what it uses."""
 
     actor: str  # the peer agent's actor name ("" if none was asked)
     staged: dict[int, Staged | None]  # key index -> what the peer staged
     local: dict[int, Pinned | None] = field(default_factory=dict)  # key index -> DRAM pin
+    nvme: dict[int, Extent | None] = field(default_factory=dict)  # key index -> NVMe pin
 
     def take(self, actor: str, idx: Sequence[int]) -> dict[int, Staged | None]:
         if actor != self.actor:
@@ -47,6 +50,9 @@ class StagedAhead:
 
     def take_local(self, idx: Sequence[int]) -> dict[int, Pinned | None]:
         return {i: self.local.pop(i) for i in idx if i in self.local}
+
+    def take_nvme(self, idx: Sequence[int]) -> dict[int, Extent | None]:
+        return {i: self.nvme.pop(i) for i in idx if i in self.nvme}
 
     def leftovers(self) -> list[Staged]:
         """Staged blocks no fill took (their HBM slot was not granted, or a fill failed)."""
@@ -58,6 +64,13 @@ class StagedAhead:
         """Leases of DRAM pins no fill took (the block was an HBM hit, or a fill failed)."""
         rest = [p.lease for p in self.local.values() if p is not None]
         self.local.clear()
+        return rest
+
+    def nvme_leftovers(self) -> list[int]:
+        """Leases of NVMe pins no fill took (the block was found in memory, or a fill
+        failed)."""
+        rest = [p.lease for p in self.nvme.values() if p is not None]
+        self.nvme.clear()
         return rest
 
 
@@ -108,6 +121,13 @@ class RemoteFills:
         here = [{c.tier for c in cs if c.node == self.node} for cs in copies]
         return [i for i, tiers in enumerate(here) if Tier.DRAM in tiers and Tier.HBM not in tiers]
 
+    def _nvme_plan(self, copies: Sequence[Sequence[Copy]]) -> list[int]:
+        """Keys the directory knows on this node's NVMe alone: a load will read them from
+        there, so they are pinned there while HBM is asked for slots (the pin is otherwise one
+        more round trip, after the HBM victims' demotion, before the disk is asked)."""
+        here = [{c.tier for c in cs if c.node == self.node} for cs in copies]
+        return [i for i, tiers in enumerate(here) if tiers == {Tier.NVME}]
+
     def acquire(
         self, keys: Sequence[BlockHash], sources: Sequence[list[tuple[Tier, str]]],
         copies: Sequence[Sequence[Copy]], owner: str,
@@ -117,6 +137,7 @@ class RemoteFills:
         items = [(k, keys[i - 1] if i else None) for i, k in enumerate(keys)]
         plan = self._stage_plan(sources)
         local = self._pin_plan(copies)
+        disk = self._nvme_plan(copies)
         calls: list[tuple[str, str, tuple[object, ...]]] = [
             (actor_name(Tier.HBM.value, self.node), "acquire", (items, owner))]
         if plan is not None:
@@ -124,6 +145,9 @@ class RemoteFills:
         if local:
             calls.append((actor_name(Tier.DRAM.value, self.node), "pin",
                           ([keys[i] for i in local], self.owner)))
+        if disk:
+            calls.append((actor_name(Tier.NVME.value, self.node), "pin",
+                          ([keys[i] for i in disk], self.owner)))
         answers = self.link.call_many(
             calls, timeout_s=self.config.load_timeout_s, return_exceptions=True)
         held = answers[0]
@@ -133,9 +157,12 @@ class RemoteFills:
                 log.warning("staging ahead at %s failed: %s", plan[0], answers[1])
             else:
                 ahead.staged = dict(zip(plan[1], answers[1]))
-        if local and not isinstance(answers[-1], BaseException):
-            self.tiers.check_epoch(Tier.DRAM, answers[-1])
-            ahead.local = dict(zip(local, answers[-1]))
+        dram_answer = answers[1 + (plan is not None)] if local else []
+        if local and not isinstance(dram_answer, BaseException):
+            self.tiers.check_epoch(Tier.DRAM, dram_answer)
+            ahead.local = dict(zip(local, dram_answer))
+        if disk and not isinstance(answers[-1], BaseException):
+            ahead.nvme = dict(zip(disk, answers[-1]))
         if isinstance(held, BaseException):
             self.release_ahead(ahead)
             raise held
@@ -147,6 +174,8 @@ class RemoteFills:
             self._unstage(ahead.actor, ahead.leftovers(), wait=False)
         if rest := ahead.local_leftovers():
             self.tiers.let_go(Tier.DRAM, rest)
+        if rest := ahead.nvme_leftovers():
+            self.tiers.let_go(Tier.NVME, rest)
 
     def fill(
         self, peer_agent: str, node: str, keys: Sequence[BlockHash], idx: list[int],

@@ -232,6 +232,8 @@ class Loads:
         pre: dict[int, Pinned | Extent | None] = {}
         if tier is Tier.DRAM:
             pre.update(ahead.take_local(idx))
+        elif tier is Tier.NVME:
+            pre.update(ahead.take_nvme(idx))
         rest = [i for i in idx if i not in pre]
         pre.update(zip(rest, self.tiers.call(tier, "pin", [keys[i] for i in rest],
                                              self.tiers.owner)))

@@ -10,11 +10,15 @@ here. Every figure is a ratio to a baseline measured in the same run (see ``core
     storage  "nvme", "dram": NvmeStore and DramStore bandwidth against fio and memcpy
     slices   "slices": one KV head as 512-byte pieces, served by NvmeStore.read_runs
     service  "transfer", "directory", "pool": the service on a local multi-node Ray cluster
+    lookups  "lookups": 1,000-block lookups under 16 callers, node plane against the directory
     heads    "heads": one KV head of eight through the service against a whole load, per tier
     hits     "service": local hits against Ray round trips; the client's checksum of a load
     dpu      "dpu": loads through an agent on the host and one on a DPU over NIXL
     cluster  that cluster
     e2e      "e2e": time to first token through the Serve application, cached against recompute
+    e2e_miss "e2e-miss": a miss's cost, engines with and without CMXConnector paired (e2e_engine,
+             e2e_pairs)
+    vllm_serve "e2e-serve": vLLM's OpenAI servers driven by ``vllm bench serve`` (vllm_results)
     report   JSON, markdown, plots, docs/BENCHMARKS.md
     runner   runs suites in order and collects a BenchReport
 """
@@ -33,6 +37,7 @@ SUITES: dict[str, str] = {
     "slices": "cmx.bench.slices:run_slices",
     "transfer": "cmx.bench.service:run_transfer",
     "directory": "cmx.bench.service:run_directory",
+    "lookups": "cmx.bench.lookups:run_lookups",
     "pool": "cmx.bench.service:run_pool",
     "heads": "cmx.bench.heads:run_heads",
     "service": "cmx.bench.hits:run_service",
@@ -40,4 +45,6 @@ SUITES: dict[str, str] = {
     "prefetch": "cmx.bench.prefetch:run_prefetch",
     "dpu": "cmx.bench.dpu:run_dpu",
     "e2e": "cmx.bench.e2e:run_e2e",
+    "e2e-miss": "cmx.bench.e2e_miss:run_e2e_miss",
+    "e2e-serve": "cmx.bench.vllm_serve:run_e2e_serve",
 }

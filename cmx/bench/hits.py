@@ -9,6 +9,8 @@
   adds to the load (loads with the client's checks against loads without, alternating),
   against the whole verified load; beside it, XXH3 and memcpy alone on this machine.
 - A prefix on the local NVMe tier alone, loaded and stored against fio (``nvme_hits``).
+- The same under memory pressure: a prefix eight times the node's HBM and DRAM, loaded from
+  NVMe through a few HBM windows at a time, against fio (``pressure``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 from cmx.bench.cluster import bench_cluster, on_node
 from cmx.bench.core import BenchContext, Figure, Goal, MiB, SuiteResult, median
 from cmx.bench.nvme_hits import nvme_prefix_figures
+from cmx.bench.pressure import pressure_figures
 from cmx.checksum import checksum
 from cmx.config import ServiceConfig
 from cmx.layout import KVLayout
@@ -146,4 +149,9 @@ def run_service(ctx: BenchContext) -> SuiteResult:
     figures, notes = nvme_prefix_figures(ctx)
     result.figures += figures
     result.notes += notes
+    try:
+        result.figures += pressure_figures(ctx)
+    except Exception as exc:  # noqa: BLE001 - its cluster's failure costs only its figure
+        ctx.log(f"service: the memory-pressure load failed: {exc}")
+        result.notes.append(f"load under memory pressure: no figure, {type(exc).__name__}: {exc}")
     return result

@@ -1,30 +1,34 @@
-"""Loads through this node's agent, window by window, the next window read while this one is
-copied out.
+"""Loads through this node's agent, window by window, with several windows asked ahead of the
+one being copied out, so that the disk never waits for the client or for a window's calls.
 
-Protocol, per window of half the HBM tier or ``WINDOW_BYTES``, whichever is less (two windows
-in flight at most, so a load holds at most the whole tier, and the client's memory stays the
-caller's tensor):
+Protocol, per window of ``load_window`` blocks (a ``DEPTH``-th of the HBM tier, at most
+``WINDOW_BYTES``), with at most ``DEPTH`` windows holding pins at once (a load holds at most
+the whole tier, and the client's memory stays the caller's tensor):
 
 1. ``agent.load(keys, copies, priority, owner)``: the window's blocks pinned in this node's
-   HBM for ``owner``, a lease of its own per window. As soon as window k has answered whole,
-   window k+1 is asked for, and the agent reads it (NVMe, a peer, the pool) while the client
-   copies window k out of the HBM arena, each block verified as it is copied
-   (``cmx.client.copy_out``).
+   HBM for ``owner``, a lease of its own per window. Up to ``DEPTH`` windows are asked for
+   before the first answer is waited for, and each window copied out makes room for the next
+   one: the agent serves calls concurrently, so one window's pins, demotions and commit run
+   while another's NVMe reads are in flight, and the client copies window k out of the HBM
+   arena, each block verified as it is copied (``cmx.client.copy_out``), while windows k+1
+   to k+DEPTH-1 are read.
 2. ``agent.release(leases, corrupt)`` after each window's copy, sent at once and waited for
-   only before the window after next is asked for (by then long done): an agent serves
-   calls concurrently, and a window asked for after a release merely sent could find the
-   slots of three windows taken.
+   only when the next window asked for would otherwise make more than ``DEPTH`` windows of
+   pins (an agent serves calls concurrently, and a window asked for after a release merely
+   sent could find the slots of more than ``DEPTH`` windows taken).
 3. The load ends at the first window that fails, comes back corrupt or comes back short of a
-   miss; the window asked for ahead of it is given up (``agent.give_up(owner)``: what it
-   holds now and what it pins later go back). A window asked for while the one before it was
-   still pinned that fails or comes back short (HBM may have had no room for both) is asked
-   for once more, its rest, with nothing else held: as a load without overlap would ask.
+   miss; every window asked ahead of it is given up (``agent.give_up(owner)``: what it holds
+   now and what it pins later go back). A window asked for while others of the load were
+   still pinned that fails or comes back short (HBM may have had no room beside them) is asked
+   for once more, its rest, with nothing else held (every release settled, the windows ahead
+   given up), and answered before another is asked for: as a load without overlap would ask.
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -37,7 +41,7 @@ from cmx.protocol import Loaded, LoadResult, Priority, actor_name
 if TYPE_CHECKING:
     from cmx.client.matches import BlockLocation, Reader
 
-__all__ = ["WINDOW_BYTES", "load_through_agent", "window_blocks"]
+__all__ = ["DEPTH", "WINDOW_BYTES", "load_through_agent", "load_window", "window_blocks"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +49,12 @@ log = logging.getLogger(__name__)
 # reads with its copy out (a window of half a 1 GiB HBM tier held a whole 512 MiB prefix,
 # read first and copied out after); a window still keeps the disk's queue full.
 WINDOW_BYTES = 128 << 20
+
+# Windows of one load holding pins at once: the one being copied out and those asked ahead of
+# it. One window ahead left the disk idle while the agent answered a window and the client
+# asked for the next (pins, demotions and commit are calls to the tier actors); with three
+# ahead, a window's calls run while others' reads are in flight.
+DEPTH = 4
 
 
 @dataclass(frozen=True)
@@ -55,49 +65,102 @@ class _Asked:
     size: int  # blocks asked for
     owner: str  # the lease owner of its pins
     ref: Any  # the agent's answer, to come
-    overlapped: bool  # asked while the window before it was still pinned
+    overlapped: bool  # asked while other windows of the load still held pins
+
+
+class _Windows:
+    """The windows of one load asked of the agent and the releases sent, in order; at most
+    ``DEPTH`` of them holding pins (a release counts until it is confirmed)."""
+
+    def __init__(self, ns: Reader, blocks: Sequence[BlockLocation], window: int) -> None:
+        self.ns = ns
+        self.blocks = blocks
+        self.window = window
+        self.asked: deque[_Asked] = deque()
+        self.releasing: deque[Any] = deque()  # releases sent, not yet confirmed
+        self.next = 0  # the first block not yet asked for
+        self.solo = False  # a window asked again alone: nothing beside it until it answers
+
+    def top_up(self) -> None:
+        """Ask for windows until ``DEPTH`` hold pins (one while a window is asked alone)."""
+        while self.next < len(self.blocks) and not (self.solo and self.asked):
+            if len(self.asked) >= DEPTH:
+                return
+            while self.releasing and len(self.asked) + len(self.releasing) >= DEPTH:
+                _settle(self.ns, self.releasing.popleft())
+            overlapped = bool(self.asked or self.releasing)
+            asked = _ask(self.ns, self.blocks, self.next, self.window, overlapped)
+            if asked is None:  # the agent is not running: a miss from here on
+                self.next = len(self.blocks)
+                return
+            self.asked.append(asked)
+            self.next += asked.size
+
+    def restart_alone(self, start: int) -> None:
+        """Give up every window asked ahead, settle every release, and ask from ``start``
+        with nothing else held."""
+        self.give_up_ahead()
+        while self.releasing:
+            _settle(self.ns, self.releasing.popleft())
+        self.next = start
+        self.solo = True
+
+    def give_up_ahead(self) -> None:
+        while self.asked:
+            _give_up(self.ns, self.asked.popleft())
+        self.next = len(self.blocks)
 
 
 def load_through_agent(ns: Reader, blocks: Sequence[BlockLocation], out: Any,
                        first: int) -> int:
     """Load ``blocks`` through this node's agent into ``out`` from block ``first``; how many
     leading blocks arrived whole."""
-    window = min(window_blocks(ns.cm.config), max(1, WINDOW_BYTES // ns.cm.config.block_bytes))
-    ahead = _ask(ns, blocks, 0, window, overlapped=False)
-    releasing: Any = None  # the release of the window before, under way
+    windows = _Windows(ns, blocks, load_window(ns.cm.config))
     done = 0
-    while ahead is not None:
-        asked, ahead = ahead, None
+    while True:
+        windows.top_up()
+        if not windows.asked:
+            return done
+        asked = windows.asked.popleft()
+        windows.solo = False
         result = _answer(ns, asked)
-        _settle(ns, releasing)  # that window's slots are free before the next is asked
-        releasing = None
         if result is None:
             if asked.overlapped:  # asked again alone, as a load without overlap would be
-                ahead = _ask(ns, blocks, asked.start, window, overlapped=False)
+                windows.restart_alone(asked.start)
+            else:
+                windows.give_up_ahead()
             continue
         got = len(result.blocks)
-        if got == asked.size and asked.start + got < len(blocks):
-            ahead = _ask(ns, blocks, asked.start + got, window, overlapped=True)
         try:
             intact, releasing = _copy_out(ns, result, out, first + asked.start)
         except BaseException:
-            _give_up(ns, ahead)
+            windows.give_up_ahead()
             raise
+        if releasing is not None:
+            windows.releasing.append(releasing)
         done += intact
         if intact < got:  # a corrupt block: nothing after it is used
-            _give_up(ns, ahead)
-            break
-        if got < asked.size and asked.overlapped:  # maybe only no room beside the last one
-            log.warning("a window of %d blocks asked beside the one before it brought %d; "
-                        "asking for the rest alone", asked.size, got)
-            _settle(ns, releasing)
-            releasing = None
-            ahead = _ask(ns, blocks, asked.start + got, window, overlapped=False)
-    return done
+            windows.give_up_ahead()
+            return done
+        if got < asked.size:
+            if not asked.overlapped:  # a miss: the prefix ends here
+                windows.give_up_ahead()
+                return done
+            # maybe only no room beside the windows before it
+            log.warning("a window of %d blocks asked beside others brought %d; asking for "
+                        "the rest alone", asked.size, got)
+            windows.restart_alone(asked.start + got)
+
+
+def load_window(config: ServiceConfig) -> int:
+    """Blocks per window of a load: a ``DEPTH``-th of the HBM tier, so that ``DEPTH``
+    windows fit in it, and at most ``WINDOW_BYTES``."""
+    per_tier = max(1, config.hbm_bytes // config.block_bytes // DEPTH)
+    return min(per_tier, max(1, WINDOW_BYTES // config.block_bytes))
 
 
 def window_blocks(config: ServiceConfig) -> int:
-    """Blocks per agent call: half the HBM tier, so that two windows fit in it."""
+    """Blocks per prefetch call: half the HBM tier, so that two fit in it."""
     return max(1, config.hbm_bytes // config.block_bytes // 2)
 
 

@@ -14,12 +14,14 @@ from cmx.protocol import Copy
 from cmx.tiers import Tier
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from cmx.client.node_plane import NodePlane
     from cmx.config import ServiceConfig
     from cmx.keys import BlockHash, Namespace
     from cmx.layout import KVLayout
 
-__all__ = ["BlockLocation", "Match", "Node", "Reader"]
+__all__ = ["BlockLocation", "Client", "Match", "Node", "Reader"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,12 @@ class Node(Protocol):
 
     @property
     def plane(self) -> NodePlane: ...
+
+
+class Client(Node, Protocol):
+    """The client as a namespace sees it: a node that also asks the directory."""
+
+    def copies(self, keys: Sequence[BlockHash]) -> list[list[Copy]]: ...
 
 
 class Reader(Protocol):

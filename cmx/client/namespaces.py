@@ -6,6 +6,11 @@ lookup) and copied out of their shared memory here, each block checked against i
 The rest is looked up in the directory and moved into this node's HBM by its agent, from NVMe,
 another node or the pool, and copied out the same way. Pins are leases: they are let go one
 way after the copy, or expire.
+
+A lookup is answered the same way: the prefix this node holds committed in memory from the
+tiers' own books (``NodePlane.held_prefix``, one round trip), and only the rest from the
+directory, one batched call per shard. Keys are chained from the namespace's digest, so a
+namespace finds only its own blocks, here as in the directory.
 """
 
 from __future__ import annotations
@@ -13,20 +18,17 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cmx.client.copy_out import copy_payloads, copy_verified, empty_kv
 from cmx.client.loads import load_through_agent, window_blocks
-from cmx.client.matches import BlockLocation, Match
+from cmx.client.matches import BlockLocation, Client, Match
 from cmx.client.stores import StoreHandle, store_into_dram
 from cmx.errors import CmxError, LayoutMismatchError
 from cmx.keys import BlockHash, Namespace, chain_keys
-from cmx.protocol import actor_name, best_copy
+from cmx.protocol import Copy, actor_name, best_copy
 from cmx.selection import IndexSpec, Selection
 from cmx.tiers import Tier
-
-if TYPE_CHECKING:
-    from cmx.client.memory import ContextMemory
 
 __all__ = [
     "BlockLocation", "Match", "NamespaceClient", "StoreHandle", "copy_payloads",
@@ -38,7 +40,7 @@ log = logging.getLogger(__name__)
 
 class NamespaceClient:
     def __init__(
-        self, cm: ContextMemory, namespace: Namespace, replication: int | None = None
+        self, cm: Client, namespace: Namespace, replication: int | None = None
     ) -> None:
         self.cm = cm
         self.namespace = namespace
@@ -76,19 +78,32 @@ class NamespaceClient:
         return store_into_dram(self.cm, self.layout, new, parents, kv, self.namespace.id,
                                f"client:{uuid.uuid4().hex}", self.replication)
 
-    def lookup(self, token_ids: object) -> Match:
-        blocks = self._locate(self.keys(token_ids))
+    def lookup(self, token_ids: object, here_first: bool = False) -> Match:
+        """The longest committed prefix of ``token_ids``, each block with every copy the
+        directory knows. ``here_first``: what this node's memory holds is answered by its
+        tiers, each such block with its copies here only, and the directory is asked for the
+        rest alone: the lookup of an engine about to load here (``load`` with its match asks
+        the directory afresh should a block here have gone)."""
+        blocks = self._locate(self.keys(token_ids), here_first)
         return Match(len(blocks) * self.layout.block_tokens, blocks)
 
-    def _locate(self, keys: Sequence[BlockHash]) -> tuple[BlockLocation, ...]:
-        """The longest prefix of ``keys`` the directory knows, and where each copy is."""
-        copies = self.cm.copies(keys) if keys else []
-        blocks = []
-        for key, found in zip(keys, copies):
+    def _locate(self, keys: Sequence[BlockHash], ask_here: bool = True
+                ) -> tuple[BlockLocation, ...]:
+        """The longest prefix of ``keys`` held: first what this node's memory holds (unless
+        ``ask_here`` is False: its tiers were just asked), each with its copies here only,
+        then what the directory knows of the rest, each with every copy it knows."""
+        node = self.cm.node_id
+        here = self.cm.plane.held(keys) if ask_here and keys else None
+        first = here.prefix if here is not None else 0
+        blocks = [_location(key, found, node)
+                  for key, found in zip(keys[:first], here.copies if here else ())]
+        rest = keys[first:]
+        for i, found in enumerate(self.cm.copies(rest) if rest else [], start=first):
+            if here is not None:
+                found = here.confirmed(i, found)
             if not found:
                 break
-            best = best_copy(found, self.cm.node_id)
-            blocks.append(BlockLocation(key, best.tier, best.node, tuple(found)))
+            blocks.append(_location(keys[i], found, node))
         return tuple(blocks)
 
     def load(self, token_ids: object, match: Match | None = None, layers: IndexSpec = None,
@@ -96,7 +111,8 @@ class NamespaceClient:
         """KV [layers, 2, kv_heads, n, head_dim] of the longest loadable cached prefix.
 
         Without ``match``, this node's memory is asked first and the directory only for what
-        it does not hold; with one, the prefix ``match`` shows in this node's memory is.
+        it does not hold; with one, the prefix ``match`` shows in this node's memory is, and
+        should a block of it have gone since, the directory is asked afresh from there.
         ``layers`` / ``heads`` (an index, a range or slice of step 1, consecutive indices):
         only those, [len(layers), 2, len(heads), n, head_dim], and only their bytes moved
         (``cmx.client.selections``); SelectionError for a selection outside the layout."""
@@ -112,7 +128,10 @@ class NamespaceClient:
         here = len(keys) if match is None else _held_here(match, self.cm.node_id)
         loaded, whole = self._load_local(keys[:here], out)
         if whole and loaded < len(keys):
-            rest = match.blocks[loaded:] if match is not None else self._locate(keys[loaded:])
+            if match is not None and loaded >= here:
+                rest = match.blocks[loaded:]
+            else:  # what memory here lacks now, asked of the directory: NVMe, peers, the pool
+                rest = self._locate(keys[loaded:], ask_here=False)
             loaded += load_through_agent(self, list(rest), out, loaded)
         return out[:, :, :, : loaded * T]
 
@@ -145,15 +164,41 @@ class NamespaceClient:
         if not match.blocks:
             return None
         blocks = list(match.blocks)[: window_blocks(self.cm.config)]
+        return self._send_prefetch(blocks)
+
+    def prefetch_away(self, blocks: Sequence[BlockLocation]) -> Any:
+        """Start moving those of ``blocks`` (a lookup's) this node's memory lacks (on its
+        NVMe, on another node, in the pool) into its HBM tier at prefetch priority, where the
+        next load reads them as local hits; at most one load window of them. An ObjectRef of
+        the agent's answer (blocks moved), or None when memory here holds them all. Nothing
+        waits for it: a prefetch that fails leaves the blocks where they were."""
+        node = self.cm.node_id
+        away = [b for b in blocks if not in_memory_here(b, node)]
+        if not away:
+            return None
+        return self._send_prefetch(away[: window_blocks(self.cm.config)])
+
+    def _send_prefetch(self, blocks: Sequence[BlockLocation]) -> Any:
         return self.cm.link.submit(
             actor_name("agent", self.cm.node_id), "prefetch",
             [b.key for b in blocks], [list(b.copies) for b in blocks], self.namespace.id,
         )
 
 
+def _location(key: BlockHash, copies: Sequence[Copy], node: str) -> BlockLocation:
+    best = best_copy(copies, node)
+    return BlockLocation(key, best.tier, best.node, tuple(copies))
+
+
+def in_memory_here(block: BlockLocation, node: str) -> bool:
+    """Whether the lookup found a copy of ``block`` in ``node``'s memory (HBM or DRAM): its
+    best copy is one (``best_copy`` puts a copy on ``node`` first, the fastest tier next)."""
+    return block.node == node and block.tier in (Tier.HBM, Tier.DRAM)
+
+
 def _held_here(match: Match, node: str) -> int:
-    """How many leading blocks of ``match`` the directory shows in ``node``'s memory."""
+    """How many leading blocks of ``match`` the lookup found in ``node``'s memory."""
     for i, b in enumerate(match.blocks):
-        if not any(c.node == node and c.tier in (Tier.HBM, Tier.DRAM) for c in b.copies):
+        if not in_memory_here(b, node):
             return i
     return len(match.blocks)

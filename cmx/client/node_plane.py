@@ -16,6 +16,12 @@ Protocol, in call order:
 3. ``unpin(pins)`` and ``quarantine(pins)``: one way, off the load's path. A corrupt copy goes
    when its last pin does.
 
+A lookup asks ``held(keys)``: what this node's memory holds committed of ``keys``, read from
+both tiers' books at once (one round trip, nothing pinned), so that only the rest is asked of
+the directory, and a copy here the directory still lists after the tier let it go is not
+reported. It promises no more than the directory does: a block may go before it is pinned,
+and a load pins it or looks it up again.
+
 Blocks this node holds on NVMe, on other nodes or in the pool are the agent's to move.
 """
 
@@ -29,11 +35,11 @@ from typing import Any
 
 import numpy as np
 
-from cmx.protocol import Pinned, actor_name, arena_name
+from cmx.protocol import Copy, Pinned, actor_name, arena_name
 from cmx.storage.arena import SharedArena
 from cmx.tiers import Tier
 
-__all__ = ["LocalPin", "NodePlane"]
+__all__ = ["HeldHere", "LocalPin", "NodePlane"]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +52,28 @@ class LocalPin:
 
     tier: Tier
     pin: Pinned
+
+
+@dataclass(frozen=True)
+class HeldHere:
+    """What this node's memory tiers hold of some keys, by their own books."""
+
+    node: str
+    copies: tuple[tuple[Copy, ...], ...]  # per key, its committed copies here (none: empty)
+    answered: frozenset[Tier]  # the tiers that answered; of the others nothing is known
+
+    @property
+    def prefix(self) -> int:
+        """How many leading keys this node's memory holds."""
+        return next((i for i, c in enumerate(self.copies) if not c), len(self.copies))
+
+    def confirmed(self, i: int, copies: Sequence[Copy]) -> list[Copy]:
+        """``copies`` of key ``i`` (the directory's), less those in this node's answering
+        tiers that their books do not hold: evicted, quarantined or replaced here before the
+        directory heard."""
+        mine = {c.tier for c in self.copies[i]}
+        return [c for c in copies
+                if c.node != self.node or c.tier not in self.answered or c.tier in mine]
 
 
 class NodePlane:
@@ -79,6 +107,30 @@ class NodePlane:
             (prefix if held and len(prefix) == i else spare).extend(held)
         self.unpin(spare)
         return prefix
+
+    def held(self, keys: Sequence[bytes]) -> HeldHere:
+        """This node's committed copies (DRAM, HBM) of each of ``keys``, by the tiers' own
+        books. Both tiers are asked at once, for every key; of a tier that fails or does not
+        answer in time nothing is known."""
+        tiers = (Tier.DRAM, Tier.HBM)
+        if not keys:
+            return HeldHere(self.node, (), frozenset(tiers))
+        answers = self.link.call_many(
+            [(actor_name(t.value, self.node), "held", (list(keys),)) for t in tiers],
+            timeout_s=self.timeout_s, return_exceptions=True)
+        found: list[list[tuple[int, int] | None]] = []
+        answered: set[Tier] = set()
+        for tier, answer in zip(tiers, answers):
+            if isinstance(answer, BaseException) or len(answer) != len(keys):
+                log.debug("%s did not answer a lookup: %s", tier.value, answer)
+                answer = [None] * len(keys)
+            else:
+                answered.add(tier)
+            found.append(answer)
+        copies = tuple(
+            tuple(Copy(t, self.node, h[0], h[1]) for t, h in zip(tiers, per_key) if h is not None)
+            for per_key in zip(*found))
+        return HeldHere(self.node, copies, frozenset(answered))
 
     def _pin(self, tier: Tier, keys: Sequence[bytes], owner: str) -> list[Pinned | None]:
         try:

@@ -46,6 +46,20 @@ class ConnectorSettings:
     lookup_wait_s: float = 0.005  # the scheduler waits this long for a lookup, then polls
     load_timeout_s: float = 0.0  # bound on one step's loads; 0 means service.load_timeout_s
     max_pending_stores: int = 64  # stores in flight before new ones are dropped (and logged)
+    load_mode: str = "sync"  # "sync": a step's loads land before its attention reads them
+    #                          (vLLM holds the step); "async": the request waits in vLLM's
+    #                          WAITING_FOR_REMOTE_KVS while its blocks land, others run
+    load_threads: int = 2  # async mode: loads that run at once; more wait their turn
+    save_mode: str = "sync"  # "sync": each layer's blocks are copied out inside the forward;
+    #                          "async": copied after it, on a thread, the request's blocks
+    #                          kept from reuse until then (vllm_gather)
+    staging_bytes: int = 256 << 20  # async saves: bytes of copied blocks not yet stored;
+    #                                 a save that does not fit is dropped and counted
+    prefetch: bool = False  # a lookup finding blocks away from this node's memory (NVMe, a
+    #                         peer, the pool) starts moving them here at once. Off by default:
+    #                         the agent does not merge a load with a prefetch of the same
+    #                         blocks still in flight, so a load that overtakes it comes back
+    #                         short (those tokens are recomputed, never wrong)
     block_tokens: int = 0  # if set, must equal the engine's block size (a check, no more)
     paged_layout: str = ""  # the engine's KV layout (cmx.connectors.paged); "" means detect
 
@@ -68,10 +82,23 @@ class ConnectorSettings:
         if self.lookup_wait_s < 0 or self.load_timeout_s < 0 or self.max_pending_stores < 1:
             raise ValueError("lookup_wait_s and load_timeout_s must be >= 0, "
                              "max_pending_stores >= 1")
+        if self.load_mode not in ("sync", "async") or self.save_mode not in ("sync", "async"):
+            raise ValueError(f"load_mode and save_mode are 'sync' or 'async', not "
+                             f"{self.load_mode!r} and {self.save_mode!r}")
+        if self.load_threads < 1 or self.staging_bytes < 1:
+            raise ValueError("load_threads and staging_bytes must be >= 1")
 
     @property
     def load_bound_s(self) -> float:
         return self.load_timeout_s or self.service.load_timeout_s
+
+    @property
+    def async_loads(self) -> bool:
+        return self.load_mode == "async"
+
+    @property
+    def async_saves(self) -> bool:
+        return self.save_mode == "async"
 
 
 def namespace_salt(base: str, cache_salt: str | None) -> str:

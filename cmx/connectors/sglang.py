@@ -118,7 +118,7 @@ class CMXHiCacheStorage(HiCacheStorage):
         if ns is None:
             return None
         tokens = key_tokens(key)
-        match: Match = ns.lookup(tokens)
+        match: Match = ns.lookup(tokens, here_first=True)
         if match.num_blocks != 1:
             return None
         kv = ns.load(tokens, match)

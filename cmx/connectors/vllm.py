@@ -85,10 +85,11 @@ def engine_layout(kv_cache_config: KVCacheConfig) -> tuple[KVLayout, list[str]]:
 class CMXConnector(KVConnectorBase_V1):
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        # Loads land layer by layer (``wait_for_layer_load``) and saves copy each layer out
-        # (``save_kv_layer``), whatever the settings: hooks a full CUDA graph would replay
-        # without, letting attention read blocks before they land. vLLM then captures
-        # piecewise graphs, which run the hooks between the pieces.
+        # Loads are written into the paged cache layer by layer, each layer's attention waiting
+        # for its own (``wait_for_layer_load``; the prefix is fetched whole before layer 0), and
+        # saves copy each layer out (``save_kv_layer``), whatever the settings: hooks a full
+        # CUDA graph would replay without, letting attention read blocks before they land.
+        # vLLM then captures piecewise graphs, which run the hooks between the pieces.
         return True
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
@@ -150,6 +151,14 @@ class CMXConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         self._side_worker().end_step()
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if isinstance(kv_connector_metadata, CMXStepMetadata):
+            self._side_worker().preempted(kv_connector_metadata)
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        return self._side_worker().finished(finished_req_ids)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._side_worker().take_failed()
 
@@ -187,26 +196,34 @@ class CMXConnector(KVConnectorBase_V1):
         side = self._side_scheduler()
         side.track(request.request_id, request.prompt_token_ids, request.cache_salt,
                    request.kv_transfer_params)
-        return side.matched_tokens(request.request_id, num_computed_tokens), False
+        tokens = side.matched_tokens(request.request_id, num_computed_tokens)
+        return tokens, bool(tokens) and side.settings.async_loads
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
-        self._side_scheduler().after_alloc(request.request_id, num_external_tokens)
+        side = self._side_scheduler()
+        ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else ()
+        side.after_alloc(request.request_id, num_external_tokens, ids)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._side_scheduler().build_step(
             scheduler_output.scheduled_new_reqs, scheduler_output.scheduled_cached_reqs,
-            scheduler_output.num_scheduled_tokens, scheduler_output.finished_req_ids)
+            scheduler_output.num_scheduled_tokens, scheduler_output.finished_req_ids,
+            scheduler_output.preempted_req_ids or ())
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         report = connector_output.kv_connector_worker_meta
+        side = self._side_scheduler()
         if isinstance(report, CMXWorkerReport):
-            self._side_scheduler().take_report(report)
+            side.take_report(report)
+        side.loads_over(connector_output.finished_recving or ())
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        report = self._side_scheduler().finished(request.request_id)
-        return False, (None if report is None else {"cmx": report})
+        side = self._side_scheduler()
+        hold = side.hold_blocks(request.request_id)  # before ``finished`` forgets it
+        report = side.finished(request.request_id)
+        return hold, (None if report is None else {"cmx": report})
 
     def shutdown(self) -> None:
         if self._scheduler is not None:

@@ -49,6 +49,14 @@ class CMXStepMetadata(KVConnectorMetadata):
     # Positions [start, end) computed this step, per request: the worker times the step and
     # reports it, so the break-even model learns this engine's prefill speed.
     computed: list[tuple[int, int]] = field(default_factory=list)
+    # ``load_mode`` "async": loads of requests that wait (not scheduled) until each lands;
+    # each ends in ``get_finished``'s receiving set, its blocks loaded or reported failed.
+    async_loads: list[LoadSpec] = field(default_factory=list)
+    # ``save_mode`` "async": finished requests whose blocks vLLM keeps until the worker names
+    # them in ``get_finished``'s sending set (their queued copies are done).
+    held: list[str] = field(default_factory=list)
+    # Requests preempted this step: their queued copies finish before their blocks are reused.
+    preempted: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

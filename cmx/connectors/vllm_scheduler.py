@@ -7,7 +7,8 @@ Per request, in vLLM's call order:
    has not answered, vLLM is told "not known yet" (None) and asks again next step, so a slow
    directory delays one request, never the scheduler. The answer is gated by the break-even
    model: only a prefix faster to load than to compute is offered, and never the prompt's
-   last token (vLLM must compute at least one).
+   last token (vLLM must compute at least one). A request's first lookup also starts moving
+   the blocks it found outside this node's memory into it (``look_up``), nobody waiting.
 2. ``after_alloc``: vLLM took the offer; the load is remembered for the next step's metadata.
 3. ``build_step``: each scheduled request's loads (into its newly allocated blocks) and stores
    (its prompt's blocks completed this step, each stored once) become ``CMXStepMetadata``.
@@ -18,6 +19,13 @@ Per request, in vLLM's call order:
 
 A preempted request is resumed with new blocks and asked about again from step 1; what it
 already stored stays stored. Lookup failures are misses.
+
+With ``load_mode`` "async" vLLM is told a load is asynchronous: the request waits (vLLM's
+WAITING_FOR_REMOTE_KVS, not scheduled) and ``after_alloc`` plans the load into the blocks vLLM
+gave it, sent in the next step's ``async_loads``; ``loads_over`` hears when the workers report
+it done. With ``save_mode`` "async" ``hold_blocks`` (vLLM's ``request_finished``) keeps the
+blocks of a finished request that stored anything until the workers have copied them: the
+request goes to them in ``held``, and they name it back when its blocks may be freed.
 
 A request keeps itself out of the cache with its ``kv_transfer_params`` (vLLM's
 ``SamplingParams.extra_args["kv_transfer_params"]``): ``{"cmx": {"skip": true}}`` neither
@@ -80,9 +88,12 @@ class RequestState:
     stored_upto: int = -1  # tokens handed to the store; -1: not scheduled yet
     offer: tuple[int, int] | None = None  # (local tokens asked about, tokens offered beyond)
     load: tuple[int, int] | None = None  # [start, end) to load in the next step
+    prefetched: bool = False  # its first lookup may start a prefetch; no later one does
     report: dict[str, Any] = field(default_factory=dict)
     store_handed: int = 0  # tokens the workers handed to their store threads
     store_ended: int = 0  # of those, in stores that ended (committed, failed or not needed)
+    loading: bool = False  # an asynchronous load into its blocks is under way
+    saved: bool = False  # a save of its blocks went to the workers
 
 
 class SchedulerSide:
@@ -105,6 +116,8 @@ class SchedulerSide:
         # workers' report of that step on (``update_connector_output``), and sends the report
         # it got only after both: what the workers say then still reaches it, through this.
         self._finishing: dict[str, RequestState] = {}
+        self._async_loads: list[LoadSpec] = []  # planned, for the next step's metadata
+        self._held: list[str] = []  # finished requests whose blocks vLLM keeps for the workers
         self.counters = Counters()
         self.generation = 0  # resets so far: mixed into the salts of requests tracked since
 
@@ -132,7 +145,11 @@ class SchedulerSide:
         future = self._lookups.get(req_id)
         if future is None:
             ns = self.namespaces.get(state.salt)
-            future = self._lookups[req_id] = self._pool.submit(ns.lookup, state.prompt[:limit])
+            prefetch = self.settings.prefetch and not state.prefetched
+            first = local_tokens // self.block_size if prefetch else None
+            state.prefetched = True
+            future = self._lookups[req_id] = self._pool.submit(
+                look_up, ns, state.prompt[:limit], first)
         try:
             match = future.result(timeout=self.settings.lookup_wait_s)
         except LookupPending:
@@ -163,14 +180,39 @@ class SchedulerSide:
         state.report.update(lookup_tokens=match.num_tokens, plan=plan.reason)
         return plan.load_tokens
 
-    def after_alloc(self, req_id: str, external_tokens: int) -> None:
-        """vLLM took ``external_tokens`` of the offer: load them in the request's next step."""
+    def after_alloc(self, req_id: str, external_tokens: int,
+                    block_ids: Sequence[int] = ()) -> None:
+        """vLLM took ``external_tokens`` of the offer: load them in the request's next step
+        (async loads: into its ``block_ids``, all it holds, while it waits)."""
         state = self.requests.get(req_id)
         if state is None or external_tokens <= 0 or state.offer is None:
             return
         local = state.offer[0]
-        state.load = (local, local + external_tokens)
         state.offer = None  # a preempted request is asked about afresh
+        if not self.settings.async_loads:
+            state.load = (local, local + external_tokens)
+            return
+        T, end = self.block_size, local + external_tokens
+        state.loading = True
+        self._async_loads.append(LoadSpec(req_id, state.salt, state.prompt[:end], local, end,
+                                          tuple(block_ids[local // T:end // T])))
+
+    def loads_over(self, req_ids: Iterable[str]) -> None:
+        """The workers' receiving set: these requests' asynchronous loads are over."""
+        for req_id in req_ids:
+            state = self.requests.get(req_id)
+            if state is not None:
+                state.loading = False
+
+    def hold_blocks(self, req_id: str) -> bool:
+        """vLLM's ``request_finished``: True if the request's blocks must wait for the workers'
+        copies. Never for a request whose load is under way: vLLM keeps those blocks until
+        the load is reported over, and a request is released once, by one of the two."""
+        state = self.requests.get(req_id)
+        if not self.settings.async_saves or state is None or not state.saved or state.loading:
+            return False
+        self._held.append(req_id)
+        return True
 
     def finished(self, req_id: str) -> dict[str, Any] | None:
         state = self.requests.pop(req_id, None)
@@ -186,8 +228,10 @@ class SchedulerSide:
     # -- steps ---------------------------------------------------------------------------------
 
     def build_step(self, new: Sequence[Any], cached: Any, num_scheduled: dict[str, int],
-                   finished: Iterable[str]) -> CMXStepMetadata:
-        meta = CMXStepMetadata()
+                   finished: Iterable[str], preempted: Iterable[str] = ()) -> CMXStepMetadata:
+        meta = CMXStepMetadata(async_loads=self._async_loads, held=self._held,
+                               preempted=sorted(preempted))
+        self._async_loads, self._held = [], []
         self._finishing.clear()  # vLLM has sent last step's reports
         for req_id in finished:
             self.finished(req_id)
@@ -231,6 +275,7 @@ class SchedulerSide:
             meta.saves.append(SaveSpec(req_id, state.salt, state.prompt[:upto], start, upto,
                                        tuple(state.block_ids[start // T:upto // T])))
             state.stored_upto = upto
+            state.saved = True
 
     def take_report(self, report: CMXWorkerReport) -> None:
         """What the workers did last step: per-request figures, and measurements for the gate."""
@@ -295,6 +340,20 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def look_up(ns: Any, tokens: Sequence[int], prefetch_from: int | None) -> Any:
+    """``ns.lookup(tokens)``, on a lookup thread. With ``prefetch_from``, the blocks found from
+    there on (beyond the engine's own cache) that this node's memory lacks start moving into
+    it at once (``NamespaceClient.prefetch_away``: bounded, nobody waits): by the time the
+    load runs they are local hits. A prefetch that fails costs a slower load, nothing more."""
+    match = ns.lookup(tokens, here_first=True)
+    if prefetch_from is not None and match.num_blocks > prefetch_from:
+        try:
+            ns.prefetch_away(match.blocks[prefetch_from:])
+        except Exception as exc:  # noqa: BLE001 - the load finds the blocks where they are
+            log.debug("prefetch not sent: %s", exc)
+    return match
 
 
 def generation_salt(salt: str, generation: int) -> str:

@@ -35,7 +35,8 @@ COUNTERS = {  # name: what it counts (and which side counts it)
     "load_s": "Seconds of loads, from each load's start to its end (worker).",
     "stored_tokens": "Tokens in blocks the context memory committed (worker).",
     "store_failed_tokens": "Tokens of stores refused, failed or timed out (worker).",
-    "store_dropped_tokens": "Tokens not stored: too many stores in flight (worker).",
+    "store_dropped_tokens": "Tokens not stored: too many stores in flight, or (async saves) "
+                            "the staging budget full (worker).",
 }
 
 

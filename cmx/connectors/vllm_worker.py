@@ -25,6 +25,14 @@ or timed out is counted as failed, never as stored.
 Blocks that were promised but not loaded (the prefix vanished between lookup and load, the
 service failed or was late) are returned by ``take_failed``; vLLM recomputes them. Blocks
 written by the loader are the only cache contents this side ever changes.
+
+With ``load_mode`` "async" the step's ``async_loads`` are for requests vLLM does not run
+meanwhile: ``start_load`` hands them to ``AsyncLoads`` (``vllm_loads``) and ``finished``
+(``get_finished``) reports each one over in the receiving set. With ``save_mode`` "async"
+``save_layer`` copies nothing: ``end_step`` queues the saves to a ``Gatherer``
+(``vllm_gather``), which copies them after the step; ``finished`` names in the sending set the
+finished requests whose blocks vLLM kept for it once their copies are done, and ``preempted``
+(``handle_preemptions``) waits for a preempted request's copies before its blocks are reused.
 """
 
 from __future__ import annotations
@@ -39,6 +47,8 @@ from typing import Any
 
 from cmx.connectors.paged import PagedLayout, block_view, gather_layer, scatter_layer
 from cmx.connectors.settings import ConnectorSettings, Namespaces
+from cmx.connectors.vllm_gather import Gatherer
+from cmx.connectors.vllm_loads import AsyncLoads, Loaded
 from cmx.connectors.vllm_meta import (
     CMXStepMetadata,
     CMXWorkerReport,
@@ -57,14 +67,6 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Loaded:
-    spec: LoadSpec
-    kv: Any  # [layers, 2, heads, blocks * T, dim] on the host, or None
-    blocks: int  # how many of spec's blocks arrived (a prefix)
-    sources: tuple[str, ...] = ()  # source class of each block asked for, where it was found
-
-
-@dataclass
 class _Step:
     meta: CMXStepMetadata
     layers: int
@@ -72,7 +74,8 @@ class _Step:
     ready: list[threading.Event] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     cancelled: bool = False  # set under lock: the loader writes no layer after it
-    loader: Future[list[_Loaded]] | None = None
+    loader: Future[list[Loaded]] | None = None
+    async_started: bool = False
     staged: dict[int, Any] = field(default_factory=dict)  # save index -> host KV
     layers_saved: int = 0
 
@@ -98,6 +101,11 @@ class WorkerSide:
         self._ended: list[StoreResult] = []  # stores finished since the last report
         self._pending_lock = threading.Lock()  # guards _pending and _ended
         self.counters = Counters()
+        self.loads = AsyncLoads(self._fetch, self._write_layer, len(layer_names),
+                                settings.load_bound_s, settings.load_threads)
+        self.gatherer = Gatherer(self.layout, paged_layout, settings.staging_bytes,
+                                 self._gathered)
+        self._held: set[str] = set()  # finished requests whose blocks vLLM keeps for us
 
     def register(self, kv_caches: Mapping[str, Any]) -> None:
         """The engine's per-layer caches; each must be the layout's shape."""
@@ -118,12 +126,18 @@ class WorkerSide:
 
     def begin_step(self, meta: CMXStepMetadata) -> None:
         self._step = _Step(meta, len(self.caches))
+        self._held.update(meta.held)
 
     def start_load(self) -> None:
         step = self._step
-        if step is None or not step.meta.loads or step.loader is not None:
+        if step is None:
             return
-        step.loader = self._loader.submit(self._load, step)
+        if not step.async_started:
+            step.async_started = True
+            for spec in step.meta.async_loads:
+                self.loads.submit(spec)
+        if step.meta.loads and step.loader is None:
+            step.loader = self._loader.submit(self._load, step)
 
     def wait_layer(self, layer_name: str) -> None:
         step = self._step
@@ -135,7 +149,7 @@ class WorkerSide:
 
     def save_layer(self, layer_name: str, kv_layer: Any) -> None:
         step = self._step
-        if step is None or not step.meta.saves:
+        if step is None or not step.meta.saves or self.settings.async_saves:
             return
         import torch
 
@@ -160,10 +174,29 @@ class WorkerSide:
                 self._cancel(step, f"{type(exc).__name__}: {exc}")
                 loaded = []
             self._report_loads(step, loaded)
-        if step.meta.saves:
+        if step.meta.saves and self.settings.async_saves:
+            self._queue_saves(step.meta.saves)
+        elif step.meta.saves:
             self._hand_to_store(step)
         self._report.step_s = time.monotonic() - step.started
         self._report.computed = list(step.meta.computed)
+
+    def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """``get_finished``: requests whose kept blocks vLLM may free now (sending), and
+        requests whose asynchronous loads are over (receiving), their failed blocks already in
+        ``take_failed``."""
+        sending = self.gatherer.idle(self._held)
+        self._held -= sending
+        receiving = set()
+        for ended in self.loads.poll(finished_req_ids):
+            self._account_load(ended.spec, ended.blocks, ended.sources, ended.seconds)
+            receiving.add(ended.spec.req_id)
+        return sending or None, receiving or None
+
+    def preempted(self, meta: CMXStepMetadata) -> None:
+        """``handle_preemptions``: vLLM freed these requests' blocks; no copy reads them now."""
+        if meta.preempted:
+            self.gatherer.flush(meta.preempted, self.settings.load_bound_s)
 
     def take_failed(self) -> set[int]:
         failed, self._failed = self._failed, set()
@@ -182,12 +215,14 @@ class WorkerSide:
         return self.counters.take()
 
     def shutdown(self) -> None:
+        self.loads.shutdown()
         self._loader.shutdown(wait=True, cancel_futures=True)
+        self.gatherer.shutdown()
         self._storer.shutdown(wait=True)
 
     # -- loads ---------------------------------------------------------------------------------
 
-    def _load(self, step: _Step) -> list[_Loaded]:
+    def _load(self, step: _Step) -> list[Loaded]:
         """On the loader thread: fetch every load of the step, then write it layer by layer."""
         try:
             loaded = [self._fetch(spec) for spec in step.meta.loads]
@@ -202,31 +237,31 @@ class WorkerSide:
             for event in step.ready:
                 event.set()
 
-    def _write_layer(self, layer: int, loaded: list[_Loaded]) -> None:
+    def _write_layer(self, layer: int, loaded: list[Loaded]) -> None:
         """Write one layer of every arrived load into the engine's paged cache."""
         for item in loaded:
             if item.blocks:
                 scatter_layer(self.caches[layer], self.paged, item.spec.block_ids[:item.blocks],
                               item.kv[layer])
 
-    def _fetch(self, spec: LoadSpec) -> _Loaded:
+    def _fetch(self, spec: LoadSpec) -> Loaded:
         from cmx.client import Match
 
         T = self.layout.block_tokens
         ns = self.namespaces.get(spec.salt)
         try:
             # Looked up again: the prefix may have changed since the scheduler's lookup.
-            match = ns.lookup(spec.token_ids)
+            match = ns.lookup(spec.token_ids, here_first=True)
             blocks = match.blocks[spec.start // T:spec.end // T]
             if not blocks:
-                return _Loaded(spec, None, 0)
+                return Loaded(spec, None, 0)
             kv = ns.load(spec.token_ids, Match(len(blocks) * T, tuple(blocks)))
             here = self.namespaces.node_id
             sources = tuple(source_class(b.tier.value, b.node, here) for b in blocks)
-            return _Loaded(spec, kv.contiguous(), kv.shape[3] // T, sources)
+            return Loaded(spec, kv.contiguous(), kv.shape[3] // T, sources)
         except Exception as exc:  # noqa: BLE001 - a failed load is recomputed, never fatal
             log.warning("load of %d tokens failed: %s", spec.end - spec.start, exc)
-            return _Loaded(spec, None, 0)
+            return Loaded(spec, None, 0)
 
     def _cancel(self, step: _Step, why: str) -> None:
         with step.lock:
@@ -239,18 +274,23 @@ class WorkerSide:
         for event in step.ready:
             event.set()
 
-    def _report_loads(self, step: _Step, loaded: list[_Loaded]) -> None:
+    def _report_loads(self, step: _Step, loaded: list[Loaded]) -> None:
         seconds = time.monotonic() - step.started
-        T, nbytes = self.layout.block_tokens, self.layout.block_bytes
         for i, spec in enumerate(step.meta.loads):
             item = loaded[i] if i < len(loaded) else None
             got = 0 if step.cancelled or item is None else item.blocks
-            self._failed.update(spec.block_ids[got:])
-            sources = tuple((c, nbytes) for c in item.sources[:got]) if item else ()
-            self._report.loads.append(LoadResult(spec.req_id, spec.end - spec.start, got * T,
-                                                 got * nbytes, seconds, sources))
-            self.counters.add(loads=1, loaded_tokens=got * T, load_s=seconds,
-                              load_failed_tokens=spec.end - spec.start - got * T)
+            self._account_load(spec, got, item.sources if item else (), seconds)
+
+    def _account_load(self, spec: LoadSpec, got: int, sources: tuple[str, ...],
+                      seconds: float) -> None:
+        """One load over, ``got`` of its blocks landed: the rest failed, all of it counted."""
+        T, nbytes = self.layout.block_tokens, self.layout.block_bytes
+        self._failed.update(spec.block_ids[got:])
+        found = tuple((c, nbytes) for c in sources[:got])
+        self._report.loads.append(LoadResult(spec.req_id, spec.end - spec.start, got * T,
+                                             got * nbytes, seconds, found))
+        self.counters.add(loads=1, loaded_tokens=got * T, load_s=seconds,
+                          load_failed_tokens=spec.end - spec.start - got * T)
 
     # -- stores --------------------------------------------------------------------------------
 
@@ -274,6 +314,46 @@ class WorkerSide:
             self._storer.submit(self._store, save, kv)
             self._report.handed[save.req_id] = self._report.handed.get(save.req_id, 0) + tokens
 
+    def _queue_saves(self, saves: list[SaveSpec]) -> None:
+        """Async saves: each is queued for its copy, or dropped if stores or staging are full."""
+        for save in saves:
+            tokens = save.end - save.start
+            with self._pending_lock:
+                room = self._pending < self.settings.max_pending_stores
+                if room:
+                    self._pending += 1
+            if room and not self.gatherer.queue(save, self.caches):
+                with self._pending_lock:
+                    self._pending -= 1
+                room = False
+            if not room:
+                log.warning("store of %d tokens dropped: %d stores in flight, %d bytes staged",
+                            tokens, self._pending, self.gatherer.used_bytes)
+                _add(self._report.dropped, save.req_id, tokens)
+                self.counters.add(store_dropped_tokens=tokens)
+                continue
+            _add(self._report.handed, save.req_id, tokens)
+
+    def _gathered(self, save: SaveSpec, kv: Any) -> None:
+        """On the gather thread: the copy of ``save`` is done (None: it was cancelled)."""
+        nbytes = len(save.block_ids) * self.layout.block_bytes
+        if kv is None:
+            tokens = save.end - save.start
+            self.counters.add(store_failed_tokens=tokens)
+            with self._pending_lock:
+                self._pending -= 1
+                self._ended.append(StoreResult(save.req_id, tokens, 0, tokens))
+            self.gatherer.release(nbytes)
+            return
+
+        def store() -> None:
+            try:
+                self._store(save, kv)
+            finally:
+                self.gatherer.release(nbytes)
+
+        self._storer.submit(store)
+
     def _store(self, save: SaveSpec, kv: Any) -> None:
         """On the store thread: store, wait (bounded) for the commit, and say how it ended."""
         T, tokens = self.layout.block_tokens, save.end - save.start
@@ -294,3 +374,7 @@ class WorkerSide:
             with self._pending_lock:
                 self._pending -= 1
                 self._ended.append(result)
+
+
+def _add(figures: dict[str, int], req_id: str, tokens: int) -> None:
+    figures[req_id] = figures.get(req_id, 0) + tokens

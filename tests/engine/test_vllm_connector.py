@@ -105,6 +105,51 @@ def test_a_fresh_engine_in_another_process_loads_the_prefix(
     assert result["report"]["cmx"]["loaded_tokens"] == full_blocks(stored)
 
 
+def test_an_engine_in_async_mode_loads_and_stores_the_same_tokens(
+    engine: Any, baseline: Any, cm: Any, service: Any,
+) -> None:
+    # A fresh engine with asynchronous loads and saves: a prefix another engine stored is
+    # loaded while its request waits; a prompt it computes is copied out after each step and
+    # stored, and the engine of this process then loads that one.
+    loaded, computed = prompts()[1], prompts()[3]
+    stored = generate(engine, loaded)
+    wait_stored(namespace(cm, engine), stored.prompt_token_ids, full_blocks(stored))
+    results = run_fresh_engine(service, [{"text": loaded}, {"text": computed,
+                                                            "salt": "async-saves"}],
+                               {"load_mode": "async", "save_mode": "async"})
+    assert [r["tokens"] for r in results] == [baseline[loaded], baseline[computed]]
+    assert results[0]["cached"] == full_blocks(stored) > 0  # its own prefix cache was empty
+    assert results[0]["report"]["cmx"]["loaded_tokens"] == full_blocks(stored)
+    assert "loaded_tokens" not in results[1]["report"]["cmx"]
+
+    ids = results[1]["prompt_ids"]
+    tokens = (len(ids) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    wait_stored(namespace(cm, engine, "async-saves"), ids, tokens)
+    again = generate(engine, computed, salt="async-saves")
+    assert again.num_cached_tokens == tokens > 0
+    assert list(again.outputs[0].token_ids) == baseline[computed]
+
+
+def run_fresh_engine(service: Any, requests: list[dict[str, str]],
+                     settings: dict[str, Any]) -> list[dict[str, Any]]:
+    """What a fresh engine in another process (multiprocessing on) made of each request."""
+    import ray
+
+    here = os.path.dirname(__file__)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
+    address = ray.get_runtime_context().gcs_address
+    run = subprocess.run(
+        [sys.executable, os.path.join(here, "fresh_engine.py"), address,
+         json.dumps(asdict(service)), json.dumps({"requests": requests,
+                                                  "max_tokens": MAX_TOKENS}),
+         json.dumps(settings)],
+        env=env, capture_output=True, text=True, timeout=480)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert run.returncode == 0 and len(lines) == len(requests), run.stderr[-3000:]
+    return [json.loads(line.removeprefix("RESULT ")) for line in lines]
+
+
 def test_a_block_dropped_between_lookup_and_load_is_recomputed(
     engine: Any, baseline: Any, cm: Any,
 ) -> None:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from plane import Plane, make_plane
-from scenarios import LAYOUT, check, held, small_config
+from scenarios import BLOCK, LAYOUT, check, held, small_config
 
 from cmx.client import ContextMemory, NamespaceClient
 from cmx.client.node_plane import NodePlane
@@ -25,7 +25,7 @@ from cmx.tiers import Tier
 
 NODE = f"pipe-{uuid.uuid4().hex[:6]}"  # arenas named apart from other suites' on this host
 T = LAYOUT.block_tokens
-BLOCKS = 6  # three windows: HBM holds 4 blocks, a window is 2
+BLOCKS = 6  # three windows: HBM holds 8 blocks, a window is a quarter of it (2)
 
 
 class ScriptedLink(LocalLink):
@@ -86,8 +86,8 @@ class Late:
 
 @pytest.fixture
 def plane(tmp_path) -> Iterator[Plane]:
-    p = make_plane(small_config(tmp_path, placement="write_through"), nodes=(NODE,),
-                   link_type=ScriptedLink)
+    p = make_plane(small_config(tmp_path, placement="write_through", hbm_bytes=8 * BLOCK),
+                   nodes=(NODE,), link_type=ScriptedLink)
     yield p
     p.close()
 
@@ -140,7 +140,7 @@ def test_the_next_window_is_asked_for_before_this_one_is_released(plane: Plane) 
     assert same_bits(got, kv)
     link: ScriptedLink = plane.link  # type: ignore[assignment]
     agent_events = [e for e in link.events if e.startswith("load") or e == "release"]
-    assert agent_events == ["load 0", "load 1", "release", "load 2", "release", "release"]
+    assert agent_events == ["load 0", "load 1", "load 2", "release", "release", "release"]
     assert link._loads == 3  # no window came back short: each release ran before the next
     assert nothing_held(plane)
     check(plane)
@@ -148,15 +148,16 @@ def test_the_next_window_is_asked_for_before_this_one_is_released(plane: Plane) 
 
 def test_a_window_whose_answer_fails_mid_pipeline_gives_back_every_pin(plane: Plane) -> None:
     """The second window's load ran (its blocks pinned for the client) but its answer never
-    came, neither when asked beside the first nor alone again: the load returns the first
-    window alone, exact, and nothing stays pinned."""
+    came, neither when asked beside the first nor alone again (the fourth load asked: the
+    third was asked ahead, and given up): the load returns the first window alone, exact,
+    and nothing stays pinned."""
     ns, toks, kv = on_nvme_only(plane, BLOCKS, seed=2)
     link: ScriptedLink = plane.link  # type: ignore[assignment]
-    for n in (1, 2):
+    for n in (1, 3):
         link.on_load[n] = lambda answer: type(answer)(None, UnavailableError("no answer"))
     got = ns.load(toks)
     assert same_bits(got, kv[:, :, :, : 2 * T])
-    assert "load 3" not in link.events  # nothing asked after the window that failed alone
+    assert "load 4" not in link.events  # nothing asked after the window that failed alone
     assert nothing_held(plane)
     check(plane)
 
@@ -208,6 +209,6 @@ def test_a_window_short_of_room_beside_the_last_is_asked_again(plane: Plane) -> 
     got = ns.load(toks)
     assert same_bits(got, kv)
     assert [e for e in link.events if e.startswith("load")] == [
-        "load 0", "load 1", "load 2", "load 3"]
+        "load 0", "load 1", "load 2", "load 3", "load 4"]
     assert nothing_held(plane)
     check(plane)

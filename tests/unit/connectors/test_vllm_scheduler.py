@@ -38,7 +38,7 @@ class FakeNamespace(NamespaceClient):
         self.fail = False
         self.asked: list[int] = []
 
-    def lookup(self, token_ids: object) -> Match:
+    def lookup(self, token_ids: object, here_first: bool = False) -> Match:
         self.release.wait(10)
         if self.fail:
             raise ConnectionError("directory unreachable")

@@ -16,8 +16,9 @@ import torch
 from cmx.client import BlockLocation, Match, NamespaceClient, StoreHandle
 from cmx.connectors.paged import PagedLayout, block_view
 from cmx.connectors.settings import ConnectorSettings, Namespaces
+from cmx.connectors.vllm_loads import Loaded
 from cmx.connectors.vllm_meta import CMXStepMetadata, LoadSpec, SaveSpec, StoreResult
-from cmx.connectors.vllm_worker import WorkerSide, _Loaded
+from cmx.connectors.vllm_worker import WorkerSide
 from cmx.keys import BlockHash
 from cmx.layout import KVLayout
 from cmx.tiers import Tier
@@ -49,7 +50,7 @@ class FakeNamespace(NamespaceClient):
         self.store_done = threading.Event()
         self.finished = threading.Event()
 
-    def lookup(self, token_ids: object) -> Match:
+    def lookup(self, token_ids: object, here_first: bool = False) -> Match:
         n = len(token_ids) // T  # type: ignore[arg-type]
         return Match(n * T, tuple(BlockLocation(BlockHash(bytes([i]) * 32), Tier.DRAM, "here",
                                                 ()) for i in range(n)))
@@ -91,7 +92,7 @@ class HeldWorker(WorkerSide):
         super().__init__(*args)
         self.go = threading.Event()
 
-    def _write_layer(self, layer: int, loaded: list[_Loaded]) -> None:
+    def _write_layer(self, layer: int, loaded: list[Loaded]) -> None:
         if layer > 0:
             assert self.go.wait(BOUND_S)
         super()._write_layer(layer, loaded)

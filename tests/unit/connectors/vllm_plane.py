@@ -3,14 +3,18 @@
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from plane import Plane, make_plane
 from vllm.config import KVTransferConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.core.sched.output import CachedRequestData
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
 from cmx.client import ContextMemory
@@ -19,6 +23,7 @@ from cmx.config import ServiceConfig
 from cmx.connectors.paged import PagedLayout, block_view
 from cmx.connectors.settings import ConnectorSettings
 from cmx.connectors.vllm import CMXConnector
+from cmx.errors import UnavailableError
 from cmx.layout import KVLayout
 from cmx.links import LocalLink
 
@@ -79,3 +84,60 @@ def blocks_of(cache: torch.Tensor, ids: list[int]) -> torch.Tensor:
     """[2, heads, len(ids) * T, dim] of the paged cache's blocks ``ids``, in order."""
     view = block_view(cache, PagedLayout.VLLM_CPU, DIM)  # [blocks, heads, 2, T, dim]
     return view[ids].permute(2, 1, 0, 3, 4).reshape(2, HEADS, len(ids) * T, DIM)
+
+
+class GatedLink(LocalLink):
+    """The plane's link, whose calls from the async loader's threads (``cmx-aload``) can be
+    held (they wait for ``opened``, as calls to a service that stopped answering) or failed
+    (``dead``: as calls to a service that is gone)."""
+
+    def __init__(self, targets: Any) -> None:
+        super().__init__(targets)
+        self.held = False
+        self.dead = False
+        self.entered = threading.Event()  # a held call is waiting
+        self.opened = threading.Event()
+
+    def call(self, name: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        if threading.current_thread().name.startswith("cmx-aload"):
+            if self.dead:
+                raise UnavailableError(f"{name} is not running")
+            if self.held:
+                self.entered.set()
+                assert self.opened.wait(BOUND_S)
+        return super().call(name, method, *args, timeout_s=timeout_s)
+
+
+def request(req_id: str, prompt: tuple[int, ...]) -> Any:
+    """What the connector reads of a vLLM ``Request``."""
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=list(prompt), cache_salt=None,
+                           kv_transfer_params=None)
+
+
+def allocated(block_ids: list[int]) -> Any:
+    """vLLM's ``KVCacheBlocks`` of a request, as the connector reads them."""
+    return SimpleNamespace(get_block_ids=lambda: (list(block_ids),))
+
+
+def step_output(new: tuple[tuple[str, list[int], int, int], ...] = (),
+                finished: tuple[str, ...] = (), preempted: tuple[str, ...] = ()) -> Any:
+    """vLLM's ``SchedulerOutput`` as the connector reads it; ``new``: (req_id, block ids,
+    computed tokens, tokens scheduled) of each newly scheduled request."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(ids,), num_computed_tokens=c)
+                            for r, ids, c, _ in new],
+        scheduled_cached_reqs=CachedRequestData.make_empty(),
+        num_scheduled_tokens={r: n for r, _, _, n in new},
+        finished_req_ids=set(finished), preempted_req_ids=set(preempted))
+
+
+def poll_finished(conn: CMXConnector, finished: set[str] | None = None,
+                  sending: bool = False) -> set[str]:
+    """Call ``get_finished`` as vLLM does each step until it names a request (bounded)."""
+    deadline = time.monotonic() + BOUND_S
+    while True:
+        got = conn.get_finished(finished or set())[0 if sending else 1]
+        if got:
+            return got
+        assert time.monotonic() < deadline, "get_finished never named the request"
+        time.sleep(0.01)

@@ -1,0 +1,191 @@
+"""A prefix eight times larger than this node's HBM and DRAM, held on its NVMe alone, loads
+through a few HBM windows at a time: the agent has the NVMe reads of the windows after the one
+the client copies out under way before that copy (``cmx.client.loads.DEPTH`` windows hold pins
+at once), the bytes come back exact, a window that comes back corrupt ends the load there, and
+every pin of every window is given back."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from plane import Plane, make_plane
+from scenarios import BLOCK, LAYOUT, check, held, small_config
+
+from cmx.client import ContextMemory, NamespaceClient
+from cmx.client.loads import DEPTH, load_window
+from cmx.client.node_plane import NodePlane
+from cmx.keys import Namespace
+from cmx.links import LocalLink
+from cmx.storage.arena import SharedArena
+from cmx.tiers import Tier
+
+NODE = f"pressure-{uuid.uuid4().hex[:6]}"  # arenas named apart from other suites' on this host
+T = LAYOUT.block_tokens
+TIER_BLOCKS = 8  # HBM and DRAM each
+BLOCKS = 8 * TIER_BLOCKS  # the prefix: eight times either memory tier
+
+
+class Events:
+    """What the agent and the client did, in order: "read N" (the agent's NVMe reads of one
+    window, N blocks), "copy" (the client starts copying a window out of HBM), "release",
+    "give_up"."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def reads_before_each_copy(self) -> list[int]:
+        out, reads = [], 0
+        for e in self.seen:
+            if e.startswith("read"):
+                reads += 1
+            elif e == "copy":
+                out.append(reads)
+        return out
+
+
+class RecordingLink(LocalLink):
+    """Runs calls in this process as LocalLink does, noting the client's releases and
+    give-ups; ``on_load[n]`` runs on the answer of the n-th load before the client sees it."""
+
+    def __init__(self, targets: dict[str, Any]) -> None:
+        super().__init__(targets)
+        self.events = Events()
+        self.on_load: dict[int, Callable[[Any], Any]] = {}
+        self.loads = 0
+
+    def submit(self, name: str, method: str, *args: Any) -> Any:
+        if method == "release":
+            self.events.seen.append(method)
+        answer = super().submit(name, method, *args)
+        if method == "load":
+            hook = self.on_load.get(self.loads)
+            self.loads += 1
+            if hook is not None:
+                answer = hook(answer)
+        return answer
+
+    def tell(self, name: str, method: str, *args: Any) -> None:
+        self.events.seen.append(method)
+        super().tell(name, method, *args)
+
+
+class RecordingPlane(NodePlane):
+    """The client's view of this node's arenas, noting each window's copy out as it starts."""
+
+    def __init__(self, link: Any, node: str, events: Events) -> None:
+        super().__init__(link, node, 5.0)
+        self.events = events
+
+    def arena(self, name: str) -> SharedArena:
+        self.events.seen.append("copy")
+        return super().arena(name)
+
+
+@pytest.fixture
+def plane(tmp_path) -> Iterator[Plane]:
+    config = small_config(tmp_path, placement="write_through", hbm_bytes=TIER_BLOCKS * BLOCK,
+                          dram_bytes=TIER_BLOCKS * BLOCK, nvme_bytes=4 * BLOCKS * BLOCK)
+    p = make_plane(config, nodes=(NODE,), link_type=RecordingLink)
+    yield p
+    p.close()
+
+
+def on_nvme_only(plane: Plane) -> tuple[NamespaceClient, Any, torch.Tensor]:
+    """A client, and the prefix it stored (window by window: DRAM holds an eighth of it),
+    now held on this node's NVMe alone; the agent's NVMe reads noted from here on."""
+    link: RecordingLink = plane.link  # type: ignore[assignment]
+    cm = ContextMemory(plane.config, NODE, owns_ray=False)
+    cm.link = link  # type: ignore[assignment]
+    cm.plane = RecordingPlane(link, NODE, link.events)
+    ns = NamespaceClient(cm, Namespace("m", LAYOUT, "pressure"))
+    toks = np.random.default_rng(7).integers(0, 50_000, BLOCKS * T)
+    kv = LAYOUT.random_kv(len(toks), seed=7)
+    per = TIER_BLOCKS // 2
+    for first in range(0, BLOCKS, per):
+        stop = (first + per) * T
+        assert ns.store(toks[:stop], kv[:, :, :, first * T : stop], start=first * T).wait() == per
+    keys = ns.keys(toks)
+    for tier in (Tier.HBM, Tier.DRAM):
+        plane.tiers[(NODE, tier)].evict(keys)
+    assert all(c.tier is Tier.NVME for b in ns.lookup(toks).blocks for c in b.copies)
+    host = plane.agents[NODE].host
+    read_extents = host.read_extents
+
+    def noted(extents: Any, grants: Any, priority: Any) -> list[bool]:
+        link.events.seen.append(f"read {len(extents)}")
+        return read_extents(extents, grants, priority)
+
+    host.read_extents = noted  # type: ignore[method-assign]
+    link.events.seen.clear()
+    return ns, toks, kv
+
+
+def nothing_held(plane: Plane) -> bool:
+    return all(held(plane, NODE, t) == (0, 0) for t in (Tier.HBM, Tier.DRAM, Tier.NVME))
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_the_windows_after_the_one_copied_out_are_read_from_nvme_before_its_copy(
+        plane: Plane) -> None:
+    """Before the client copies window k out of HBM, the agent has read windows k+1 to
+    k+DEPTH-1 from NVMe (as far as the prefix goes), at least two of them: the disk is not
+    left waiting for the copy, nor for the client to ask for the next window after it."""
+    ns, toks, kv = on_nvme_only(plane)
+    link: RecordingLink = plane.link  # type: ignore[assignment]
+    window = load_window(plane.config)
+    windows = BLOCKS // window
+    got = ns.load(toks)
+    assert same_bits(got, kv)
+    reads = [e for e in link.events.seen if e.startswith("read")]
+    assert reads == [f"read {window}"] * windows  # every block read from NVMe, window by window
+    before = link.events.reads_before_each_copy()
+    assert len(before) == windows
+    assert all(n >= min(k + 3, windows) for k, n in enumerate(before)), before
+    assert before == [min(k + DEPTH, windows) for k in range(windows)]
+    assert nothing_held(plane)
+    check(plane)
+
+
+def test_a_prefix_eight_times_the_memory_tiers_loads_back_exact_twice(plane: Plane) -> None:
+    """Loaded twice (the second time from what the first left in HBM and DRAM, and NVMe for
+    the rest), the prefix comes back exact both times, with nothing held after either."""
+    ns, toks, kv = on_nvme_only(plane)
+    assert same_bits(ns.load(toks), kv)
+    assert nothing_held(plane)
+    assert same_bits(ns.load(toks), kv)
+    assert nothing_held(plane)
+    check(plane)
+
+
+def test_a_corrupt_window_mid_prefix_ends_the_load_there_with_every_pin_given_back(
+        plane: Plane) -> None:
+    """A block of the sixth window goes bad in HBM after the agent verified it, while the
+    windows after it are already asked for: the load returns the blocks before it exact,
+    gives up every window asked ahead, and the bad copy is quarantined."""
+    ns, toks, kv = on_nvme_only(plane)
+    link: RecordingLink = plane.link  # type: ignore[assignment]
+    hbm = plane.tiers[(NODE, Tier.HBM)]
+    window = load_window(plane.config)
+    bad_window = 5
+
+    def corrupt_first(answer: Any) -> Any:
+        hbm.store.arena.slot_view(answer.value.blocks[0].slot)[5] ^= 0xFF
+        return answer
+
+    link.on_load[bad_window] = corrupt_first
+    got = ns.load(toks)
+    good = bad_window * window
+    assert same_bits(got, kv[:, :, :, : good * T])
+    assert link.events.seen.count("give_up") == DEPTH - 1  # the windows asked after it
+    assert link.loads == bad_window + DEPTH  # nothing asked once it came back corrupt
+    assert nothing_held(plane)
+    assert hbm.stats().store.quarantined == 1
+    check(plane)

@@ -14,14 +14,16 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from cmx.actors.agent.core import OffloadAgent
+from cmx.actors.agent.core import HostParts, OffloadAgent
 from cmx.actors.directory.shard import DirectoryShard, Source
+from cmx.actors.dpu.agent import dpu_actor_parts
 from cmx.actors.pool.node import PoolNodeService
 from cmx.actors.tiers.arena import ArenaTierService
 from cmx.actors.tiers.nvme import NvmeTierService
@@ -99,8 +101,13 @@ class NvmeTierActor(NvmeTierService):
 
 
 class AgentActor(OffloadAgent):
-    def __init__(self, node: str, config: ServiceConfig) -> None:
-        super().__init__(node, config, RayLink(config.call_timeout_s))
+    """The node's agent as an actor: on its host, or on its DPU given the DPU's host parts
+    (``parts``, made in the actor's process: ``dpu.agent.dpu_actor_parts``)."""
+
+    def __init__(self, node: str, config: ServiceConfig,
+                 parts: Callable[[str, ServiceConfig], HostParts] | None = None) -> None:
+        super().__init__(node, config, RayLink(config.call_timeout_s),
+                         None if parts is None else parts(node, config))
         self._note_placement()
 
     def _note_placement(self) -> None:
@@ -263,15 +270,12 @@ def _placed_on(node_id: str, config: ServiceConfig) -> str | None:
 
 def _start_agent(node_id: str, config: ServiceConfig, alive: dict[str, dict[str, Any]]
                  ) -> Any:
-    agent: type = AgentActor
-    if config.dpu_access == "nixl" and _dpu_of(node_id, config, alive):
-        from cmx.actors.dpu.agent import DpuAgentActor  # it imports this module
-
-        agent = DpuAgentActor
-    handle: Any = ray.remote(agent).options(
+    on_dpu = config.dpu_access == "nixl" and _dpu_of(node_id, config, alive)
+    parts = dpu_actor_parts if on_dpu else None
+    handle: Any = ray.remote(AgentActor).options(
         name=actor_name("agent", node_id), namespace=RAY_NAMESPACE, get_if_exists=True,
         num_cpus=0, max_concurrency=32, **_agent_placement(node_id, config, alive), **_RESTART,
-    ).remote(node_id, config)
+    ).remote(node_id, config, parts)
     ray.get(handle.peer_info.remote(), timeout=60)
     return handle
 

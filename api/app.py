@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import FileResponse, RedirectResponse
@@ -21,6 +22,9 @@ from cmx.api.limits import BodyLimit
 from cmx.api.problems import install_problem_handlers
 from cmx.api.state import ApiState
 from cmx.config import AdminConfig
+
+if TYPE_CHECKING:
+    from cmx.api.ray_metrics import RayMetricsMirror
 
 __all__ = ["MAX_BODY_BYTES", "STATIC_DIR", "create_app"]
 
@@ -38,7 +42,7 @@ _PAGE_HEADERS = {
 
 def create_app(
     make_backend: Callable[[], Backend], config: AdminConfig | None = None,
-    mirror: object | None = None, sample_in_background: bool = True,
+    mirror: RayMetricsMirror | None = None, sample_in_background: bool = True,
 ) -> FastAPI:
     """The admin app over the backend ``make_backend()`` returns (called on first use)."""
     config = config or AdminConfig.from_env()

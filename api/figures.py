@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from cmx.api.models import PoolStatus, TiersView
 from cmx.api.views import degradations
 
-__all__ = ["Figure", "HistogramValue", "Kind", "figures"]
+__all__ = ["Figure", "HistogramValue", "Kind", "figures", "scalar"]
 
 
 class Kind(str, enum.Enum):
@@ -28,6 +28,13 @@ class HistogramValue:
     buckets: tuple[float, ...]  # upper bounds; +Inf implied
     counts: tuple[int, ...]  # per bucket, not cumulative; the last is +Inf
     sum: float
+
+
+def scalar(value: float | HistogramValue) -> float:
+    """A gauge's or a counter's sample as a number: a histogram's is not one."""
+    if isinstance(value, HistogramValue):
+        raise TypeError("a histogram sample where a number belongs")
+    return float(value)
 
 
 @dataclass

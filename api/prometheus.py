@@ -13,7 +13,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from cmx.api.figures import Figure, HistogramValue, Kind
+from cmx.api.figures import Figure, HistogramValue, Kind, scalar
 
 __all__ = ["CONTENT_TYPE_LATEST", "render"]
 
@@ -33,7 +33,7 @@ def _family(fig: Figure) -> Metric:
     family = (CounterMetricFamily if fig.kind is Kind.COUNTER else GaugeMetricFamily)(
         fig.name, fig.help, labels=labels)
     for values, value in fig.samples:
-        family.add_metric(list(values), float(value))  # type: ignore[arg-type]
+        family.add_metric(list(values), scalar(value))
     return family
 
 

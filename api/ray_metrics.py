@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from cmx.api.figures import Figure, HistogramValue, Kind
+from cmx.api.figures import Figure, HistogramValue, Kind, scalar
 
 __all__ = ["MAX_REPLAY", "RayMetricsMirror", "ray_factory"]
 
@@ -51,9 +51,9 @@ class RayMetricsMirror:
                 metric = self._metric(fig, value)
                 tags = dict(zip(fig.labels, values))
                 if fig.kind is Kind.GAUGE:
-                    metric.set(float(value), tags)  # type: ignore[arg-type]
+                    metric.set(scalar(value), tags)
                 elif fig.kind is Kind.COUNTER:
-                    self._count(metric, fig.name, values, float(value), tags)  # type: ignore[arg-type]
+                    self._count(metric, fig.name, values, scalar(value), tags)
                 elif isinstance(value, HistogramValue):
                     self._replay(metric, fig.name, values, value, tags)
 

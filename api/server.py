@@ -99,12 +99,12 @@ def start_admin_actor(service: ServiceConfig, admin: AdminConfig, node_id: str,
 
     from cmx.links import RAY_NAMESPACE
 
-    actor = ray.remote(AdminServerActor).options(
+    actor: Any = ray.remote(AdminServerActor).options(
         name=ADMIN_ACTOR, namespace=RAY_NAMESPACE, get_if_exists=True, lifetime="detached",
         num_cpus=0, max_restarts=3,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
     ).remote(service, admin)
-    return str(ray.get(actor.url.remote(), timeout=timeout_s))  # type: ignore[attr-defined]
+    return str(ray.get(actor.url.remote(), timeout=timeout_s))
 
 
 def stop_admin_actor(timeout_s: float = 15.0) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from cmx.api.backend import Backend
 from cmx.api.figures import figures
@@ -19,6 +20,9 @@ from cmx.api.views import pool_view, tiers_view
 from cmx.config import AdminConfig
 from cmx.errors import UnavailableError
 
+if TYPE_CHECKING:
+    from cmx.api.ray_metrics import RayMetricsMirror
+
 __all__ = ["ApiState"]
 
 log = logging.getLogger(__name__)
@@ -27,14 +31,14 @@ log = logging.getLogger(__name__)
 class ApiState:
     def __init__(
         self, make_backend: Callable[[], Backend], config: AdminConfig,
-        mirror: object | None = None,
+        mirror: RayMetricsMirror | None = None,
     ) -> None:
         self.config = config
         self._make_backend = make_backend
         self._backend: Backend | None = None
         self._lock = threading.Lock()
         self.sampler = StatsSampler(lambda: self.backend.stats(), config.history_s)
-        self.mirror = mirror  # a RayMetricsMirror, or None
+        self.mirror = mirror
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -75,7 +79,7 @@ class ApiState:
                 if self.mirror is not None:
                     view = tiers_view(latest, self.sampler.previous(latest))
                     pool = pool_view(latest.stats.pool)
-                    self.mirror.update(figures(view, pool))  # type: ignore[attr-defined]
+                    self.mirror.update(figures(view, pool))
             except Exception:  # noqa: BLE001 - the next round tries again
                 log.debug("sampling the service failed", exc_info=True)
             self._stop.wait(self.config.sample_s)

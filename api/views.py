@@ -37,10 +37,9 @@ from cmx.stats import (
     TierStats,
     Unreachable,
 )
+from cmx.storage.base import NvmeStats
 
 __all__ = ["degradations", "history_view", "nodes_view", "pool_view", "tiers_view"]
-
-_STORE_FIGURES = ("segments", "dead_bytes", "io_engine")  # an NVMe store's, shown as they are
 
 
 def tier_stats(node: str, tier: str, stats: TierStats | Unreachable | None,
@@ -71,10 +70,9 @@ def _tier_extra(stats: TierStats) -> dict[str, int | float | str]:
         "reserve_leases": leases.reserved, "expired_leases": leases.expired,
         "released_leases": leases.released, "quarantined": stats.store.quarantined,
     }
-    for name in _STORE_FIGURES:
-        value = stats.store.extra.get(name)
-        if isinstance(value, (int, float, str)) and not isinstance(value, bool):
-            extra[name] = value
+    if isinstance(stats.store, NvmeStats):  # an NVMe store's, shown as they are
+        s = stats.store
+        extra.update(segments=s.segments, dead_bytes=s.dead_bytes, io_engine=s.io_engine)
     if stats.disk is not None:
         extra.update(store_id=stats.disk.store_id, orphan_dirs=stats.disk.orphan_dirs,
                      orphan_bytes=stats.disk.orphan_bytes)

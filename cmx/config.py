@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["AdminConfig", "ServiceConfig", "model_cache_dir"]
 
@@ -19,7 +20,7 @@ GiB = 1 << 30
 @dataclass(frozen=True)
 class ServiceConfig:
     block_bytes: int = 2 * MiB  # slot size of the arenas: the largest block any namespace stores
-    hbm_bytes: int = 256 * MiB  # per node; emulated on host memory without a GPU
+    hbm_bytes: int = 256 * MiB  # per node; emulated on host memory (on GPU nodes too, for now)
     dram_bytes: int = 1 * GiB  # per node, shared-memory arena
     nvme_bytes: int = 8 * GiB  # per node, segment files under nvme_dir
     nvme_dir: str = "/var/tmp/cmx"  # per-node subdirectories are made under it
@@ -50,14 +51,14 @@ class ServiceConfig:
     heartbeat_s: float = 1.0  # tiers resync the directory at least this often
     lease_s: float = 90.0  # a pin or reservation not ended by its holder is taken back then
 
-    def replace(self, **changes: object) -> ServiceConfig:
-        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+    def replace(self, **changes: Any) -> ServiceConfig:
+        return dataclasses.replace(self, **changes)
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: object) -> ServiceConfig:
         """Defaults, then ``CMX_<FIELD>`` variables (e.g. CMX_DRAM_BYTES), then ``overrides``."""
         env = os.environ if environ is None else environ
-        values: dict[str, object] = {}
+        values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             raw = env.get(f"CMX_{f.name.upper()}")
             if raw is None:
@@ -73,7 +74,7 @@ class ServiceConfig:
             except ValueError as exc:
                 raise ValueError(f"CMX_{f.name.upper()}={raw!r}: {exc}") from None
         values.update(overrides)
-        return cls(**values)  # type: ignore[arg-type]
+        return cls(**values)
 
     def __post_init__(self) -> None:
         for name in ("block_bytes", "hbm_bytes", "dram_bytes", "nvme_bytes", "directory_shards",
@@ -112,7 +113,7 @@ class AdminConfig:
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: object) -> AdminConfig:
         env = os.environ if environ is None else environ
-        values: dict[str, object] = {}
+        values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             var = "CMX_STATE_DIR" if f.name == "state_dir" else f"CMX_ADMIN_{f.name.upper()}"
             raw = env.get(var)
@@ -123,10 +124,10 @@ class AdminConfig:
             except ValueError as exc:
                 raise ValueError(f"{var}={raw!r}: {exc}") from None
         values.update(overrides)
-        return cls(**values)  # type: ignore[arg-type]
+        return cls(**values)
 
-    def replace(self, **changes: object) -> AdminConfig:
-        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+    def replace(self, **changes: Any) -> AdminConfig:
+        return dataclasses.replace(self, **changes)
 
     @property
     def state_path(self) -> str:

@@ -90,7 +90,7 @@ def _is_hex(text: str) -> bool:
 def as_token_array(token_ids: object) -> np.ndarray:
     """Token ids as a 1-D little-endian uint32 array; raise on anything else."""
     if hasattr(token_ids, "detach"):  # torch tensor
-        token_ids = token_ids.detach().cpu().numpy()  # type: ignore[union-attr]
+        token_ids = token_ids.detach().cpu().numpy()
     arr = np.asarray(token_ids)
     if arr.ndim != 1:
         raise LayoutMismatchError(f"token ids must be 1-D, got shape {arr.shape}")

@@ -8,6 +8,7 @@ from rich.progress import (
     BarColumn,
     DownloadColumn,
     Progress,
+    TaskID,
     TextColumn,
     TimeElapsedColumn,
     TransferSpeedColumn,
@@ -30,12 +31,12 @@ def byte_progress(console: Console) -> tuple[Progress, DemoProgress]:
         TextColumn("{task.description:<6}"), BarColumn(), DownloadColumn(binary_units=True),
         TransferSpeedColumn(), TimeElapsedColumn(), console=console,
     )
-    tasks: dict[str, object] = {}
+    tasks: dict[str, TaskID] = {}
 
     def update(phase: str, done: int, total: int) -> None:
         if phase not in tasks:
             tasks[phase] = progress.add_task(phase, total=total)
-        progress.update(tasks[phase], completed=done)  # type: ignore[arg-type]
+        progress.update(tasks[phase], completed=done)
 
     return progress, update
 

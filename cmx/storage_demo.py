@@ -174,10 +174,10 @@ class Demo:
             with nvme:
                 self._store(dram, nvme, result)
                 self._load(dram, nvme, result)
-                result.io_engine = str(nvme.stats().extra.get("io_engine", "?"))
+                result.io_engine = nvme.stats().io_engine
             dram_stats = dram.stats()
             result.dram.evictions = dram_stats.evictions
-            result.dram.policy = str(dram_stats.extra.get("eviction", "?"))
+            result.dram.policy = dram_stats.eviction
         self._reopen(NvmeStore, root, result)
         return result
 

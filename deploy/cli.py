@@ -7,10 +7,13 @@ Modules load inside the commands, so ``cmx --help`` stays fast.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, cast
 
 import typer
 from rich.console import Console
+
+if TYPE_CHECKING:
+    from cmx.deploy.config import ModelDType, ModelOptions
 
 __all__ = ["app"]
 
@@ -24,7 +27,7 @@ ModelOpt = Annotated[Path | None, typer.Option(
     exists=True, file_okay=False, show_default=False)]
 
 
-def _model(path: Path | None) -> object:
+def _model(path: Path | None) -> ModelOptions:
     from cmx.deploy.config import ModelOptions
 
     return ModelOptions(path=str(path)) if path is not None else ModelOptions()
@@ -57,7 +60,7 @@ def demo(
     from cmx.deploy.render import print_llm_demo, request_progress
 
     progress, update = request_progress(console)
-    opts = LLMDemoOptions(scale=scale, seed=seed, model=_model(model))  # type: ignore[arg-type]
+    opts = LLMDemoOptions(scale=scale, seed=seed, model=_model(model))
     try:
         with progress:
             result = run_llm_demo(opts, update, step=lambda s: progress.console.log(s))
@@ -109,9 +112,8 @@ def serve(
     if dtype not in ("bfloat16", "float16", "float32"):
         err.print(f"[red]error:[/] unknown dtype {dtype!r}; known: bfloat16, float16, float32")
         raise typer.Exit(code=2)
-    options = ServeOptions(model=_model(model), replicas=replicas,  # type: ignore[arg-type]
-                           engine=EngineOptions(prefetch=prefetch,
-                                                dtype=dtype))  # type: ignore[arg-type]
+    engine = EngineOptions(prefetch=prefetch, dtype=cast("ModelDType", dtype))  # checked above
+    options = ServeOptions(model=_model(model), replicas=replicas, engine=engine)
     try:
         # Slots too small for the model are said here, before anything starts; those of a
         # service already running are checked by each replica as it joins it.

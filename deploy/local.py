@@ -57,12 +57,12 @@ def service_config_for(options: ServeOptions, nvme_dir: str, **changes: Any) -> 
     from cmx.deploy.model import model_info
 
     block = model_info(options.model, options.engine).layout.block_bytes
-    base = dict(block_bytes=block, hbm_bytes=max(256 * MiB // block, 16) * block,
+    base: dict[str, Any] = dict(block_bytes=block, hbm_bytes=max(256 * MiB // block, 16) * block,
                 dram_bytes=max(1024 * MiB // block, 32) * block,
                 nvme_bytes=max(4096 * MiB // block, 64) * block, nvme_dir=nvme_dir,
                 nvme_segment_bytes=max(64 * MiB // block, 4) * block)
     base.update(changes)
-    return ServiceConfig(**base)  # type: ignore[arg-type]
+    return ServiceConfig(**base)
 
 
 @contextmanager

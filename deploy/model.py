@@ -55,10 +55,9 @@ def namespace_digest(namespace: Mapping[str, object], salt: str) -> bytes:
     """The digest seeding the block keys of ``namespace`` (``ModelInfo.namespace()``) for a salt."""
     from cmx.keys import Namespace
 
-    ns = dict(namespace)
-    layout = KVLayout(int(ns["num_layers"]), int(ns["num_kv_heads"]),  # type: ignore[call-overload]
-                      int(ns["head_dim"]), str(ns["dtype"]),  # type: ignore[call-overload]
-                      int(ns["block_tokens"]))  # type: ignore[call-overload]
+    ns: dict[str, Any] = dict(namespace)  # ModelInfo.namespace()'s values, each converted
+    layout = KVLayout(int(ns["num_layers"]), int(ns["num_kv_heads"]), int(ns["head_dim"]),
+                      str(ns["dtype"]), int(ns["block_tokens"]))
     return Namespace(str(ns["model"]), layout, salt, str(ns["weights"])).digest
 
 

@@ -84,8 +84,8 @@ class CompletionRequest(_Common):
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             if len(p) != 1:
                 raise ValueError("one prompt per request")
-            return p[0]  # type: ignore[return-value]
-        return p  # type: ignore[return-value]
+            return p[0]
+        return p  # type: ignore[return-value]  # a str or token ids here
 
 
 class TextPart(BaseModel):

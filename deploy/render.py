@@ -54,7 +54,7 @@ def requests_table(result: LLMDemoResult) -> Table:
                          ("prompt", "right"), ("cached", "right"), ("memory", "right"),
                          ("TTFT", "right"), ("no cache", "right"), ("gain", "right"),
                          ("same", "center")):
-        t.add_column(col, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+        t.add_column(col, justify=justify, no_wrap=True)  # type: ignore[arg-type]  # rich literals
     for r in result.rows:
         t.add_row(str(r.wave), r.label, r.replica, f"{r.prompt_tokens:,}",
                   f"{r.cached_tokens:,}", _served(r), f"{r.ttft_cached_s:.2f}s",

@@ -77,7 +77,7 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         return ReplicaView(
             replica_id=replica.replica_id.unique_id, node=replica.node_id or "",
             queue_len=int(queue or 0), per_request_s=float(stats.get("per_request_s", 1.0)),
-            prefill=tuple(prefill) if prefill else None,  # type: ignore[arg-type]
+            prefill=tuple(prefill) if prefill else None,
             links={k: tuple(v) for k, v in (stats.get("links") or {}).items()},
             gating=bool(stats.get("gating", True)),
         )

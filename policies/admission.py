@@ -12,7 +12,7 @@ never changes the counts. Policies hold bounded memory whatever the number of ke
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import xxhash
@@ -124,7 +124,7 @@ ADMISSION_POLICIES: dict[str, type[AdmissionPolicy]] = {
 }
 
 
-def make_admission(name: str | AdmissionPolicy = "frequency", **kwargs: object) -> AdmissionPolicy:
+def make_admission(name: str | AdmissionPolicy = "frequency", **kwargs: Any) -> AdmissionPolicy:
     """A fresh policy by registry name with its keyword arguments (or ``name`` if a policy)."""
     if isinstance(name, AdmissionPolicy):
         return name
@@ -134,4 +134,4 @@ def make_admission(name: str | AdmissionPolicy = "frequency", **kwargs: object) 
         raise ValueError(
             f"unknown admission policy {name!r}; known: {sorted(ADMISSION_POLICIES)}"
         ) from None
-    return cls(**kwargs)  # type: ignore[arg-type]
+    return cls(**kwargs)

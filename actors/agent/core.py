@@ -1,4 +1,8 @@
-"""The offload agent: one per node, the only component that moves block bytes.
+"""The offload agent: one per node; it moves block bytes between tiers and between nodes.
+
+It is not the only mover: the client copies its own stores into the DRAM slots granted to it
+and its local hits out of the tiers' slots (``cmx.client.stores``, ``cmx.client.copy_out``),
+and an agent on a DPU has its host's endpoint do the NVMe I/O (``actors/dpu/host.py``).
 
 It maps the node's HBM and DRAM arenas (shared memory, as a DPU reaches host memory by DMA),
 owns the node's transport to other agents (NIXL over UCX, registered once, prepared
@@ -29,8 +33,10 @@ Public calls, each bounded:
 The agent is its parts, each given what it uses (``actors/agent/shared.py`` names the shared ones):
 ``Loads``, ``RemoteFills``, ``LocalReads``, ``Stores``, ``Demotion``, ``NvmeWrites``,
 ``PoolWrites``, ``PeerServing``, ``SliceServing``, over one ``HostBytes`` that touches the
-host's memory and files. An agent on a DPU is the same parts over ``NixlHost``
-(``actors/dpu/agent.py``).
+host's memory and files. Which ``NodeTiers`` and ``HostBytes`` those are is the agent's
+``HostParts``, given to it: ``LocalHost`` maps the host's shared memory and opens its files;
+an agent on a DPU is the same agent given ``dpu_agent_parts`` (``actors/dpu/agent.py``), every
+host-facing move over NIXL.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -56,7 +62,7 @@ from cmx.actors.agent.stores import Stores
 from cmx.actors.directory.shard import Copy
 from cmx.actors.slices.expose import ExposedSlice, Exposure
 from cmx.actors.tiers.arena import Grant
-from cmx.actors.transport.base import PeerInfo, make_transport
+from cmx.actors.transport.base import PeerInfo, Transport, make_transport
 from cmx.config import ServiceConfig
 from cmx.keys import BlockHash
 from cmx.policies.admission import make_admission
@@ -66,13 +72,41 @@ from cmx.selection import Runs, SlicedBlock
 from cmx.stats import AgentStats
 from cmx.tiers import Tier
 
-__all__ = ["LoadResult", "Loaded", "OffloadAgent"]
+__all__ = ["HostParts", "LoadResult", "Loaded", "LocalHost", "OffloadAgent"]
+
+
+class HostParts(Protocol):
+    """How an agent reaches its host: the two parts the others touch the host through, made
+    in this order when the agent starts (the tiers first: the host's bytes use them)."""
+
+    def node_tiers(self, node: str, link: Any, owner: str, transport: Transport) -> NodeTiers:
+        """The node's tier actors, and their arenas as this agent reaches them."""
+        ...
+
+    def host_bytes(self, name: str, config: ServiceConfig, tiers: NodeTiers, peers: Peers,
+                   scheduler: Scheduler, transport: Transport) -> HostBytes:
+        """Every read and write of the host's block bytes (arenas and NVMe files)."""
+        ...
+
+
+class LocalHost:
+    """An agent on its host: it maps the arenas (shared memory) and opens the NVMe files."""
+
+    def node_tiers(self, node: str, link: Any, owner: str, transport: Transport) -> NodeTiers:
+        return NodeTiers(node, link, owner, transport)
+
+    def host_bytes(self, name: str, config: ServiceConfig, tiers: NodeTiers, peers: Peers,
+                   scheduler: Scheduler, transport: Transport) -> HostBytes:
+        return HostBytes(name, config, tiers, peers, scheduler, transport, make_nvme_plane())
 
 
 class OffloadAgent:
-    """The node's agent: its parts, built here, and the calls it answers (each a part's)."""
+    """The node's agent: its parts, built here over the ``HostParts`` it is given (its own
+    host's, unless it runs on a DPU), and the calls it answers (each a part's)."""
 
-    def __init__(self, node: str, config: ServiceConfig, link: Any) -> None:
+    def __init__(self, node: str, config: ServiceConfig, link: Any,
+                 parts: HostParts | None = None) -> None:
+        parts = LocalHost() if parts is None else parts
         self.node = node
         self.config = config
         self.link = link
@@ -84,18 +118,12 @@ class OffloadAgent:
         self.peers = Peers(link)
         self.transport = make_transport(self.name, config.transport, self._fetch_from_peer)
         self.counters = Counters()
-        self.tiers = self._node_tiers()
+        self.tiers = parts.node_tiers(node, link, self.owner, self.transport)
         for tier in (Tier.HBM, Tier.DRAM):
             self.tiers.attach_when_up(tier)
-        self.host = self._host_bytes()
+        self.host = parts.host_bytes(self.name, config, self.tiers, self.peers,
+                                     self.scheduler, self.transport)
         self._build()
-
-    def _node_tiers(self) -> NodeTiers:
-        return NodeTiers(self.node, self.link, self.owner, self.transport)
-
-    def _host_bytes(self) -> HostBytes:
-        return HostBytes(self.name, self.config, self.tiers, self.peers, self.scheduler,
-                         self.transport, make_nvme_plane())
 
     def _build(self) -> None:
         config, tiers, host, counters = self.config, self.tiers, self.host, self.counters
@@ -208,7 +236,9 @@ class OffloadAgent:
         )
 
     def _fetch_from_peer(self, peer_agent: str, slots: list[tuple[str, int]]) -> list[np.ndarray]:
-        return self.link.call(self.peers.actor_of(peer_agent), "read_slots", slots)  # type: ignore[no-any-return]
+        views: list[np.ndarray] = self.link.call(self.peers.actor_of(peer_agent), "read_slots",
+                                                 slots)
+        return views
 
     def close(self) -> None:
         self.scheduler.close()

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from cmx.actors.agent.host import HostBytes
 from cmx.actors.agent.nvme import NvmeWrites
 from cmx.actors.agent.shared import Counters, NodeTiers
-from cmx.actors.tiers.arena import Grant
+from cmx.actors.tiers.arena import Grant, Victim
 from cmx.errors import CmxError
 from cmx.keys import BlockHash
 from cmx.policies.admission import AdmissionPolicy
@@ -35,19 +35,20 @@ class Demotion:
 
         A demotion that fails drops its blocks (a cache may always drop one): the caller's
         write into the slots goes on, and nothing granted on the way is left held."""
-        victims = [g for g in grants if g is not None and g.victim is not None]
+        victims = [(g, g.victim) for g in grants if g is not None and g.victim is not None]
         if not victims:
             return
         try:
             if tier is Tier.HBM:
                 self._demote_to_dram(victims)
             elif tier is Tier.DRAM:
-                victims = [g for g in victims if self.placed_below(g.victim.key)]  # type: ignore[union-attr]
-                items = [(g.victim.key, g.victim.size, g.victim.checksum) for g in victims]  # type: ignore[union-attr]
-                parents = {g.victim.key: g.victim.parent for g in victims}  # type: ignore[union-attr]
-                tags = {g.victim.key: g.victim.namespace for g in victims}  # type: ignore[union-attr]
+                victims = [(g, v) for g, v in victims if self.placed_below(v.key)]
+                items = [(v.key, v.size, v.checksum) for _, v in victims]
+                parents = {v.key: v.parent for _, v in victims}
+                tags = {v.key: v.namespace for _, v in victims}
                 self.nvme.write(Tier.DRAM, items, parents, tags,
-                                sources=[self.host.slot_source(g.epoch, g.slot) for g in victims])
+                                sources=[self.host.slot_source(g.epoch, g.slot)
+                                         for g, _ in victims])
         except (CmxError, OSError) as exc:  # OSError: the NVMe disk failed or filled
             self.counters.dropped["demotion_failed"] += len(victims)
             log.warning("demotion of %d blocks from %s failed: %s", len(victims), tier.value, exc)
@@ -61,24 +62,21 @@ class Demotion:
         self.counters.dropped["not_admitted_to_nvme"] += 1
         return False
 
-    def _demote_to_dram(self, victims: list[Grant]) -> None:
+    def _demote_to_dram(self, victims: list[tuple[Grant, Victim]]) -> None:
+        """Each (HBM grant, the victim in its slot) into DRAM, unless DRAM holds it."""
         tiers = self.tiers
-        keys = [g.victim.key for g in victims]  # type: ignore[union-attr]
-        have = tiers.call(Tier.DRAM, "contains", keys)
-        todo = [g for g, h in zip(victims, have) if not h]
+        have = tiers.call(Tier.DRAM, "contains", [v.key for _, v in victims])
+        todo = [gv for gv, h in zip(victims, have) if not h]
         if not todo:
             return
-        grants = tiers.call(
-            Tier.DRAM, "reserve", [(g.victim.key, g.victim.parent) for g in todo], tiers.owner  # type: ignore[union-attr]
-        )
+        grants = tiers.call(Tier.DRAM, "reserve", [(v.key, v.parent) for _, v in todo],
+                            tiers.owner)
         try:
             self.demote_victims(Tier.DRAM, grants)
             commits: dict[str, list[tuple[int, int, int | None]]] = {}  # by namespace id
-            for src, dst in zip(todo, grants):
+            for (src, v), dst in zip(todo, grants):
                 if dst is None:
                     continue
-                v = src.victim
-                assert v is not None
                 self.host.copy_slot(src, dst, v.size)
                 commits.setdefault(v.namespace, []).append((dst.lease, v.size, v.checksum))
                 self.counters.count_move("hbm->dram", "local", v.size)

@@ -116,10 +116,11 @@ class HostBytes:
         """Pull each staged block (key index, what the peer staged) into its granted HBM slot
         with the transport, checked as its pieces land; the key indexes that landed intact."""
         infos = [self.tiers.info(granted[i].epoch) for i, _ in pairs]
-        if any(info is None for info in infos):
+        arenas = [info.arena for info in infos if info is not None]
+        if len(arenas) < len(infos):
             raise StaleEpochError("HBM restarted since it granted these slots")
-        moves = [Move(s.region, s.slot, info.arena, granted[i].slot)  # type: ignore[union-attr]
-                 for (i, s), info in zip(pairs, infos)]
+        moves = [Move(s.region, s.slot, arena, granted[i].slot)
+                 for (i, s), arena in zip(pairs, arenas)]
         checks = LandedChecks(
             {m: (self.tiers.arena(granted[i].epoch), s.size, s.checksum)
              for m, (i, s) in zip(moves, pairs)})

@@ -1,9 +1,11 @@
 """The agent's NVMe writes: the bytes of the NVMe tier, whose books live in the tier actor.
 
-The tier reserves extents; the host's bytes (``HostBytes``: the NVMe store's own parts,
-``cmx.storage.nvme.dataplane.ExtentPlane``, on a host; NIXL's POSIX backend from a DPU)
-write a whole list of them per call, so a demotion or a write-through keeps many I/Os in
-flight instead of one block per agent worker. The tier's compaction copies go through here as
+The tier reserves extents; the host's bytes write them. On a host (``HostBytes``: the NVMe
+store's own parts, ``cmx.storage.nvme.dataplane.ExtentPlane``) a whole list goes per call, so
+a demotion or a write-through keeps up to the I/O engine's ``queue_depth`` (16) I/Os in
+flight instead of one block per agent worker. From a DPU (``dpu.agent.NixlHost``) each block
+is one call to the host's endpoint (NIXL's POSIX backend there), one agent worker's job: at
+most ``agent_workers`` blocks in flight. The tier's compaction copies go through here as
 well (``move_extents``).
 """
 

@@ -1,6 +1,6 @@
 """The offload agent on a DPU, and the host endpoint it reaches its host through.
 
-agent        the agent given host access over NIXL (``DpuAgent``)
+agent        the agent's host parts over NIXL (``dpu_agent_parts``)
 access       how an agent reaches its host's bytes: ``HostAccess``, local or remote
 nixl_access  that access over NIXL, every byte through bounce buffers
 bounce       the bounce buffers

@@ -1,8 +1,9 @@
 """The offload agent on a DPU that reaches its host only over the network (``dpu_access="nixl"``).
 
 A BlueField is a separate computer: it cannot map the host's shared memory or open the
-host's NVMe files. This agent is the node's agent with its host-facing moves replaced: the
-host's arenas are reached through ``NixlAccess`` (UCX, via the host's ``HostEndpoint``), NVMe
+host's NVMe files. This agent is the node's agent (``OffloadAgent``, its actor ``AgentActor``)
+given other host parts (``dpu_agent_parts``: ``HostTiers`` and ``NixlHost``): the host's
+arenas are reached through ``NixlAccess`` (UCX, via the host's ``HostEndpoint``), NVMe
 extents (reads, writes, compaction's copies) move on the host through the endpoint's NIXL
 POSIX backend, and the process refuses to map a host arena or open a host file at all
 (``forbid_host_access``).
@@ -43,7 +44,6 @@ from typing import Any
 import numpy as np
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from cmx.actors.agent.core import OffloadAgent
 from cmx.actors.agent.host import HostBytes, LandedChecks
 from cmx.actors.agent.scheduler import Priority, Scheduler
 from cmx.actors.agent.shared import NodeTiers, Peers
@@ -56,7 +56,6 @@ from cmx.actors.dpu.access import (
 from cmx.actors.dpu.host import RayEndpoint, host_endpoint_actor
 from cmx.actors.dpu.nixl_access import NixlAccess
 from cmx.actors.dpu.staging import HostOutbox, host_staging_slots
-from cmx.actors.service import AgentActor
 from cmx.actors.slices.expose import SliceOutbox
 from cmx.actors.tiers.arena import ArenaInfo, Grant, Pinned
 from cmx.actors.transport.base import Move, PeerInfo, Region, TransferError, Transport
@@ -64,7 +63,7 @@ from cmx.buffers import aligned_empty
 from cmx.checksum import checksum
 from cmx.config import ServiceConfig
 from cmx.keys import BlockHash
-from cmx.links import RAY_NAMESPACE, RayLink, actor_name
+from cmx.links import RAY_NAMESPACE, actor_name
 from cmx.protocol import Staged
 from cmx.selection import Runs, runs_bytes
 from cmx.stats import HostAccessStats
@@ -72,8 +71,8 @@ from cmx.storage.nvme.chunks import block_sums
 from cmx.storage.nvme.dataplane import Extent
 from cmx.tiers import Tier
 
-__all__ = ["BounceSlots", "DpuAgent", "DpuAgentActor", "HostTiers", "NixlHost",
-           "start_host_endpoint"]
+__all__ = ["BounceSlots", "DpuHost", "HostTiers", "NixlHost", "dpu_actor_parts",
+           "dpu_agent_parts", "start_host_endpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -307,31 +306,36 @@ class NixlHost(HostBytes):
         self.nixl.close()
 
 
-class DpuAgent(OffloadAgent):
-    """The node's agent with every host-facing move over NIXL (see the module's docstring):
-    the same parts over ``HostTiers`` and ``NixlHost``. A plain class: ``DpuAgentActor`` runs
-    it on the DPU, in a process that cannot map a host arena or open a host file."""
+class DpuHost:
+    """The host as an agent on its DPU reaches it (see the module's docstring): its tiers'
+    arenas (``HostTiers``) and its bytes (``NixlHost``), both over one ``NixlAccess`` to the
+    host's endpoint. ``HostParts`` for ``OffloadAgent``."""
 
-    host: NixlHost
-
-    def __init__(self, node: str, config: ServiceConfig, link: Any, endpoint: Endpoint
-                 ) -> None:
+    def __init__(self, nixl: NixlAccess, endpoint: Endpoint) -> None:
+        self.nixl = nixl
         self.endpoint = endpoint
-        self.nixl = NixlAccess(f"cmx-dpu-{node[:12]}-{uuid.uuid4().hex[:6]}", endpoint,
-                               timeout_s=config.load_timeout_s)
-        OffloadAgent.__init__(self, node, config, link)  # not the actor's: see DpuAgentActor
 
-    def _node_tiers(self) -> NodeTiers:
-        return HostTiers(self.node, self.link, self.owner, self.transport, self.nixl)
+    def node_tiers(self, node: str, link: Any, owner: str, transport: Transport) -> NodeTiers:
+        return HostTiers(node, link, owner, transport, self.nixl)
 
-    def _host_bytes(self) -> HostBytes:
-        return NixlHost(self.name, self.config, self.tiers, self.peers, self.scheduler,
-                        self.transport, self.nixl, self.endpoint)
+    def host_bytes(self, name: str, config: ServiceConfig, tiers: NodeTiers, peers: Peers,
+                   scheduler: Scheduler, transport: Transport) -> HostBytes:
+        return NixlHost(name, config, tiers, peers, scheduler, transport, self.nixl,
+                        self.endpoint)
 
 
-class DpuAgentActor(DpuAgent, AgentActor):
-    def __init__(self, node: str, config: ServiceConfig) -> None:
-        forbid_host_access()  # before anything could map or open what is the host's
-        endpoint = RayEndpoint(start_host_endpoint(node, config), config.call_timeout_s)
-        DpuAgent.__init__(self, node, config, RayLink(config.call_timeout_s), endpoint)
-        self._note_placement()
+def dpu_agent_parts(node: str, config: ServiceConfig, endpoint: Endpoint) -> DpuHost:
+    """The host parts of ``node``'s agent on its DPU, reaching the host through ``endpoint``:
+    ``OffloadAgent(node, config, link, dpu_agent_parts(node, config, endpoint))``."""
+    nixl = NixlAccess(f"cmx-dpu-{node[:12]}-{uuid.uuid4().hex[:6]}", endpoint,
+                      timeout_s=config.load_timeout_s)
+    return DpuHost(nixl, endpoint)
+
+
+def dpu_actor_parts(node: str, config: ServiceConfig) -> DpuHost:
+    """``dpu_agent_parts`` as the agent's actor on the DPU makes them, in its own process:
+    that process first refuses to map a host arena or open a host file at all, then reaches
+    the host through its endpoint actor (started once, found after)."""
+    forbid_host_access()  # before anything could map or open what is the host's
+    endpoint = RayEndpoint(start_host_endpoint(node, config), config.call_timeout_s)
+    return dpu_agent_parts(node, config, endpoint)

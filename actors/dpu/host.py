@@ -169,10 +169,12 @@ class RayEndpoint:
             raise TransferError(f"host endpoint: {exc}") from exc
 
     def peer(self) -> HostPeer:
-        return self._get(self._handle.peer.remote())  # type: ignore[no-any-return]
+        peer: HostPeer = self._get(self._handle.peer.remote())
+        return peer
 
     def attach(self, info: ArenaInfo) -> HostRegion:
-        return self._get(self._handle.attach.remote(info))  # type: ignore[no-any-return]
+        region: HostRegion = self._get(self._handle.attach.remote(info))
+        return region
 
     def read_extent(self, extent: Extent, arena: str, slot: int) -> None:
         self._get(self._handle.read_extent.remote(extent, arena, slot))
@@ -181,12 +183,13 @@ class RayEndpoint:
         self._get(self._handle.write_extent.remote(extent, arena, slot))
 
     def move_extents(self, pairs: list[tuple[Extent, Extent]]) -> list[bool | None]:
-        return self._get(self._handle.move_extents.remote(pairs))  # type: ignore[no-any-return]
+        moved: list[bool | None] = self._get(self._handle.move_extents.remote(pairs))
+        return moved
 
     def select(self, arena: str, slot: int, size: int, want: int, runs: Runs) -> int | None:
-        return self._get(  # type: ignore[no-any-return]
-            self._handle.select.remote(arena, slot, size, want, runs))
+        sums: int | None = self._get(self._handle.select.remote(arena, slot, size, want, runs))
+        return sums
 
     def select_extent(self, extent: Extent, runs: Runs, slot: int) -> int | None:
-        return self._get(  # type: ignore[no-any-return]
-            self._handle.select_extent.remote(extent, runs, slot))
+        sums: int | None = self._get(self._handle.select_extent.remote(extent, runs, slot))
+        return sums

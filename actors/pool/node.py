@@ -27,6 +27,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -60,7 +61,7 @@ DEFAULT_LEASE_S = 90.0
 class PoolNodeService:
     def __init__(
         self, node: str, pool_id: str, root: str, capacity_bytes: int, block_bytes: int,
-        staging_bytes: int, link: object, num_shards: int, transport: str = "auto",
+        staging_bytes: int, link: Any, num_shards: int, transport: str = "auto",
         eviction: str = "lru", segment_bytes: int = 256 << 20,
         lease_s: float = DEFAULT_LEASE_S, clock: Clock = time.monotonic,
     ) -> None:
@@ -85,7 +86,7 @@ class PoolNodeService:
         self._lock = threading.Lock()
         self.publisher = EventPublisher(
             Source(node, Tier.POOL), self.epoch, num_shards,
-            lambda shard, method, *args: link.call(  # type: ignore[attr-defined]
+            lambda shard, method, *args: link.call(
                 f"cmx:dir:{shard}", method, *args
             ),
             self._holdings, self.store.event_lock, functools.partial(extent_tag, self.store),
@@ -350,7 +351,7 @@ class PoolNodeService:
         me = f"cmx:pool:{self.node}"
         target = f"cmx:pool:{owner}"
         try:
-            have = self.link.call(target, "contains", keys)  # type: ignore[attr-defined]
+            have = self.link.call(target, "contains", keys)
             missing = [k for k, h in zip(keys, have) if not h]
             for start in range(0, len(missing), 16):
                 staged = [s for s in self.stage(missing[start : start + 16], me)
@@ -358,7 +359,7 @@ class PoolNodeService:
                 try:
                     offers = [Offer(s.key, None, s.region, s.slot, s.size, s.checksum,
                                     extent_tag(self.store, s.key)) for s in staged]
-                    pushed += int(self.link.call(target, "ingest", me, offers))  # type: ignore[attr-defined]
+                    pushed += int(self.link.call(target, "ingest", me, offers))
                 finally:
                     self.unstage(staged)
         except UnavailableError as exc:
@@ -378,9 +379,8 @@ class PoolNodeService:
 
     def stats(self) -> TierStats:
         staging = self.staging.stats()  # what is pinned and reserved here: staging slots
-        reserved = int(staging.extra["reserved"])  # type: ignore[call-overload]
         return TierStats(Tier.POOL, self.node, self.epoch, self.store.stats(), staging.pinned,
-                         reserved, self.leases.stats())
+                         staging.reserved, self.leases.stats())
 
     def check_integrity(self) -> None:
         self.store.check_integrity()
@@ -395,12 +395,13 @@ class PoolNodeService:
     def _peer(self, actor: str) -> PeerInfo:
         info = self._peers.get(actor)
         if info is None:
-            info = self._peers[actor] = self.link.call(actor, "peer_info")  # type: ignore[attr-defined]
+            info = self._peers[actor] = self.link.call(actor, "peer_info")
         return info
 
     def _fetch(self, peer_agent: str, slots: list[tuple[str, int]]) -> list[np.ndarray]:
         actor = next(a for a, p in self._peers.items() if p.agent == peer_agent)
-        return self.link.call(actor, "read_slots", slots)  # type: ignore[attr-defined]
+        views: list[np.ndarray] = self.link.call(actor, "read_slots", slots)
+        return views
 
     def _holdings(self) -> list[Entry]:
         return extent_holdings(self.store)

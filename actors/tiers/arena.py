@@ -34,8 +34,9 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from cmx.actors.directory.shard import Entry, Source
 from cmx.actors.tiers.events import EventPublisher
@@ -85,14 +86,14 @@ class ArenaInfo:
     epoch: str
 
 
-class ArenaTierService(LeasedPins):
+class ArenaTierService:
     def __init__(
         self,
         tier: Tier,
         node: str,
         capacity_bytes: int,
         block_bytes: int,
-        directory: object,
+        directory: Any,
         num_shards: int,
         eviction: str = "lru",
         emulated: bool = False,
@@ -114,6 +115,7 @@ class ArenaTierService(LeasedPins):
             on_evict=self._on_evict,
         )
         self.leases = Leases(lease_s, clock)
+        self.leased = LeasedPins[Pinned](self.leases, self.pin, self._unpin_key)
         self.fences = SlotFences(self.store, lease_s, clock)
         self._reservations: dict[int, Reservation] = {}  # lease -> open reservation
         self._doomed: set[BlockHash] = set()  # quarantined while pinned: dropped at last unpin
@@ -125,7 +127,7 @@ class ArenaTierService(LeasedPins):
             Source(node, tier),
             self.epoch,
             num_shards,
-            lambda shard, method, *args: directory.call(  # type: ignore[attr-defined]
+            lambda shard, method, *args: directory.call(
                 f"cmx:dir:{shard}", method, *args
             ),
             self._holdings,
@@ -247,7 +249,7 @@ class ArenaTierService(LeasedPins):
         if ref is None or csum is None:  # removed between pin and locate: not under a pin
             self._unpin_key(key)
             return None
-        lease = self.leases.grant(owner, LeaseKind.PIN, key, self._unpin_later(key))
+        lease = self.leases.grant(owner, LeaseKind.PIN, key, self.leased.unpin_later(key))
         return Pinned(key, ref.slot, ref.size, csum, self.epoch, lease, ref.copy,
                       self._tags.get(key, ""))
 
@@ -259,6 +261,21 @@ class ArenaTierService(LeasedPins):
         pins = self.pin([key for key, _ in items], owner)
         grants = iter(self.reserve([item for item, p in zip(items, pins) if p is None], owner))
         return [p if p is not None else next(grants) for p in pins]
+
+    # -- ending leases (``LeasedPins``) ---------------------------------------------------------
+
+    def pin_for(self, keys: Sequence[BlockHash], ttl_s: float, owner: str = ADMIN
+                ) -> list[Pinned | None]:
+        return self.leased.pin_for(keys, ttl_s, owner)
+
+    def unpin(self, leases: Iterable[int | BlockHash]) -> None:
+        self.leased.unpin(leases)
+
+    def release_owner(self, owner: str) -> int:
+        return self.leased.release_owner(owner)
+
+    def expire(self) -> int:
+        return self.leased.expire()
 
     def _unpin_key(self, key: BlockHash) -> None:
         try:
@@ -311,6 +328,26 @@ class ArenaTierService(LeasedPins):
     def contains(self, keys: Sequence[BlockHash]) -> list[bool]:
         return [key in self.store for key in keys]
 
+    def held(self, keys: Sequence[BlockHash]) -> list[tuple[int, int] | None]:
+        """A lookup's answer for this tier: per key, (size, checksum) of its copy if one is
+        committed here and readable, else None. A reservation not yet committed, a block
+        evicted (its key is gone from the books at once) and a copy quarantined while pinned
+        (pinned by no one from then on) are None. Nothing is pinned, no hit is counted and
+        eviction order is untouched: a lookup is not a use. One snapshot under the store's
+        lock; the answer is plain tuples, cheap to send."""
+        books = self.store
+        with books._lock:
+            if books.closed:
+                return [None] * len(keys)
+            out: list[tuple[int, int] | None] = []
+            for key in keys:
+                entry = books._index.get(key)
+                if entry is None or not entry.committed or key in self._doomed:
+                    out.append(None)
+                else:
+                    out.append((entry.size, entry.checksum or 0))
+            return out
+
     def evict(self, keys: Sequence[BlockHash]) -> int:
         """Drop unpinned blocks; returns how many left."""
         gone = self.store.delete_unpinned(keys)
@@ -326,10 +363,9 @@ class ArenaTierService(LeasedPins):
 
     def stats(self) -> TierStats:
         s = self.store.stats()
-        reserved = int(s.extra["reserved"])  # type: ignore[call-overload]
         # A copy a consumer found corrupt is dropped here, not by the store's own checks.
         store = replace(s, quarantined=s.quarantined + self._quarantined)
-        return TierStats(self.tier, self.node, self.epoch, store, s.pinned, reserved,
+        return TierStats(self.tier, self.node, self.epoch, store, s.pinned, s.reserved,
                          self.leases.stats(), len(self.fences), self._refused,
                          emulated=self.emulated)
 
@@ -337,9 +373,9 @@ class ArenaTierService(LeasedPins):
         self.store.check_integrity()
         s = self.store.stats()
         leases = self.leases.stats()
-        if leases.reserved != s.extra["reserved"]:
+        if leases.reserved != s.reserved:
             raise AssertionError(f"{leases.reserved} reservation leases, "
-                                 f"{s.extra['reserved']} reserved blocks")
+                                 f"{s.reserved} reserved blocks")
         if bool(leases.pinned) != bool(s.pinned):
             raise AssertionError(f"{leases.pinned} pin leases, {s.pinned} pinned blocks")
         self.fences.check_integrity()

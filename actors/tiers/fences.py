@@ -47,6 +47,6 @@ class SlotFences:
             return len(self._until)
 
     def check_integrity(self) -> None:
-        fenced = self._store.stats().extra["fenced"]
+        fenced = self._store.stats().fenced
         if len(self) != fenced:
             raise AssertionError(f"{len(self)} fences, {fenced} fenced slots in the store")

@@ -18,13 +18,13 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Generic, Protocol, TypeVar
 
 from cmx.keys import BlockHash
 from cmx.stats import LeaseStats
 
 __all__ = ["ADMIN", "ADMIN_PIN_DEFAULT_S", "ADMIN_PIN_MAX_S", "Held", "LeaseKind", "LeaseStats",
-           "LeasedPins", "Leases", "check_ttl"]
+           "Leased", "LeasedPins", "Leases", "check_ttl"]
 
 Clock = Callable[[], float]
 ADMIN = "admin"  # the owner of pins an operator takes by hand (``LeasedPins.pin_for``)
@@ -167,18 +167,29 @@ def check_ttl(ttl_s: float) -> None:
                          f"got {ttl_s!r}")
 
 
-class LeasedPins:
-    """A tier whose pins and reservations are ``leases``: the calls that end them, the same
-    in every tier. A tier says how it pins (``pin``, each pin naming its ``lease``) and how one
-    pin of a key is undone (``_unpin_key``)."""
+class Leased(Protocol):
+    """A tier's pin of one block: it names the lease that ends it."""
 
-    leases: Leases
+    @property
+    def lease(self) -> int: ...
 
-    def pin(self, keys: Sequence[BlockHash], owner: str = ADMIN) -> Sequence[Any]:
-        raise NotImplementedError
+
+P = TypeVar("P", bound=Leased)
+
+
+class LeasedPins(Generic[P]):
+    """The calls that end a tier's pins and reservations, the same in every tier: a tier holds
+    one over its ``leases``, given how it pins (``pin``, each pin naming its lease) and how one
+    pin of a key is undone (``unpin_key``), and answers the calls of the same names with it."""
+
+    def __init__(self, leases: Leases, pin: Callable[[Sequence[BlockHash], str], list[P | None]],
+                 unpin_key: Callable[[BlockHash], None]) -> None:
+        self.leases = leases
+        self._pin = pin
+        self._unpin_key = unpin_key
 
     def pin_for(self, keys: Sequence[BlockHash], ttl_s: float, owner: str = ADMIN
-                ) -> Sequence[Any]:
+                ) -> list[P | None]:
         """An operator's pin of each key (None where it is not here), held ``ttl_s`` seconds
         unless it is unpinned by key first (``unpin``). ``owner`` is ``ADMIN`` or
         ``ADMIN:<id>``: a caller whose call failed or answered late gives back what it may
@@ -187,7 +198,7 @@ class LeasedPins:
         if owner != ADMIN and not owner.startswith(f"{ADMIN}:"):
             raise ValueError(f"an operator's pin is owned by {ADMIN!r} or {ADMIN}:<id>, "
                              f"not {owner!r}")
-        pins = self.pin(keys, owner)
+        pins = self._pin(keys, owner)
         self.leases.hold([p.lease for p in pins if p is not None], ttl_s)
         return pins
 
@@ -202,14 +213,11 @@ class LeasedPins:
     def expire(self) -> int:
         return self.leases.expire()
 
-    def _unpin_later(self, key: BlockHash) -> Callable[[int], None]:
+    def unpin_later(self, key: BlockHash) -> Callable[[int], None]:
         """The undo of a pin lease of ``key``: unpin it when the lease ends."""
         def undo(_lease: int) -> None:
             self._unpin_key(key)
         return undo
-
-    def _unpin_key(self, key: BlockHash) -> None:
-        raise NotImplementedError
 
 
 def _owned_by(holder: str, owner: str) -> bool:

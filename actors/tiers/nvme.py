@@ -24,7 +24,8 @@ import functools
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from cmx.actors.directory.shard import Entry, Source
 from cmx.actors.tiers.events import EventPublisher
@@ -45,14 +46,14 @@ DEFAULT_LEASE_S = 120.0
 Reserve = tuple[BlockHash, BlockHash | None, int] | tuple[BlockHash, BlockHash | None, int, str]
 
 
-class NvmeTierService(LeasedPins):
+class NvmeTierService:
     def __init__(
         self,
         node: str,
         root: str,
         capacity_bytes: int,
         block_bytes: int,
-        directory: object,
+        directory: Any,
         num_shards: int,
         eviction: str = "lru",
         segment_bytes: int = 256 << 20,
@@ -67,13 +68,14 @@ class NvmeTierService(LeasedPins):
             segment_bytes=segment_bytes, mover=AgentMover(directory, node),
         )
         self.leases = Leases(lease_s, clock)
+        self.leased = LeasedPins[Extent](self.leases, self.pin, self._unpin_key)
         self._pending: dict[int, PendingExtent] = {}  # lease -> space held for a write
         self._lock = threading.Lock()
         self.publisher = EventPublisher(
             Source(node, Tier.NVME),
             self.epoch,
             num_shards,
-            lambda shard, method, *args: directory.call(  # type: ignore[attr-defined]
+            lambda shard, method, *args: directory.call(
                 f"cmx:dir:{shard}", method, *args
             ),
             self._holdings,
@@ -139,10 +141,25 @@ class NvmeTierService(LeasedPins):
                 self._unpin_key(key)
                 out.append(None)
                 continue
-            lease = self.leases.grant(owner, LeaseKind.PIN, key, self._unpin_later(key))
+            lease = self.leases.grant(owner, LeaseKind.PIN, key, self.leased.unpin_later(key))
             out.append(Extent(key, self.store.segment_path(entry.seg), entry.offset,
                               entry.length, entry.checksum, lease, entry.chunk_sums, entry.tag))
         return out
+
+    # -- ending leases (``LeasedPins``) ---------------------------------------------------------
+
+    def pin_for(self, keys: Sequence[BlockHash], ttl_s: float, owner: str = ADMIN
+                ) -> list[Extent | None]:
+        return self.leased.pin_for(keys, ttl_s, owner)
+
+    def unpin(self, leases: Iterable[int | BlockHash]) -> None:
+        self.leased.unpin(leases)
+
+    def release_owner(self, owner: str) -> int:
+        return self.leased.release_owner(owner)
+
+    def expire(self) -> int:
+        return self.leased.expire()
 
     def _unpin_key(self, key: BlockHash) -> None:
         try:
@@ -204,12 +221,12 @@ class AgentMover(Mover):
     """Compaction's bytes, moved by the node's agent (its data plane): the tier decides the
     copies and records them, and never reads or writes a block itself."""
 
-    def __init__(self, link: object, node: str) -> None:
+    def __init__(self, link: Any, node: str) -> None:
         self._link = link
         self._agent = actor_name("agent", node)
 
     def move(self, moves: Sequence[ExtentMove]) -> list[bool | None]:
-        return list(self._link.call(self._agent, "move_extents", extent_pairs(moves)))  # type: ignore[attr-defined]
+        return list(self._link.call(self._agent, "move_extents", extent_pairs(moves)))
 
 
 def extent_tag(store: ExtentBooks, key: bytes) -> str:

@@ -291,7 +291,7 @@ def _progress_thread_delay(delay_us: int) -> Iterator[None]:
     original = bind.nixlAgentConfig
 
     try:
-        class DelayedConfig(original):  # type: ignore[misc, valid-type]
+        class DelayedConfig(original):  # type: ignore[misc, valid-type]  # found at run time
             def __setattr__(self, name: str, value: object) -> None:
                 super().__setattr__(name, delay_us if name == "pthrDelay" else value)
     except TypeError:  # the binding cannot be subclassed: keep NIXL's default

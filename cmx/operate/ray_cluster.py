@@ -74,7 +74,7 @@ def match_ray_auth(address: str | None = None) -> bool:
 def _needs_token(address: str) -> bool:
     """Whether the GCS at ``address`` refuses a call that carries no token (asked once,
     bounded; an answer other than a refusal means no)."""
-    from ray._raylet import GcsClient  # type: ignore[attr-defined]
+    from ray._raylet import GcsClient  # type: ignore[attr-defined]  # no stubs
     from ray.exceptions import AuthenticationError
 
     try:

@@ -130,7 +130,8 @@ def _round_trips(node: str, n: int = 100) -> list[float]:
         def ping(self) -> None:
             return None
 
-    echo = Echo.options(scheduling_strategy=on_node(node)).remote()  # type: ignore[attr-defined]
+    remote_class: Any = Echo  # ray.remote's: ``options`` is added at run time
+    echo = remote_class.options(scheduling_strategy=on_node(node)).remote()
     ray.get(echo.ping.remote(), timeout=CALL_TIMEOUT_S)
     times = []
     for _ in range(n):

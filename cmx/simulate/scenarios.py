@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import Any
 
 from cmx.simulate.cluster import ClusterSpec
 from cmx.simulate.engine import SimConfig
@@ -72,9 +73,9 @@ def scenario(name: str, *, strategy: Strategy = CMX, nodes: int | None = None,
                           pool_nodes=max(2, (nodes or default_nodes) // 8))
     duration = duration_s or (3600.0 if name == "scale" else 600.0)
     rate = load * cluster.replicas / _service_s(tenants, spec, cluster.node)
-    bursts = {"burst_every_s": 300.0, "burst_len_s": 30.0, "burst_factor": 4.0} \
-        if name == "mix" else {}
-    workload = WorkloadSpec(tenants, rate, duration, seed=seed, **bursts)  # type: ignore[arg-type]
+    bursts: dict[str, Any] = {"burst_every_s": 300.0, "burst_len_s": 30.0,
+                              "burst_factor": 4.0} if name == "mix" else {}
+    workload = WorkloadSpec(tenants, rate, duration, seed=seed, **bursts)
     return SimConfig(workload, cluster, spec, strategy, unit_tokens=unit)
 
 

@@ -15,6 +15,7 @@ of ``cmx.policies``) and the shape of the data path. Two are built in:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 __all__ = ["CMX", "LMCACHE_LIKE", "STRATEGIES", "Strategy"]
 
@@ -57,8 +58,8 @@ class Strategy:
     def io_size(self, token_bytes: int) -> int:
         return self.io_tokens * token_bytes if self.io_tokens else self.io_bytes
 
-    def with_(self, **changes: object) -> Strategy:
-        return replace(self, **changes)  # type: ignore[arg-type]
+    def with_(self, **changes: Any) -> Strategy:
+        return replace(self, **changes)
 
 
 CMX = Strategy("cmx", prefetch=True, peers=True, io_bytes=2 * MiB, io_tokens=None,

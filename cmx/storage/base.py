@@ -27,7 +27,7 @@ import enum
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -35,7 +35,7 @@ from cmx.buffers import Buffer
 from cmx.errors import BlockStateError
 from cmx.keys import BlockHash
 
-__all__ = ["BlockStore", "EventKind", "StoreEvent", "StoreStats"]
+__all__ = ["BlockStore", "DramStats", "EventKind", "NvmeStats", "StoreEvent", "StoreStats"]
 
 
 class EventKind(str, enum.Enum):
@@ -54,6 +54,9 @@ class StoreEvent:
 
 @dataclass
 class StoreStats:
+    """The figures every store has; each kind's own are the typed fields of its subclass
+    (``DramStats``, ``NvmeStats``), and ``extra`` lists them by name."""
+
     capacity_bytes: int
     used_bytes: int  # bytes of committed and reserved blocks
     blocks: int  # committed blocks
@@ -64,7 +67,51 @@ class StoreStats:
     quarantined: int = 0
     bytes_written: int = 0
     bytes_read: int = 0
-    extra: dict[str, object] = field(default_factory=dict)  # store-specific figures
+
+    @property
+    def extra(self) -> dict[str, object]:
+        """This kind of store's own figures by name (a report that lists them all): a copy,
+        read from the typed fields."""
+        common = {f.name for f in fields(StoreStats)}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in common}
+
+
+@dataclass
+class DramStats(StoreStats):
+    """A DRAM store's (``DramStore``): its arena's slots."""
+
+    arena: str = ""  # the shared-memory arena's name
+    slot_bytes: int = 0
+    slots: int = 0
+    free_slots: int = 0
+    reserved: int = 0  # slots reserved for a write not yet committed or aborted
+    fenced: int = 0  # slots held out of use after a reservation ended without its writer
+    eviction: str = ""  # the eviction policy's name
+    evict_hook_errors: int = 0  # eviction callbacks that raised
+
+
+@dataclass
+class NvmeStats(StoreStats):
+    """An NVMe store's (``ExtentBooks``): its I/O engine, segments, journal and reads."""
+
+    io_engine: str = ""
+    direct_io: bool = False  # O_DIRECT in force on the segment files
+    queue_depth: int = 0
+    io_bytes: int = 0  # the engine's I/O size
+    segments: int = 0
+    segment_bytes: int = 0
+    disk_bytes: int = 0  # blocks the segment files take on disk
+    file_bytes: int = 0  # the segment files' sizes
+    dead_bytes: int = 0  # of removed blocks, not yet compacted away
+    compactions: int = 0
+    compacted_bytes: int = 0
+    journal_records: int = 0  # index records since the last snapshot
+    broken_segments: int = 0
+    io_size_histogram: dict[int, int] = field(default_factory=dict)  # read I/Os by size
+    write_io_size_histogram: dict[int, int] = field(default_factory=dict)  # write I/Os by size
+    bytes_requested: int = 0  # by readers: whole blocks or their selected runs
+    bytes_read_from_disk: int = 0
+    read_amplification: float = 0.0  # bytes read from disk per byte requested
 
 
 class BlockStore(ABC):

@@ -10,7 +10,7 @@ from cmx.errors import StoreClosedError
 from cmx.keys import BlockHash
 from cmx.policies.eviction import EvictionPolicy
 from cmx.storage.arena import SharedArena, SlotAllocator
-from cmx.storage.base import BlockStore, StoreStats
+from cmx.storage.base import BlockStore, DramStats
 
 __all__ = ["DramBooks", "DramEntry"]
 
@@ -60,10 +60,10 @@ class DramBooks(BlockStore):
         if self._closed:
             raise StoreClosedError(f"DRAM store {self._arena.name} is closed")
 
-    def stats(self) -> StoreStats:
+    def stats(self) -> DramStats:
         with self._lock:
             self._check_open()
-            return StoreStats(
+            return DramStats(
                 capacity_bytes=self.capacity_bytes,
                 used_bytes=self._used_bytes + self._reserved * self._block_bytes,
                 blocks=self._committed,
@@ -73,16 +73,14 @@ class DramBooks(BlockStore):
                 evictions=self._evictions,
                 bytes_written=self._bytes_written,
                 bytes_read=self._bytes_read,
-                extra={
-                    "arena": self._arena.name,
-                    "slot_bytes": self._arena.slot_bytes,
-                    "slots": self._slots.capacity,
-                    "free_slots": self._slots.free,
-                    "reserved": self._reserved,
-                    "fenced": len(self._fenced),
-                    "eviction": self._policy.name,
-                    "evict_hook_errors": self._hook_errors,
-                },
+                arena=self._arena.name,
+                slot_bytes=self._arena.slot_bytes,
+                slots=self._slots.capacity,
+                free_slots=self._slots.free,
+                reserved=self._reserved,
+                fenced=len(self._fenced),
+                eviction=self._policy.name,
+                evict_hook_errors=self._hook_errors,
             )
 
     def check_integrity(self) -> None:

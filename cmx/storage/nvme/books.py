@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from cmx.errors import BlockStateError, StoreClosedError, StoreLockedError
 from cmx.keys import BlockHash
 from cmx.policies import EvictionPolicy, make_eviction
-from cmx.storage.base import EventKind, StoreStats
+from cmx.storage.base import EventKind, NvmeStats
 from cmx.storage.nvme.checks import check_segments
 from cmx.storage.nvme.chunks import extent_bytes
 from cmx.storage.nvme.durability import Durability
@@ -291,31 +291,11 @@ class NvmeBooks:
 
     # -- stats and self-checks -----------------------------------------------------------------
 
-    def stats(self) -> StoreStats:
+    def stats(self) -> NvmeStats:
         with self.lock:
             c, space, segs, engine = self.counts, self.space, self.segs, self._engine
             requested = c["bytes_requested"]
-            extra: dict[str, object] = {
-                "io_engine": engine.name,
-                "direct_io": segs.direct,
-                "queue_depth": engine.queue_depth,
-                "io_bytes": engine.io_bytes,
-                "segments": len(segs.segs),
-                "segment_bytes": segs.segment_bytes,
-                "disk_bytes": segs.disk_bytes,
-                "file_bytes": segs.file_bytes,
-                "dead_bytes": segs.dead_bytes,
-                "compactions": space.compactions,
-                "compacted_bytes": space.compacted_bytes,
-                "journal_records": self.durability.journal.records,
-                "broken_segments": sum(1 for s in segs.segs.values() if s.broken),
-                "io_size_histogram": engine.io_sizes("read"),  # read I/Os by size
-                "write_io_size_histogram": engine.io_sizes("write"),
-                "bytes_requested": requested,
-                "bytes_read_from_disk": c["bytes_read_from_disk"],
-                "read_amplification": c["bytes_read_from_disk"] / requested if requested else 0.0,
-            }
-            return StoreStats(
+            return NvmeStats(
                 capacity_bytes=self.capacity,
                 used_bytes=segs.used_bytes,
                 blocks=len(self.index),
@@ -326,7 +306,24 @@ class NvmeBooks:
                 quarantined=c["quarantined"],
                 bytes_written=c["bytes_written"],
                 bytes_read=c["bytes_read"],
-                extra=extra,
+                io_engine=engine.name,
+                direct_io=segs.direct,
+                queue_depth=engine.queue_depth,
+                io_bytes=engine.io_bytes,
+                segments=len(segs.segs),
+                segment_bytes=segs.segment_bytes,
+                disk_bytes=segs.disk_bytes,
+                file_bytes=segs.file_bytes,
+                dead_bytes=segs.dead_bytes,
+                compactions=space.compactions,
+                compacted_bytes=space.compacted_bytes,
+                journal_records=self.durability.journal.records,
+                broken_segments=sum(1 for s in segs.segs.values() if s.broken),
+                io_size_histogram=engine.io_sizes("read"),
+                write_io_size_histogram=engine.io_sizes("write"),
+                bytes_requested=requested,
+                bytes_read_from_disk=c["bytes_read_from_disk"],
+                read_amplification=c["bytes_read_from_disk"] / requested if requested else 0.0,
             )
 
     def check_integrity(self) -> None:

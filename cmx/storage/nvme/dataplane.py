@@ -150,7 +150,7 @@ class ExtentPlane:
         with self._open_all(extents) as fds:
             books = _Pinned(extents, fds)
             # _Pinned answers the three calls BlockReader makes of NvmeBooks, from pinned extents.
-            reader = BlockReader(books, self.io)  # type: ignore[arg-type]
+            reader = BlockReader(books, self.io)  # type: ignore[arg-type]  # see above
             hits = reader.get_many_into([e.key for e in extents], dsts)
         with self._lock:
             c = self._counts

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from cmx.errors import BlockStateError, BlockTooLargeError
 from cmx.keys import BlockHash, check_key
-from cmx.storage.base import EventKind, StoreEvent
+from cmx.storage.base import EventKind, NvmeStats, StoreEvent
 from cmx.storage.nvme.books import NvmeBooks, Reservation
 from cmx.storage.nvme.chunks import chunk_count, extent_bytes
 from cmx.storage.nvme.entry import BlockEntry
@@ -54,7 +54,7 @@ class PendingExtent:
     tag: str = ""  # the owner's label (a namespace id), kept with the block
 
 
-class ExtentBooks(BooksFront):
+class ExtentBooks:
     """See the module docstring. ``NvmeStore`` documents the arguments; ``mover`` makes
     compaction's copies (without one, this process's own I/O engine makes them)."""
 
@@ -87,6 +87,32 @@ class ExtentBooks(BooksFront):
                 self.books.teardown()
             self.io.close()
             raise
+        self.front = BooksFront(self.books, self.io)
+
+    # -- answered by the books' front ----------------------------------------------------------
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.front
+
+    def __len__(self) -> int:
+        return len(self.front)
+
+    def keys(self) -> list[BlockHash]:
+        return self.front.keys()
+
+    def stats(self) -> NvmeStats:
+        return self.front.stats()
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError with the numbers if index, segments, files or policy disagree."""
+        self.front.check_integrity()
+
+    def flush(self) -> None:
+        self.front.flush()
+
+    def close(self) -> None:
+        """Flush, snapshot the index and release files, engine and directory lock. Idempotent."""
+        self.front.close()
 
     # -- events --------------------------------------------------------------------------------
 

@@ -1,15 +1,16 @@
 """What a store in front of ``NvmeBooks`` answers the same way, whichever moves its bytes.
 
 ``NvmeStore`` (the library's store: books and its own reader and writer) and ``ExtentBooks``
-(the service's books, whose bytes the node's data plane moves) both keep ``books`` and the
-``io`` that registers their segment files; membership, stats, integrity, flush and close are
-the books' own, under the books' operation guard.
+(the service's books, whose bytes the node's data plane moves) each hold one over their
+``books`` and the ``io`` that registers their segment files, and answer those calls with it:
+membership, stats, integrity, flush and close are the books' own, under the books' operation
+guard.
 """
 
 from __future__ import annotations
 
 from cmx.keys import BlockHash
-from cmx.storage.base import StoreStats
+from cmx.storage.base import NvmeStats
 from cmx.storage.nvme.books import NvmeBooks
 from cmx.storage.nvme.extentio import ExtentIo
 
@@ -17,8 +18,9 @@ __all__ = ["BooksFront"]
 
 
 class BooksFront:
-    books: NvmeBooks
-    io: ExtentIo
+    def __init__(self, books: NvmeBooks, io: ExtentIo) -> None:
+        self.books = books
+        self.io = io  # closed with the books
 
     def __contains__(self, key: object) -> bool:
         with self.books.op(), self.books.lock:
@@ -32,7 +34,7 @@ class BooksFront:
         with self.books.op(), self.books.lock:
             return [BlockHash(k) for k in self.books.index]
 
-    def stats(self) -> StoreStats:
+    def stats(self) -> NvmeStats:
         with self.books.op():
             return self.books.stats()
 

@@ -65,7 +65,7 @@ class NixlIoEngine(IoEngine):
             self._files.clear()
         for reg in regs:
             self._agent.deregister_memory(reg)
-        self._agent = None  # type: ignore[assignment]  # the agent is destroyed with the object
+        self._agent = None  # the agent is destroyed with the object
 
 
 class _NixlBatch(IoBatch):

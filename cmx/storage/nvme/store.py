@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from cmx.buffers import Buffer, as_bytes_view
-from cmx.keys import check_key
+from cmx.keys import BlockHash, check_key
 from cmx.policies import EvictionPolicy
-from cmx.storage.base import BlockStore
+from cmx.storage.base import BlockStore, NvmeStats
 from cmx.storage.nvme.blockreads import BlockReader
 from cmx.storage.nvme.books import NvmeBooks
 from cmx.storage.nvme.chunks import extent_bytes
@@ -52,7 +52,7 @@ class NvmeLocation:
     checksum: int  # XXH3-64 of the payload
 
 
-class NvmeStore(BooksFront, BlockStore):
+class NvmeStore(BlockStore):
     """Blocks in log-structured segment files under ``root``, one store per directory.
 
     Visibility and durability: a block is readable (``get``, ``in``) once ``put`` returns.
@@ -139,6 +139,7 @@ class NvmeStore(BooksFront, BlockStore):
         except BaseException:
             self._teardown()
             raise
+        self.front = BooksFront(self.books, self.io)
         self._writer = Writer(self.books, self.io, block_bytes)
         self._blocks = BlockReader(self.books, self.io)
         self._slices = SliceReader(self.books, self.io)
@@ -257,6 +258,31 @@ class NvmeStore(BooksFront, BlockStore):
         with self.books.op(), self.books.lock:
             entry = self.books.index.get(key)
             return None if entry is None else entry.tag
+
+    # -- answered by the books' front ----------------------------------------------------------
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.front
+
+    def __len__(self) -> int:
+        return len(self.front)
+
+    def keys(self) -> list[BlockHash]:
+        return self.front.keys()
+
+    def stats(self) -> NvmeStats:
+        return self.front.stats()
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError with the numbers if index, segments, files or policy disagree."""
+        self.front.check_integrity()
+
+    def flush(self) -> None:
+        self.front.flush()
+
+    def close(self) -> None:
+        """Flush, snapshot the index and release files, engine and directory lock. Idempotent."""
+        self.front.close()
 
     def _teardown(self) -> None:
         """Release everything without a flush or snapshot, as a killed process would."""

@@ -59,7 +59,7 @@ class Writer:
         return True
 
     def put_many(self, items: Sequence[PutItem]) -> list[bool]:
-        checked = [self.check(i[0], i[1], i[2], i[3] if len(i) > 3 else "")  # type: ignore[misc]
+        checked = [self.check(i[0], i[1], i[2], i[3] if len(i) > 3 else "")
                    for i in items]
         done = [False] * len(checked)
         direct = [i for i, (_, v, _, _) in enumerate(checked)

@@ -14,7 +14,8 @@ import numpy as np
 from plane import Plane, make_plane
 from scenarios import blocks, small_config
 
-from cmx.actors.dpu.agent import DpuAgent
+from cmx.actors.agent.core import OffloadAgent
+from cmx.actors.dpu.agent import NixlHost, dpu_agent_parts
 from cmx.actors.dpu.host import HostEndpoint
 from cmx.actors.dpu.staging import host_staging_slots
 from cmx.keys import BlockHash
@@ -34,7 +35,7 @@ def dpu_plane(transport: str, root: Path, **changes: object) -> Iterator[Plane]:
     endpoint = HostEndpoint(f"test-endpoint-{transport}-{uuid.uuid4().hex[:6]}",
                             slot_bytes=p.config.block_bytes,
                             staging_slots=host_staging_slots(p.config.block_bytes))
-    agent = DpuAgent(A, p.config, p.link, endpoint)
+    agent = OffloadAgent(A, p.config, p.link, dpu_agent_parts(A, p.config, endpoint))
     p.agents[A] = p.link._targets[actor_name("agent", A)] = agent  # type: ignore[attr-defined]
     try:
         yield p
@@ -43,9 +44,10 @@ def dpu_plane(transport: str, root: Path, **changes: object) -> Iterator[Plane]:
         endpoint.close()
 
 
-def dpu(plane: Plane) -> DpuAgent:
+def dpu(plane: Plane) -> OffloadAgent:
+    """node-a's agent, on its DPU: every host-facing move through its ``NixlHost``."""
     agent = plane.agents[A]
-    assert isinstance(agent, DpuAgent)
+    assert isinstance(agent.host, NixlHost)
     return agent
 
 

@@ -92,7 +92,7 @@ def test_no_copy_lands_in_a_host_tier_that_restarted_between_two_steps(plane: Pl
     assert agent.store([k2], [None], p2) == 1  # the agent re-resolves the new incarnation
     with pytest.raises(StaleEpochError):  # step two: the copy into the old incarnation
         agent.host.copy_in(grants, p1, BLOCK)
-    arenas = agent.endpoint.arenas()  # type: ignore[attr-defined]
+    arenas = agent.host.endpoint.arenas()  # type: ignore[attr-defined]
     assert arenas == sorted([new.info().arena, plane.tiers[(A, Tier.HBM)].info().arena])
     assert old.info().arena not in arenas
     assert not dram_holds(new, k1)

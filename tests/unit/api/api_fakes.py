@@ -24,7 +24,7 @@ from cmx.stats import (
     TransportStats,
     Unreachable,
 )
-from cmx.storage.base import StoreStats
+from cmx.storage.base import NvmeStats, StoreStats
 from cmx.storage.nvme.dataplane import PlaneStats
 from cmx.tiers import Tier
 
@@ -47,11 +47,11 @@ class FakeTier:
     def stats(self) -> TierStats | Unreachable:
         if self.down:
             return Unreachable(f"cmx:{self.tier.value}:{self.node} did not answer")
-        extra: dict[str, object] = ({"segments": 1, "io_engine": "pwritev"}
-                                    if self.tier is Tier.NVME else {})
-        store = StoreStats(CAPACITY[self.tier], len(self.blocks) * BLOCK, len(self.blocks),
-                           hits=self.hits, misses=self.misses, evictions=self.evictions,
-                           bytes_written=self.bytes_in, bytes_read=self.bytes_out, extra=extra)
+        kind, extra = ((NvmeStats, {"segments": 1, "io_engine": "pwritev"})
+                       if self.tier is Tier.NVME else (StoreStats, {}))
+        store = kind(CAPACITY[self.tier], len(self.blocks) * BLOCK, len(self.blocks),
+                     hits=self.hits, misses=self.misses, evictions=self.evictions,
+                     bytes_written=self.bytes_in, bytes_read=self.bytes_out, **extra)
         pinned = sum(1 for p in self.blocks.values() if p)
         return TierStats(self.tier, self.node, self.epoch, store, pinned, 0,
                          LeaseStats(pinned, 0, 0, 0), emulated=self.tier is Tier.HBM)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from cmx.config import AdminConfig
 from cmx.keys import Namespace, chain_keys
 from cmx.layout import KVLayout
 from cmx.stats import ServiceStats, TierStats
+from cmx.storage.base import StoreStats
 from cmx.tiers import Tier
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -101,17 +103,28 @@ def test_no_answer_carries_a_salt(backend: FakeBackend) -> None:
         assert SALT not in r.text, (r.request.url, r.text)
 
 
+@dataclass
+class TenantFigures(StoreStats):
+    """A store's own figures kept per tenant: none of them may be shown."""
+
+    namespace_hits: int = 0
+    tenant: str = ""
+    hits_by_tenant: dict[str, int] = field(default_factory=dict)
+
+
 def test_figures_a_part_reports_per_tenant_are_never_shown(backend: FakeBackend) -> None:
     ns_id = Namespace("m", KVLayout(**LAYOUT), SALT).id
     raw_stats = backend.stats
 
     def stats_with_tenant_figures() -> ServiceStats:
         stats = raw_stats()
-        dram = stats.nodes[NODE_A].tiers[Tier.DRAM]
+        node = stats.nodes[NODE_A]
+        dram = node.tiers[Tier.DRAM]
         assert isinstance(dram, TierStats)
-        dram.store.extra.update({"namespace_hits": 7, "tenant": SALT,
-                                 "hits_by_tenant": {ns_id: 7}})
-        return stats
+        store = TenantFigures(**asdict(dram.store), namespace_hits=7, tenant=SALT,
+                              hits_by_tenant={ns_id: 7})
+        tiers = {**node.tiers, Tier.DRAM: replace(dram, store=store)}
+        return replace(stats, nodes={**stats.nodes, NODE_A: replace(node, tiers=tiers)})
 
     backend.stats = stats_with_tenant_figures  # type: ignore[method-assign]
     with client_for(backend) as c:

@@ -68,6 +68,7 @@ def _serve(spec: EngineSpec) -> None:
 
     from cmx.bench.e2e_pairs import prompt_ids
 
+    # The ignore below: vLLM's LLM() takes these as untyped kwargs
     llm = LLM(model=spec.model, enforce_eager=True, block_size=spec.block_size,
               max_model_len=spec.max_model_len, dtype=spec.dtype, seed=0,  # type: ignore[arg-type]
               kv_transfer_config=transfer_config(spec.connector, spec.ray_address, spec.service))

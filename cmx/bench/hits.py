@@ -44,6 +44,7 @@ def _round_trips(node: str) -> list[float]:
         def ping(self) -> None:
             return None
 
+    # The ignore below: a Ray actor class: .options comes from @ray.remote
     echo = Echo.options(scheduling_strategy=on_node(node)).remote()  # type: ignore[attr-defined]
     ray.get(echo.ping.remote())
     times = []

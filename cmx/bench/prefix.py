@@ -42,6 +42,7 @@ PUT_BATCH_BYTES = 256 << 20  # of blocks per put_many call
 
 
 def llama_layout(block_tokens: int, order: PayloadOrder = PayloadOrder.HEAD_MAJOR) -> KVLayout:
+    # The ignore below: GEOMETRY's values are typed as one union
     return KVLayout(**GEOMETRY, block_tokens=block_tokens, order=order)  # type: ignore[arg-type]
 
 

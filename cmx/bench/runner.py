@@ -33,7 +33,7 @@ def resolve_suites(names: Sequence[str]) -> list[str]:
 
 def _load(name: str) -> SuiteFn:
     module, fn = SUITES[name].split(":")
-    return getattr(importlib.import_module(module), fn)  # type: ignore[no-any-return]
+    return getattr(importlib.import_module(module), fn)
 
 
 def suite_command(name: str, config: BenchConfig) -> str:

@@ -98,6 +98,7 @@ def _hist_delta(before: Mapping[int, int], after: Mapping[int, int]) -> dict[int
 
 
 def _stat(extra: Mapping[str, object], name: str) -> int:
+    # The ignore below: extra maps names to ints or dicts
     return int(extra.get(name, 0))  # type: ignore[call-overload]
 
 
@@ -117,7 +118,7 @@ def _measure(ctx: BenchContext, order: PayloadOrder) -> dict[str, list[float]]:
     """Per repetition: requested bytes/s, disk bytes, requested bytes, I/O share >= 128 KiB."""
     from cmx.storage import NvmeStore
 
-    layout = KVLayout(**GEOMETRY, order=order)  # type: ignore[arg-type]
+    layout = KVLayout(**GEOMETRY, order=order)  # type: ignore[arg-type]  # GEOMETRY's values: one union
     n = max(1, ctx.config.nbytes // layout.block_bytes)
     tokens = np.random.default_rng(7).integers(0, 128_256, size=n * layout.block_tokens)
     keys = chain_keys(Namespace("meta-llama/Meta-Llama-3-8B", layout).digest, tokens,

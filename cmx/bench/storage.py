@@ -222,6 +222,7 @@ def io_histogram(extra: Mapping[str, object], op: str) -> dict[int, int]:
     """The store's histogram of ``op`` ("read" or "write") I/O sizes; {} if it keeps none."""
     for name in _HISTOGRAM_KEYS[op]:
         if name in extra:
+            # The ignore below: extra maps names to ints or dicts
             return {int(k): int(v) for k, v in dict(extra[name]).items()}  # type: ignore[call-overload]
     return {}
 

@@ -86,7 +86,12 @@ def scatter_layer(
     src: torch.Tensor,
 ) -> None:
     """Write ``src`` ``[2, kv_heads, n * block_size, head_dim]`` (one layer of the service's
-    tensor form) into blocks ``block_ids`` of one layer; the inverse of ``gather_layer``."""
+    tensor form) into blocks ``block_ids`` of one layer; the inverse of ``gather_layer``.
+
+    Returns once the bytes are in the cache. On a GPU the copy is queued on the calling
+    thread's stream, which the forward's stream does not wait for, so the stream is waited for
+    here: a loader that says "written" (and lets attention read the blocks, or vLLM reuse
+    them after a cancel) is then right."""
     head_dim = src.shape[-1]
     view = block_view(cache, layout, head_dim)
     ids = _ids(block_ids, view.shape[0], cache.device)
@@ -94,6 +99,10 @@ def scatter_layer(
     _check_out(src, view, n)
     blocks = src.reshape(2, view.shape[1], n, size, head_dim).permute(2, 1, 0, 3, 4)
     view.index_copy_(0, ids, blocks.to(cache.device, non_blocking=True))  # one indexed write
+    if cache.is_cuda:
+        import torch
+
+        torch.cuda.current_stream(cache.device).synchronize()
 
 
 def _ids(

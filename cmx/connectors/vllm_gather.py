@@ -58,10 +58,14 @@ class Gatherer:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="cmx-gather")
 
     def queue(self, save: SaveSpec, caches: list[Any]) -> bool:
-        """Queue the copy of ``save``'s blocks; False (nothing queued) if the budget is full."""
+        """Queue the copy of ``save``'s blocks; False (nothing queued) if the budget is full.
+
+        A save larger than the whole budget is taken when nothing else is staged (one step of
+        a long prompt would otherwise never be stored): staging then holds at most the larger
+        of the budget and one step's blocks."""
         nbytes = len(save.block_ids) * self.layout.block_bytes
         with self._lock:
-            if self._used + nbytes > self.budget_bytes:
+            if self._used and self._used + nbytes > self.budget_bytes:
                 return False
             self._used += nbytes
             copy = _Copy(save, nbytes, _stream_event(caches))

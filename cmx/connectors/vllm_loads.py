@@ -5,7 +5,9 @@ Per load, in vLLM's call order:
 
 1. ``submit`` (``start_load_kv``): the load runs on the pool: ``fetch`` looks the prefix up
    afresh and brings what is still there to the host, then ``write`` puts it into the paged
-   cache one layer at a time, each layer under the job's lock.
+   cache one layer at a time, each layer under the job's lock (a layer's write returns once
+   its bytes are in the cache: ``paged.scatter_layer``). A load cut before a thread took it
+   fetches nothing.
 2. ``poll`` (``get_finished``, every step): each load that ended, or was cancelled, is returned
    once with the blocks that landed (a prefix of its blocks; none unless every layer was
    written); the worker puts its request in the receiving set and its other blocks in the
@@ -116,6 +118,9 @@ class AsyncLoads:
     # -- on the pool ---------------------------------------------------------------------------
 
     def _run(self, job: _Job) -> Loaded:
+        with job.lock:
+            if job.cancelled:  # cut while it waited for a thread: nothing is fetched for it
+                return Loaded(job.spec, None, 0)
         loaded = self._fetch(job.spec)
         if loaded.blocks:
             for layer in range(self._layers):

@@ -116,3 +116,36 @@ def test_a_gathers_kernel_count_does_not_grow_with_its_blocks() -> None:
         paged.gather_layer(cache, layout, ids, out)  # warm
         counts[n] = _kernels(lambda ids=ids, out=out: paged.gather_layer(cache, layout, ids, out))
     assert counts[128] == counts[4] <= 6, f"kernels per gather by blocks: {counts}"
+
+
+def test_a_scatter_from_a_loader_thread_has_landed_when_it_returns() -> None:
+    """A loader thread writes on its own stream; the forward reads on another (vLLM runs its
+    forward on a stream of its own). Once ``scatter_layer`` returns, the bytes must be there
+    for a reader on any stream, with no synchronisation of the reader's own: the loader says
+    "written" then. A long kernel queued ahead of the write on the loader's stream would let
+    an unsynchronised write land late."""
+    import threading
+
+    import torch
+
+    paged = _paged()
+    layout = paged.PagedLayout.VLLM_CPU
+    ids = [3, 77, 200]
+    cache = _cache(layout, paged)
+    src = torch.randn(2, HEADS, len(ids) * SIZE, DIM, device="cuda").to(cache.dtype)
+    want = src.clone()
+    torch.cuda.synchronize()
+
+    def loader() -> None:
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time queued on this thread's stream
+        paged.scatter_layer(cache, layout, ids, src)
+
+    thread = threading.Thread(target=loader)
+    thread.start()
+    thread.join()
+    reader = torch.cuda.Stream()  # not the loader's stream: nothing orders the two
+    with torch.cuda.stream(reader):
+        back = torch.empty_like(want)
+        paged.gather_layer(cache, layout, ids, back)
+    reader.synchronize()
+    assert torch.equal(back, want)

@@ -9,6 +9,7 @@ holds or fails the loader's calls as a service that hangs or dies would.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,6 +35,7 @@ from vllm_plane import (
 )
 
 from cmx.connectors.vllm import CMXConnector
+from cmx.connectors.vllm_loads import AsyncLoads, Loaded
 from cmx.connectors.vllm_meta import CMXStepMetadata, CMXWorkerReport, LoadSpec
 
 PROMPT = tuple(range(900, 900 + 4 * T + 1))  # four full blocks and one token
@@ -212,3 +214,25 @@ def test_a_preempted_request_is_loaded_again_into_its_new_blocks(plane: Plane) -
         assert torch.equal(blocks_of(caches[layer], [0, 6, 7]), stored[layer])
     scheduler.shutdown()
     worker.shutdown()
+
+
+def test_a_load_cut_before_a_thread_took_it_fetches_nothing() -> None:
+    # One loader thread, busy with A; B waits for it and is cut (its request aborted) before it
+    # starts: B must not look up, pin or read anything once A's thread frees up.
+    go, fetched = threading.Event(), []
+
+    def fetch(spec: LoadSpec) -> Loaded:
+        fetched.append(spec.req_id)
+        go.wait(BOUND_S)
+        return Loaded(spec, None, 0)
+
+    loads = AsyncLoads(fetch, lambda layer, loaded: None, layers=2, bound_s=BOUND_S, threads=1)
+    for req in ("A", "B"):
+        loads.submit(LoadSpec(req, "", tuple(range(T)), 0, T, (0,)))
+    ended = loads.poll(finished=["B"])
+    assert [(e.spec.req_id, e.blocks) for e in ended] == [("B", 0)]
+    go.set()
+    while loads.running:
+        loads.poll()
+    loads.shutdown()
+    assert fetched == ["A"]

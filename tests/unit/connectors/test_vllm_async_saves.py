@@ -185,3 +185,20 @@ def test_only_requests_that_saved_hold_their_blocks(plane: Plane) -> None:
     assert sync.request_finished(request("s", PROMPT), [3, 6, 1])[0] is False
     for conn in (scheduler, worker, sync):
         conn.shutdown()
+
+
+def test_a_save_larger_than_the_whole_budget_is_taken_when_nothing_else_is_staged(
+    plane: Plane,
+) -> None:
+    # A long prompt's one step can hold more blocks than the budget: dropped every time, such a
+    # prompt would never be stored. Taken alone, it is; the next waits for room.
+    scheduler, worker, gatherer, caches = engine(plane, staging_bytes=LAYOUT.block_bytes)
+    meta = CMXStepMetadata(saves=[SaveSpec("a", "", PROMPT[:2 * T], 0, 2 * T, (0, 1)),
+                                  SaveSpec("b", "", PROMPT[:T], 0, T, (2,))])
+    _, report = forward(worker, meta, caches)
+    assert isinstance(report, CMXWorkerReport)
+    assert report.handed == {"a": 2 * T} and report.dropped == {"b": T}
+    gatherer.go.set()
+    worker.shutdown()
+    assert gatherer.reads == 1 and gatherer.used_bytes == 0
+    scheduler.shutdown()

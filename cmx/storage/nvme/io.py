@@ -16,6 +16,7 @@ Protocol, in call order:
 
 from __future__ import annotations
 
+import errno
 import logging
 import queue
 import threading
@@ -26,6 +27,7 @@ from typing import ClassVar
 import numpy as np
 
 from cmx.buffers import ALIGN
+from cmx.storage.nvme.errors import StoreIOError
 from cmx.storage.nvme.files import FileOps
 
 __all__ = [
@@ -131,7 +133,13 @@ class IoEngine(ABC):
 
 
 class _ThreadBatch(IoBatch):
-    """Pieces of one submission; the last piece to finish sets ``_done``."""
+    """Pieces of one submission; the last piece to finish sets ``_done``.
+
+    A wait is bounded by progress: a batch none of whose pieces finished for ``stall_s`` has
+    stalled (a disk that stopped answering), and its wait raises ETIMEDOUT instead of hanging.
+    """
+
+    stall_s: ClassVar[float] = 120.0
 
     def __init__(self, pieces: int, first_wave: int) -> None:
         self._remaining = pieces
@@ -157,7 +165,15 @@ class _ThreadBatch(IoBatch):
             self._first_wave -= 1
 
     def wait(self) -> None:
-        self._done.wait()
+        with self._lock:
+            seen = self._remaining
+        while not self._done.wait(self.stall_s):
+            with self._lock:
+                left = self._remaining
+            if left == seen:
+                raise StoreIOError(errno.ETIMEDOUT, f"no I/O of the batch finished in "
+                                   f"{self.stall_s:g} s ({left} pieces left)")
+            seen = left
         if self._error is not None:
             raise self._error
 

@@ -100,3 +100,31 @@ def test_store_on_each_engine(tmp_path, io_engine):
         np.testing.assert_array_equal(store.get(key(i)), payload(key(i), n))
     store.check_integrity()
     store.close()
+
+
+def test_a_read_whose_piece_never_finishes_raises_instead_of_hanging(fd, monkeypatch):
+    # A disk that stops answering: the thread issuing the piece blocks. The waiter's bound is
+    # progress, not time: no piece of its batch finished for stall_s, so it raises ETIMEDOUT.
+    import errno
+    import threading
+
+    from cmx.storage.nvme.errors import StoreIOError
+    from cmx.storage.nvme.files import FileOps
+    from cmx.storage.nvme.io import _ThreadBatch
+
+    answer = threading.Event()
+
+    class StuckDisk(FileOps):
+        def pread_all(self, fd, buf, offset):
+            answer.wait(30)
+            super().pread_all(fd, buf, offset)
+
+    monkeypatch.setattr(_ThreadBatch, "stall_s", 0.2)
+    engine = ThreadIoEngine(queue_depth=2, files=StuckDisk())
+    try:
+        with pytest.raises(StoreIOError) as raised:
+            engine.read([(fd, 0, aligned_empty(4 * KiB))])
+        assert raised.value.errno == errno.ETIMEDOUT
+    finally:
+        answer.set()
+        engine.close()

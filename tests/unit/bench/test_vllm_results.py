@@ -45,7 +45,7 @@ def test_a_result_without_per_request_ttfts_is_refused() -> None:
 
 
 def test_percentiles_match_numpys_linear_default() -> None:
-    np = pytest.importorskip("numpy")
+    import numpy as np
     xs = [0.3, 0.1, 0.9, 0.5, 0.2, 0.8, 0.4]
     for q in (0, 50, 90, 99, 100):
         assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
@@ -69,7 +69,7 @@ def test_two_clients_merge_into_one_run() -> None:
 
 @pytest.mark.parametrize("dataset", ["prefix_repetition", "random"])
 def test_the_clients_arguments_are_vllms_own(dataset: str, tmp_path: Path) -> None:
-    serve = pytest.importorskip("vllm.benchmarks.serve")
+    import vllm.benchmarks.serve as serve
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     s = ServeSettings(prefix_len=256, suffix_len=64, num_prefixes=2, output_len=4)

@@ -387,6 +387,7 @@ class PoolNodeService:
         self.staging.check_integrity()
 
     def close(self) -> None:
+        self.publisher.close()
         self.transport.close()
         self.io.close()
         self.staging.close()

@@ -381,6 +381,7 @@ class ArenaTierService:
         self.fences.check_integrity()
 
     def close(self) -> None:
+        self.publisher.close()
         self.store.close()
 
     # -- helpers -------------------------------------------------------------------------------

@@ -85,6 +85,12 @@ class EventPublisher:
             self._behind = ThreadPoolExecutor(1, thread_name_prefix="cmx-publish-behind")
         self._behind.submit(self.flush)
 
+    def close(self) -> None:
+        """Let the sending threads go (each ends after what it is sending)."""
+        for pool in (self._senders, self._behind):
+            if pool is not None:
+                pool.shutdown(wait=False)
+
     def _deliver(self, shard: int, entries: list[Entry], seq: int) -> bool:
         try:
             result = self._send(shard, "apply", self.source, self.epoch, seq, entries)

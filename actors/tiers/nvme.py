@@ -211,6 +211,7 @@ class NvmeTierService:
         self.store.check_integrity()
 
     def close(self) -> None:
+        self.publisher.close()
         self.store.close()
 
     def _holdings(self) -> list[Entry]:

@@ -26,6 +26,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -241,9 +242,14 @@ class NixlTransport(Transport):
                 self._nixl.deregister_memory(reg)
 
     def close(self) -> None:
+        """Stop the lanes and destroy both NIXL agents now, not when the last reference to
+        this transport goes: the target's progress thread polls every PROGRESS_DELAY_US until
+        its agent is destroyed, and a process that made many agents would spin on them all."""
         self._lanes.shutdown(wait=True)
         for peer in list(self._peers):
             self._forget(peer)
+        self._local.clear()
+        self._target = self._nixl = _CLOSED
 
 
 @dataclass(frozen=True)
@@ -318,3 +324,13 @@ def _pieces(region: Region) -> np.ndarray:
     piece = _piece_bytes(region.slot_bytes)
     count = region.num_slots * (region.slot_bytes // piece)
     return np.array([[region.base, piece, 0, piece, count]], dtype=np.uint64)
+
+
+class _Closed:
+    """Stands in for a closed transport's NIXL agents: any use of them is a TransferError."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise TransferError(f"the NIXL transport is closed (used: {name})")
+
+
+_CLOSED: Any = _Closed()

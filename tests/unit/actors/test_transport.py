@@ -4,6 +4,8 @@ processes)."""
 
 from __future__ import annotations
 
+import os
+import secrets
 import threading
 
 import numpy as np
@@ -92,3 +94,17 @@ def test_a_failing_check_fails_the_read(pair):
     with pytest.raises(TransferError, match="checksum mismatch"):
         dst_t.read(src_t.info(), [Move("src-pieces", 0, "dst-pieces", 0)], timeout_s=10,
                    on_landed=on_landed)
+
+
+def test_close_ends_the_transports_threads_while_it_is_still_referenced():
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    before = threads()
+    held = [NixlTransport(f"t-close-{secrets.token_hex(4)}") for _ in range(3)]
+    assert threads() > before  # each agent's progress thread (and UCX's own)
+    for transport in held:
+        transport.close()
+    assert threads() <= before  # nothing left polling, though `held` still holds them
+    with pytest.raises(TransferError, match="closed"):
+        held[0].info()

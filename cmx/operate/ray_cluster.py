@@ -41,7 +41,8 @@ from cmx.operate.local_ray import (
 )
 
 __all__ = ["ClusterUnreachableError", "current_cluster", "forget_head", "join", "join_or_start",
-           "locate", "match_ray_auth", "resolve", "start_own", "stop_local_head", "wait_for_gcs"]
+           "locate", "match_ray_auth", "needs_token", "resolve", "start_own", "stop_local_head",
+           "wait_for_gcs"]
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +67,12 @@ def match_ray_auth(address: str | None = None) -> bool:
     except ImportError:  # a Ray without token authentication
         return False
     if address is not None and AUTH_MODE_ENV_VAR not in os.environ and \
-            not _needs_token(address):
+            not needs_token(address):
         return False
     return bool(maybe_enable_token_auth_if_token_available(warn_if_disabled=False))
 
 
-def _needs_token(address: str) -> bool:
+def needs_token(address: str) -> bool:
     """Whether the GCS at ``address`` refuses a call that carries no token (asked once,
     bounded; an answer other than a refusal means no)."""
     from ray._raylet import GcsClient  # type: ignore[attr-defined]  # no stubs

@@ -1,6 +1,7 @@
 """An agent on a DPU that reaches its host only over the network (``dpu_access="nixl"``).
 
-A cluster of its own, in a process of its own: a host node and a node labelled as its DPU.
+A cluster of its own, in a process of its own: a host node and a node labelled as its DPU,
+on a host of its own (cmx.bench.hosts: its own network and /dev/shm) where namespaces can be made.
 The host's agent runs on the DPU in a process that refuses to map host memory or open host
 files; blocks stored through it come back exact from the host's DRAM and, after a DRAM
 eviction demoted them, from the host's NVMe, every byte through NIXL; so do one head and one
@@ -12,15 +13,16 @@ segment file there raises HostAccessForbidden.
 from __future__ import annotations
 
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
 from lifecycle_support import new_machine
 
 SCENARIO = """
-import dataclasses, json, time, sys, torch, ray
+import dataclasses, json, os, time, sys, torch, ray
 import numpy as np
-from ray.cluster_utils import Cluster
+from cmx.bench.hosts import hosts_or_local
 from cmx import ContextMemory, KVLayout
 from cmx.config import ServiceConfig
 from cmx.links import RAY_NAMESPACE, actor_name
@@ -32,8 +34,8 @@ config = ServiceConfig(block_bytes=block, hbm_bytes=16 * block, dram_bytes=8 * b
                        nvme_bytes=256 * block, nvme_segment_bytes=64 * block, nvme_dir=nvme_dir,
                        directory_shards=1, dpu_access="nixl", call_timeout_s=60,
                        load_timeout_s=120, heartbeat_s=0.5, staging_bytes=16 * block)
-c = Cluster(initialize_head=True, head_node_args={
-    "num_cpus": 2, "labels": {config.host_label: "h1"}})
+c, out_hosts = hosts_or_local(head_node_args={
+    "num_cpus": 2, "labels": {config.host_label: "h1"}}, private_dirs=(nvme_dir,))
 dpu = c.add_node(num_cpus=0, labels={config.dpu_label: "bluefield-3", config.host_label: "h1"})
 c.wait_for_nodes()
 cm = ContextMemory.connect(address=c.address, config=config)
@@ -72,7 +74,8 @@ def probe(agent_self, names, path):
     from cmx.storage.arena import SharedArena
     from cmx.storage.nvme.dataplane import Extent
     maps = open("/proc/self/maps").read()
-    found = {"mapped": [n for n in names if n in maps]}
+    found = {"mapped": [n for n in names if n in maps],
+             "in_shm": [n for n in names if os.path.exists("/dev/shm/" + n)]}
     try:
         SharedArena.attach(names[0])
         found["attach"] = "mapped"
@@ -95,6 +98,7 @@ out["probe"] = ray.get(agent.__ray_call__.remote(probe, [i.arena for i in infos]
 cm.shutdown(stop_service=True)
 ray.shutdown()
 c.shutdown()
+out["hosts"] = out_hosts
 print(json.dumps(out))
 """
 
@@ -120,6 +124,13 @@ def test_a_dpu_agent_moves_every_host_byte_through_nixl(tmp_path: Path) -> None:
     # host wrote them to NVMe, and the NVMe load read b's 4 back to verify them.
     assert access["bytes_read"] >= (4 + 4) * block
     assert out["moved"].get("nvme->hbm", 0) == 4 * block
-    assert out["probe"] == {"mapped": [], "attach": "HostAccessForbidden",
-                            "open": "HostAccessForbidden"}
+    probe = dict(out["probe"])
+    in_shm = probe.pop("in_shm")
+    assert probe == {"mapped": [], "attach": "HostAccessForbidden",
+                     "open": "HostAccessForbidden"}
+    if out["hosts"] is None:  # the DPU is a host of its own: the arenas are not there at all
+        assert in_shm == []
+    else:
+        warnings.warn(f"DPU on this machine ({out['hosts']}): its /dev/shm view is not tested",
+                      stacklevel=1)
     shutil.rmtree(m.ray_tmp, ignore_errors=True)

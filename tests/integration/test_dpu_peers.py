@@ -1,6 +1,7 @@
 """A node whose agent is on a DPU (``dpu_access="nixl"``) on the cluster's peer path.
 
-A cluster of its own, in a process of its own: host A with its DPU, and host B. A's agent
+A cluster of its own, in a process of its own, each node on a host of its own where namespaces
+can be made (cmx.bench.hosts): host A with its DPU, and host B. A's agent
 runs on the DPU in a process that refuses to map host memory or open host files. B loads a
 prefix that lives only on A, one head of it and then whole (B's transport reads A's host
 memory, as A's host endpoint registered it with NIXL), and A loads a prefix that lives only
@@ -11,14 +12,15 @@ NIXL): exact bytes both ways, and the DPU's process still maps no host arena.
 from __future__ import annotations
 
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
 from lifecycle_support import new_machine
 
 SCENARIO = """
-import dataclasses, json, time, sys, torch, ray
-from ray.cluster_utils import Cluster
+import dataclasses, json, os, time, sys, torch, ray
+from cmx.bench.hosts import hosts_or_local
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from cmx import ContextMemory, KVLayout
 from cmx.config import ServiceConfig
@@ -31,8 +33,8 @@ config = ServiceConfig(block_bytes=block, hbm_bytes=16 * block, dram_bytes=16 * 
                        nvme_dir=sys.argv[1], directory_shards=1, dpu_access="nixl",
                        transport="nixl", call_timeout_s=60, load_timeout_s=120,
                        heartbeat_s=0.5, staging_bytes=16 * block)
-c = Cluster(initialize_head=True, head_node_args={
-    "num_cpus": 2, "labels": {config.host_label: "a"}})
+c, out_hosts = hosts_or_local(head_node_args={
+    "num_cpus": 2, "labels": {config.host_label: "a"}}, private_dirs=(sys.argv[1],))
 dpu = c.add_node(num_cpus=0, labels={config.dpu_label: "bluefield-3", config.host_label: "a"})
 b_node = c.add_node(num_cpus=1, labels={config.host_label: "b"})
 c.wait_for_nodes()
@@ -96,7 +98,8 @@ out["stats_b"] = {k: v for k, v in dataclasses.asdict(
 def probe(agent_self, names):
     from cmx.storage.arena import SharedArena
     maps = open("/proc/self/maps").read()
-    found = {"mapped": [n for n in names if n in maps]}
+    found = {"mapped": [n for n in names if n in maps],
+             "in_shm": [n for n in names if os.path.exists("/dev/shm/" + n)]}
     try:
         SharedArena.attach(names[0])
         found["attach"] = "mapped"
@@ -111,6 +114,7 @@ out["probe"] = ray.get(agent_a.__ray_call__.remote(probe, [i.arena for i in info
 cm.shutdown(stop_service=True)
 ray.shutdown()
 c.shutdown()
+out["hosts"] = out_hosts
 print(json.dumps(out))
 """
 
@@ -136,5 +140,12 @@ def test_a_dpu_node_serves_and_pulls_blocks_between_nodes_over_nixl(tmp_path: Pa
     assert a["moved_bytes"].get("dram@peer->hbm", 0) == 6 * block
     assert a["host_access"]["bounced_from_peers"] == 6 * block
     assert a["host_access"]["bytes_written"] >= 6 * block  # bounce slots to host HBM
-    assert out["probe"] == {"mapped": [], "attach": "HostAccessForbidden"}
+    probe = dict(out["probe"])
+    in_shm = probe.pop("in_shm")
+    assert probe == {"mapped": [], "attach": "HostAccessForbidden"}
+    if out["hosts"] is None:  # the DPU is a host of its own: the arenas are not there at all
+        assert in_shm == []
+    else:
+        warnings.warn(f"DPU on this machine ({out['hosts']}): its /dev/shm view is not tested",
+                      stacklevel=1)
     shutil.rmtree(m.ray_tmp, ignore_errors=True)

@@ -1,0 +1,127 @@
+"""Faults only a network has: a host's cable pulled mid-load, and a host that loses power.
+
+A cluster of its own, in a process of its own, on hosts (cmx.bench.hosts): host A (the head,
+the driver) and host B, each with its own network, hostname and /dev/shm, TCP between them.
+A prefix lives only on B. With B's cable down, A's loads of it are misses (never wrong
+bytes) within their bound; with the cable back, they are whole again. With every process of
+B killed at once, A's loads are misses within the bound and the service goes on serving what
+A holds.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from lifecycle_support import new_machine
+
+from cmx.bench.hosts import unavailable
+
+LOAD_TIMEOUT_S = 8.0
+BOUND_S = 3 * LOAD_TIMEOUT_S  # a lookup, the load's own bound, and slack for a busy machine
+
+SCENARIO = """
+import json, socket, sys, threading, time, torch, ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from cmx import ContextMemory, KVLayout
+from cmx.bench.hosts import Hosts
+from cmx.config import ServiceConfig
+
+layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=64)
+block = layout.block_bytes
+config = ServiceConfig(block_bytes=block, hbm_bytes=16 * block, dram_bytes=16 * block,
+                       nvme_bytes=64 * block, nvme_segment_bytes=32 * block,
+                       nvme_dir=sys.argv[1], directory_shards=1, transport="nixl",
+                       call_timeout_s=30.0, load_timeout_s=float(sys.argv[2]),
+                       heartbeat_s=0.5, staging_bytes=16 * block)
+hosts = Hosts(head_node_args={"num_cpus": 2}, private_dirs=(sys.argv[1],))
+b_host = hosts.add_node(num_cpus=1, name="b")
+cm = ContextMemory.connect(address=hosts.address, config=config)
+out = {"a_name": socket.gethostname()}
+
+
+class Client:
+    def __init__(self, config):
+        self.cm = ContextMemory.connect(config=config, start_service=False)
+        self.ns = self.cm.namespace("m", layout)
+
+    def where(self):
+        return self.cm.node_id, socket.gethostname()
+
+    def store(self, tokens, kv):
+        return self.ns.store(tokens, kv).wait()
+
+
+far = ray.remote(Client).options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+    b_host.node_id, soft=False)).remote(config)
+b, out["b_name"] = ray.get(far.where.remote(), timeout=300)
+ns = cm.namespace("m", layout)
+
+
+def on_b(first, seed):
+    # A prefix of 6 blocks stored from B and held only there: (tokens, kv, stored, only).
+    tokens = list(range(first, first + 6 * 64))
+    kv = layout.random_kv(len(tokens), seed=seed)
+    stored = ray.get(far.store.remote(tokens, kv), timeout=300)
+    deadline = time.monotonic() + 60
+    while sorted({x.node for x in ns.lookup(tokens).blocks}) != [b] and \
+            time.monotonic() < deadline:
+        time.sleep(0.2)
+    return tokens, kv, stored, sorted({x.node for x in ns.lookup(tokens).blocks}) == [b]
+
+
+def timed_load(tokens, kv):
+    start = time.monotonic()
+    got = ns.load(tokens)
+    n = got.shape[3]
+    right = n % 64 == 0 and bool(torch.equal(got, kv[:, :, :, :n]))
+    return {"tokens": n, "right": right, "s": time.monotonic() - start}
+
+
+# Each prefix is loaded here once at most: a load leaves a copy on A.
+p, kv_p, *out["p"] = on_b(0, 3)
+out["before"] = timed_load(p, kv_p)
+s, kv_s, *out["s"] = on_b(10_000, 4)
+hosts.link(b_host, up=False)
+out["cut"] = [timed_load(s, kv_s) for _ in range(2)]
+hosts.link(b_host, up=True)
+deadline = time.monotonic() + 120
+while time.monotonic() < deadline:
+    out["back"] = timed_load(s, kv_s)
+    if out["back"]["tokens"] == len(s):
+        break
+    time.sleep(1)
+r, kv_r, *out["r"] = on_b(20_000, 5)
+hosts.kill_host(b_host)
+out["killed"] = [timed_load(r, kv_r) for _ in range(2)]
+mine = list(range(30_000, 30_000 + 4 * 64))
+kv_mine = layout.random_kv(len(mine), seed=4)
+out["stored_after"] = ns.store(mine, kv_mine).wait()
+out["mine_after"] = bool(torch.equal(ns.load(mine), kv_mine))
+cm.shutdown(stop_service=True)
+ray.shutdown()
+hosts.shutdown()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(900)
+def test_a_pulled_cable_and_a_dead_host_are_misses_within_the_bound(tmp_path: Path) -> None:
+    why = unavailable()
+    if why is not None:
+        pytest.skip(f"needs hosts of their own: {why}")
+    m = new_machine(tmp_path, with_token=False)
+    nvme = tmp_path / "nvme-hosts"
+    out = m.python(f"import sys; sys.argv = ['s', {str(nvme)!r}, '{LOAD_TIMEOUT_S}']\n"
+                   + SCENARIO, timeout_s=840, RAY_ADDRESS="")
+    assert out["a_name"] != out["b_name"] == "b"
+    assert out["p"] == out["s"] == out["r"] == [6, True]  # each stored on B, held only there
+    assert out["before"] == {**out["before"], "tokens": 6 * 64, "right": True}
+    for load in out["cut"] + out["killed"]:
+        assert load["right"] is True  # a shorter prefix (a miss) at worst, never wrong bytes
+        assert load["s"] < BOUND_S, load
+    assert all(load["tokens"] == 0 for load in out["cut"] + out["killed"])
+    assert out["back"] == {**out["back"], "tokens": 6 * 64, "right": True}
+    assert out["stored_after"] == 4 and out["mine_after"] is True
+    shutil.rmtree(m.ray_tmp, ignore_errors=True)

@@ -1,7 +1,9 @@
 """``PrefixAwareRouter``: Ray Serve's request router for the LLM replicas.
 
 Serve's ``RequestRouter`` owns the mechanism (pending requests, queue-length probes, backoff,
-FIFO fulfilment); this class fills its one hook, ``choose_replicas``. For a request carrying
+fulfilment); this class fills its one hook, ``choose_replicas``. It takes Serve's default
+fulfilment, not its FIFO mixin: the replica chosen for a request's prefix (or its pin) goes to
+that request, not to whichever request waits first. For a request carrying
 block keys it asks the directory shards where the prompt's prefix is (awaited, never blocking
 the router's loop, bounded by ``lookup_timeout_s``: a late answer means no preference), prices
 each replica with ``routing.rank_replicas`` from the figures the replicas report in their
@@ -21,7 +23,7 @@ import logging
 import random
 from typing import Any
 
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from cmx.deploy.messages import GenerateRequest
 from cmx.deploy.routing import CopySeen, ReplicaView, publish_replicas, rank_replicas
@@ -31,7 +33,7 @@ __all__ = ["PrefixAwareRouter"]
 log = logging.getLogger(__name__)
 
 
-class PrefixAwareRouter(FIFOMixin, RequestRouter):
+class PrefixAwareRouter(RequestRouter):
     def initialize_state(
         self, block_tokens: int = 256, chunk_tokens: int = 256, directory_shards: int = 2,
         lookup_timeout_s: float = 0.25, **_: Any,

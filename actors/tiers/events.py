@@ -48,6 +48,7 @@ class EventPublisher:
         self._seq = [0] * num_shards
         self._senders: ThreadPoolExecutor | None = None  # one thread per shard, once needed
         self._behind: ThreadPoolExecutor | None = None  # flush_soon's thread, once needed
+        self._closed = False  # after close, batches go from the caller's thread, one by one
         self.failures = 0
         self.resyncs = 0
 
@@ -72,7 +73,7 @@ class EventPublisher:
                 batches = [(s, self._pending[s], self._seq[s]) for s in range(self.num_shards)
                            if heartbeat or self._pending[s]]
                 self._pending = [[] for _ in range(self.num_shards)]
-            if len(batches) < 2:
+            if len(batches) < 2 or self._closed:
                 return all([self._deliver(*batch) for batch in batches])
             if self._senders is None:
                 self._senders = ThreadPoolExecutor(self.num_shards,
@@ -81,12 +82,17 @@ class EventPublisher:
 
     def flush_soon(self) -> None:
         """``flush`` from a background thread; returns at once. Batches keep their order."""
+        if self._closed:
+            self.flush()
+            return
         if self._behind is None:
             self._behind = ThreadPoolExecutor(1, thread_name_prefix="cmx-publish-behind")
         self._behind.submit(self.flush)
 
     def close(self) -> None:
-        """Let the sending threads go (each ends after what it is sending)."""
+        """Let the sending threads go (each ends after what it is sending, queued flushes run).
+        A tier may still publish after it is closed: then from the caller's thread."""
+        self._closed = True
         for pool in (self._senders, self._behind):
             if pool is not None:
                 pool.shutdown(wait=False)

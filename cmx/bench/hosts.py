@@ -5,8 +5,10 @@ A "host" here has its own address on the bridge, its own loopback, its own hostn
 ``/dev/shm`` (so Ray's object store and the service's arenas are its own) and its own copy of
 every directory named in ``private_dirs`` (the NVMe roots). Between hosts there is only TCP
 over the bridge: UCX, Ray's object transfers and the service's calls cross it as they would
-cross a network. The head and the driver run in this machine's own namespace, with their
-address on a cable (a veth) into the bridge; every node added after the head is a host of its own.
+cross a network. The driver and the head run in the namespace the harness is started in, which
+must be one of its own (``own_network``, or ``driver_network`` for a test): the bridge and its
+cables are made there, never in this machine's own namespace, where every other process's UCX
+would take them for its own devices. Every node added after the head is a host of its own.
 
 The interface is ``ray.cluster_utils.Cluster``'s (``address``, ``add_node``, ``remove_node``,
 ``wait_for_nodes``, ``shutdown``), so a suite written for one runs on the other; faults a
@@ -32,6 +34,8 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,15 +44,21 @@ from cmx.errors import CmxError
 from cmx.operate.local_ray import ray_executable
 from cmx.operate.ray_cluster import needs_token
 
-__all__ = ["HostNode", "Hosts", "HostsError", "hosts_or_local", "unavailable"]
+__all__ = ["HostNode", "Hosts", "HostsError", "driver_network", "hosts_or_local",
+           "own_network", "unavailable"]
 
 log = logging.getLogger(__name__)
 
 PREFIX = "cmx"  # every netns, bridge and veth this harness makes starts with it, then its pid
+WORKDIR_PREFIX = "cmx-hosts-"  # its directory in the temp dir: this, then its pid
 JOIN_TIMEOUT_S = 180.0  # a host's raylet registers with the head within this, on a busy machine
 STOP_TIMEOUT_S = 30.0
 SHM_BYTES = 4 << 30  # a host's /dev/shm: tmpfs, so only what is used takes memory
 OBJECT_STORE_BYTES = 150 << 20  # as ray.cluster_utils.Cluster gives each node
+# A host's own mounts, hostname and System V IPC: UCX counts two processes as on one node (and
+# moves bytes by shared memory or CMA) unless their IPC namespaces differ; with them apart, its
+# endpoints between hosts are TCP only ("inter-node" in UCX_LOG_LEVEL=info).
+UNSHARE = ("unshare", "--mount", "--uts", "--ipc", "--propagation", "private")
 
 
 class HostsError(CmxError):
@@ -69,10 +79,9 @@ def unavailable() -> str | None:
     if made.returncode != 0:
         return f"`ip netns add` failed: {made.stderr.strip()}"
     try:
-        tried = _run(["ip", "netns", "exec", probe, "unshare", "--mount", "--uts",
-                      "--propagation", "private", "true"], check=False)
+        tried = _run(["ip", "netns", "exec", probe, *UNSHARE, "true"], check=False)
         if tried.returncode != 0:
-            return f"`unshare --mount --uts` failed: {tried.stderr.strip()}"
+            return f"`{shlex.join(UNSHARE)}` failed: {tried.stderr.strip()}"
     finally:
         _run(["ip", "netns", "del", probe], check=False)
     return None
@@ -108,19 +117,22 @@ class Hosts:
         reason = unavailable()
         if reason is not None:
             raise HostsError(f"hosts cannot be made here: {reason}")
+        if _in_machines_network():
+            raise HostsError("the hosts harness runs in a network namespace of its own "
+                             "(own_network): its devices would otherwise be every process's")
         sweep()
         self.tag = f"{PREFIX}{os.getpid():06x}"
         self.private_dirs = tuple(str(Path(d)) for d in private_dirs)
         self.env = dict(env or {})
-        self.workdir = Path(tempfile.mkdtemp(prefix="cmx-hosts-"))
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid():06x}-"))
         self.bridge = f"{self.tag}br"
         self.cable = f"{self.tag}r"  # this machine's veth into the bridge
         self.subnet = _free_subnet()
         self.hosts: list[HostNode] = []
         self._next = 1
-        self._make_bridge()
         args = {**(head_node_args or {}), "node_ip_address": self.ip(1)}
         try:
+            self._make_bridge()
             self._head = Cluster(initialize_head=True, head_node_args=args)
         except BaseException:
             self._unmake()
@@ -148,8 +160,8 @@ class Hosts:
                         netns=f"{self.tag}h{index}", veth=f"{self.tag}v{index}",
                         root=self.workdir / f"host{index}", labels=dict(labels or {}))
         host.root.mkdir(parents=True)
+        self.hosts.append(host)  # before its plumbing: a step that fails is still undone
         self._plug(host)
-        self.hosts.append(host)
         host.process = self._start_ray(host, num_cpus, resources or {}, labels or {})
         if wait:
             self._await_join(host)
@@ -275,8 +287,7 @@ class Hosts:
             env["RAY_AUTH_MODE"] = "token"
         with open(host.log_path, "wb") as out:
             return subprocess.Popen(
-                ["ip", "netns", "exec", host.netns, "unshare", "--mount", "--uts",
-                 "--propagation", "private", "sh", "-c", script],
+                ["ip", "netns", "exec", host.netns, *UNSHARE, "sh", "-c", script],
                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def _await_join(self, host: HostNode, timeout_s: float = JOIN_TIMEOUT_S) -> None:
@@ -301,13 +312,49 @@ def hosts_or_local(head_node_args: dict[str, Any] | None = None,
                    private_dirs: tuple[str, ...] = ("/var/tmp/cmx",)) -> tuple[Any, str | None]:
     """(a cluster, None) on hosts where namespaces can be made, else (ray.cluster_utils'
     one-machine Cluster, why not)."""
-    reason = unavailable()
+    reason = unavailable() or ("this process is in the machine's own network namespace"
+                               if _in_machines_network() else None)
     if reason is None:
         return Hosts(head_node_args, private_dirs), None
     from ray.cluster_utils import Cluster
 
     log.warning("hosts harness unavailable (%s): every node runs on this one machine", reason)
     return Cluster(initialize_head=True, head_node_args=head_node_args or {}), reason
+
+
+@contextmanager
+def own_network() -> Iterator[list[str]]:
+    """A network namespace for the driver's host, with only its loopback: yields the command
+    prefix that runs a process there (``[*prefix, python, ...]``). The harness's bridge and
+    cables are then made inside it, never in this machine's own namespace, where every
+    process's UCX would count them as its own devices (and fail once they are gone)."""
+    sweep()
+    name = f"{PREFIX}{os.getpid():06x}h1-{random.randrange(1 << 16):04x}"
+    _run(["ip", "netns", "add", name])
+    try:
+        _run(["ip", "-n", name, "link", "set", "lo", "up"])
+        yield ["ip", "netns", "exec", name]
+    finally:
+        for pid in _netns_pids(name):
+            _kill(pid)
+        _run(["ip", "netns", "del", name], check=False)
+
+
+@contextmanager
+def driver_network() -> Iterator[list[str]]:
+    """``own_network()`` where hosts can be made; elsewhere no prefix (then ``hosts_or_local``
+    runs every node on this one machine)."""
+    if unavailable() is not None:
+        yield []
+        return
+    with own_network() as prefix:
+        yield prefix
+
+
+def _in_machines_network() -> bool:
+    """Whether this process runs in no named network namespace (the machine's own)."""
+    done = _run(["ip", "netns", "identify", str(os.getpid())], check=False)
+    return not done.stdout.strip()
 
 
 def sweep() -> None:
@@ -325,6 +372,10 @@ def sweep() -> None:
             _run(["ip", "netns", "del", name], check=False)
         else:
             _run(["ip", "link", "del", name], check=False)
+    for workdir in Path(tempfile.gettempdir()).glob(f"{WORKDIR_PREFIX}*"):
+        found = re.fullmatch(rf"{WORKDIR_PREFIX}([0-9a-f]{{6}})-.*", workdir.name)
+        if found is not None and not _alive(int(found.group(1), 16)):
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _free_subnet() -> str:

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,10 +44,11 @@ class Machine:
             f"cmx {' '.join(args)}:\n{result.stdout}\n{result.stderr[-4000:]}"
         return json.loads(result.stdout)
 
-    def python(self, code: str, timeout_s: float = 240, **env: str) -> Any:
-        """Run ``code`` in a new interpreter; it prints one JSON line last. A bound: a hang
-        fails the test instead of stalling it."""
-        result = subprocess.run([sys.executable, "-c", code], env={**self.env, **env},
+    def python(self, code: str, timeout_s: float = 240, prefix: Sequence[str] = (),
+               **env: str) -> Any:
+        """Run ``code`` in a new interpreter (after ``prefix``: ``ip netns exec NAME``, say);
+        it prints one JSON line last. A bound: a hang fails the test instead of stalling it."""
+        result = subprocess.run([*prefix, sys.executable, "-c", code], env={**self.env, **env},
                                 capture_output=True, text=True, timeout=timeout_s)
         assert result.returncode == 0, f"{result.stdout}\n{result.stderr[-4000:]}"
         return json.loads(result.stdout.strip().splitlines()[-1])

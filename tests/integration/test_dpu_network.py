@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 from lifecycle_support import new_machine
 
+from cmx.bench.hosts import driver_network
+
 SCENARIO = """
 import dataclasses, json, os, time, sys, torch, ray
 import numpy as np
@@ -107,8 +109,9 @@ print(json.dumps(out))
 def test_a_dpu_agent_moves_every_host_byte_through_nixl(tmp_path: Path) -> None:
     m = new_machine(tmp_path, with_token=False)
     nvme = tmp_path / "nvme-dpu"
-    out = m.python(f"import sys; sys.argv = ['s', {str(nvme)!r}]\n" + SCENARIO,
-                   timeout_s=500, RAY_ADDRESS="")
+    with driver_network() as prefix:
+        out = m.python(f"import sys; sys.argv = ['s', {str(nvme)!r}]\n" + SCENARIO,
+                       timeout_s=500, RAY_ADDRESS="", prefix=prefix)
     assert out["placement"]["placed_on"] == out["dpu"] and out["placement"]["dpu"] is True
     assert out["stored_a"] == 4 and out["dram_tiers"] == ["dram"]
     assert out["exact_dram"] is True

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from lifecycle_support import new_machine
 
+from cmx.bench.hosts import driver_network
+
 SCENARIO = """
 import dataclasses, json, os, time, sys, torch, ray
 from cmx.bench.hosts import hosts_or_local
@@ -123,8 +125,9 @@ print(json.dumps(out))
 def test_a_dpu_node_serves_and_pulls_blocks_between_nodes_over_nixl(tmp_path: Path) -> None:
     m = new_machine(tmp_path, with_token=False)
     nvme = tmp_path / "nvme-dpu-peers"
-    out = m.python(f"import sys; sys.argv = ['s', {str(nvme)!r}]\n" + SCENARIO,
-                   timeout_s=540, RAY_ADDRESS="")
+    with driver_network() as prefix:
+        out = m.python(f"import sys; sys.argv = ['s', {str(nvme)!r}]\n" + SCENARIO,
+                       timeout_s=540, RAY_ADDRESS="", prefix=prefix)
     assert out["placement"]["placed_on"] == out["dpu"] and out["placement"]["dpu"] is True
     assert out["stored_p"] == 6 and out["p_on"] is True
     assert out["b_head_p"] is True  # one head of two: checked on A's host, read from its memory

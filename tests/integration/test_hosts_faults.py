@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from lifecycle_support import new_machine
 
-from cmx.bench.hosts import unavailable
+from cmx.bench.hosts import driver_network, unavailable
 
 LOAD_TIMEOUT_S = 8.0
 BOUND_S = 3 * LOAD_TIMEOUT_S  # a lookup, the load's own bound, and slack for a busy machine
@@ -113,8 +113,9 @@ def test_a_pulled_cable_and_a_dead_host_are_misses_within_the_bound(tmp_path: Pa
         pytest.skip(f"needs hosts of their own: {why}")
     m = new_machine(tmp_path, with_token=False)
     nvme = tmp_path / "nvme-hosts"
-    out = m.python(f"import sys; sys.argv = ['s', {str(nvme)!r}, '{LOAD_TIMEOUT_S}']\n"
-                   + SCENARIO, timeout_s=840, RAY_ADDRESS="")
+    with driver_network() as prefix:
+        out = m.python(f"import sys; sys.argv = ['s', {str(nvme)!r}, '{LOAD_TIMEOUT_S}']\n"
+                       + SCENARIO, timeout_s=840, RAY_ADDRESS="", prefix=prefix)
     assert out["a_name"] != out["b_name"] == "b"
     assert out["p"] == out["s"] == out["r"] == [6, True]  # each stored on B, held only there
     assert out["before"] == {**out["before"], "tokens": 6 * 64, "right": True}

@@ -154,3 +154,25 @@ def test_one_unreachable_shard_does_not_hold_back_the_others() -> None:
     sent.clear()
     assert pub.flush()  # nothing pending: no shard is bothered
     assert sent == []
+
+
+def test_a_closed_publisher_still_delivers_from_the_callers_thread() -> None:
+    before = set(threading.enumerate())
+    shards, holdings, pub = make()
+    for i in range(6):
+        holdings.event(pub, i)
+    assert pub.flush()  # to every shard at once: the sending threads exist now
+    pub.close()
+    for i in range(6, 12):
+        holdings.event(pub, i)
+    pub.flush_soon()  # after close: delivered before it returns, no thread started
+    assert lookup_all(shards, [key(i) for i in range(12)]) == [True] * 12
+    for i in range(12, 18):
+        holdings.event(pub, i)
+    assert pub.flush()
+    assert lookup_all(shards, [key(i) for i in range(18)]) == [True] * 18
+    senders = [t for t in set(threading.enumerate()) - before if t.name.startswith("cmx-publish")]
+    assert senders  # the first flush did start them
+    for t in senders:
+        t.join(timeout=30)  # closed: each ends once idle
+    assert not [t for t in senders if t.is_alive()]

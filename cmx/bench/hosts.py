@@ -67,8 +67,8 @@ class HostsError(CmxError):
 
 def unavailable() -> str | None:
     """Why hosts cannot be made on this machine, or None where they can."""
-    if os.environ.get("CMX_HOSTS", "1") == "0":
-        return "CMX_HOSTS=0"
+    if os.environ.get("CMX_HOSTS", "0") != "1":
+        return "opt in with CMX_HOSTS=1 (a host may miss its join bound beside a busy cluster)"
     if os.geteuid() != 0:
         return "namespaces need root"
     for tool in ("ip", "unshare"):

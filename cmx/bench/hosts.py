@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from cmx.errors import CmxError
-from cmx.operate.local_ray import ray_executable
+from cmx.operate.local_ray import is_running, ray_executable
 from cmx.operate.ray_cluster import needs_token
 
 __all__ = ["HostNode", "Hosts", "HostsError", "driver_network", "hosts_or_local",
@@ -206,10 +206,7 @@ class Hosts:
     def kill_host(self, node: HostNode) -> None:
         """SIGKILL every process of the host at once, as a host that loses power."""
         for pid in _netns_pids(node.netns):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill(pid)
         if node.process is not None:
             try:
                 node.process.wait(timeout=STOP_TIMEOUT_S)
@@ -219,11 +216,6 @@ class Hosts:
     def link(self, node: HostNode, up: bool) -> None:
         """Take the host's cable down (nothing crosses) or bring it back up."""
         _run(["ip", "link", "set", node.veth, "up" if up else "down"])
-
-    def exec(self, node: HostNode, command: list[str], timeout_s: float = 60.0) -> str:
-        """Run a command in the host's network namespace; its stdout."""
-        done = _run(["ip", "netns", "exec", node.netns, *command], timeout_s=timeout_s)
-        return done.stdout
 
     # plumbing
     def _make_bridge(self) -> None:
@@ -364,7 +356,7 @@ def sweep() -> None:
                        flags=re.M)
     for name in names | set(links):
         found = re.fullmatch(rf"{PREFIX}([0-9a-f]{{6}})(?:h|v|br|r|probe).*", name)
-        if found is None or _alive(int(found.group(1), 16)):
+        if found is None or is_running(int(found.group(1), 16)):
             continue
         if name in names:
             for pid in _netns_pids(name):
@@ -374,7 +366,7 @@ def sweep() -> None:
             _run(["ip", "link", "del", name], check=False)
     for workdir in Path(tempfile.gettempdir()).glob(f"{WORKDIR_PREFIX}*"):
         found = re.fullmatch(rf"{WORKDIR_PREFIX}([0-9a-f]{{6}})-.*", workdir.name)
-        if found is not None and not _alive(int(found.group(1), 16)):
+        if found is not None and not is_running(int(found.group(1), 16)):
             shutil.rmtree(workdir, ignore_errors=True)
 
 
@@ -392,16 +384,6 @@ def _free_subnet() -> str:
 def _netns_pids(netns: str) -> list[int]:
     done = _run(["ip", "netns", "pids", netns], check=False)
     return [int(p) for p in done.stdout.split()]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _kill(pid: int) -> None:

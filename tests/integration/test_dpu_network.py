@@ -111,7 +111,8 @@ def test_a_dpu_agent_moves_every_host_byte_through_nixl(tmp_path: Path) -> None:
     nvme = tmp_path / "nvme-dpu"
     with driver_network() as prefix:
         out = m.python(f"import sys; sys.argv = ['s', {str(nvme)!r}]\n" + SCENARIO,
-                       timeout_s=500, RAY_ADDRESS="", prefix=prefix)
+                       timeout_s=500, RAY_ADDRESS="", prefix=prefix,
+                           CMX_HOSTS="1" if prefix else "0")
     assert out["placement"]["placed_on"] == out["dpu"] and out["placement"]["dpu"] is True
     assert out["stored_a"] == 4 and out["dram_tiers"] == ["dram"]
     assert out["exact_dram"] is True

@@ -127,7 +127,8 @@ def test_a_dpu_node_serves_and_pulls_blocks_between_nodes_over_nixl(tmp_path: Pa
     nvme = tmp_path / "nvme-dpu-peers"
     with driver_network() as prefix:
         out = m.python(f"import sys; sys.argv = ['s', {str(nvme)!r}]\n" + SCENARIO,
-                       timeout_s=540, RAY_ADDRESS="", prefix=prefix)
+                       timeout_s=540, RAY_ADDRESS="", prefix=prefix,
+                           CMX_HOSTS="1" if prefix else "0")
     assert out["placement"]["placed_on"] == out["dpu"] and out["placement"]["dpu"] is True
     assert out["stored_p"] == 6 and out["p_on"] is True
     assert out["b_head_p"] is True  # one head of two: checked on A's host, read from its memory

@@ -115,7 +115,8 @@ def test_a_pulled_cable_and_a_dead_host_are_misses_within_the_bound(tmp_path: Pa
     nvme = tmp_path / "nvme-hosts"
     with driver_network() as prefix:
         out = m.python(f"import sys; sys.argv = ['s', {str(nvme)!r}, '{LOAD_TIMEOUT_S}']\n"
-                       + SCENARIO, timeout_s=840, RAY_ADDRESS="", prefix=prefix)
+                       + SCENARIO, timeout_s=840, RAY_ADDRESS="", prefix=prefix,
+                           CMX_HOSTS="1" if prefix else "0")
     assert out["a_name"] != out["b_name"] == "b"
     assert out["p"] == out["s"] == out["r"] == [6, True]  # each stored on B, held only there
     assert out["before"] == {**out["before"], "tokens": 6 * 64, "right": True}

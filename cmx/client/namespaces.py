@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cmx.client.copy_out import copy_payloads, copy_verified, empty_kv
 from cmx.client.loads import load_through_agent, window_blocks
@@ -29,6 +29,9 @@ from cmx.keys import BlockHash, Namespace, chain_keys
 from cmx.protocol import Copy, actor_name, best_copy
 from cmx.selection import IndexSpec, Selection
 from cmx.tiers import Tier
+
+if TYPE_CHECKING:
+    from cmx.client.layer_loads import LayerLoad
 
 __all__ = [
     "BlockLocation", "Match", "NamespaceClient", "StoreHandle", "copy_payloads",
@@ -125,7 +128,7 @@ class NamespaceClient:
         keys = [b.key for b in match.blocks] if match is not None else self.keys(token_ids)
         T = self.layout.block_tokens
         out = empty_kv(self.layout, len(keys) * T)
-        here = len(keys) if match is None else _held_here(match, self.cm.node_id)
+        here = len(keys) if match is None else held_here(match, self.cm.node_id)
         loaded, whole = self._load_local(keys[:here], out)
         if whole and loaded < len(keys):
             if match is not None and loaded >= here:
@@ -134,6 +137,14 @@ class NamespaceClient:
                 rest = self._locate(keys[loaded:], ask_here=False)
             loaded += load_through_agent(self, list(rest), out, loaded)
         return out[:, :, :, : loaded * T]
+
+    def load_layers(self, token_ids: object, match: Match | None = None) -> LayerLoad:
+        """The cached prefix in groups of layers, asked in order (``LayerLoad.group``), so
+        the first layers can be used while the later are still on their way; ``finish``
+        says how many blocks came whole and verified (``cmx.client.layer_loads``)."""
+        from cmx.client.layer_loads import LayerLoad
+
+        return LayerLoad(self, match if match is not None else self.lookup(token_ids, True))
 
     def _load_local(self, keys: Sequence[BlockHash], out: Any) -> tuple[int, bool]:
         """Copy the prefix of ``keys`` held in this node's memory into ``out``: (blocks
@@ -196,7 +207,7 @@ def in_memory_here(block: BlockLocation, node: str) -> bool:
     return block.node == node and block.tier in (Tier.HBM, Tier.DRAM)
 
 
-def _held_here(match: Match, node: str) -> int:
+def held_here(match: Match, node: str) -> int:
     """How many leading blocks of ``match`` the lookup found in ``node``'s memory."""
     for i, b in enumerate(match.blocks):
         if not in_memory_here(b, node):

@@ -53,13 +53,11 @@ def load_selection(ns: Reader, selection: Selection, match: Match) -> Any:
 def _load_window(ns: Reader, selection: Selection,
                  blocks: list[BlockLocation]) -> list[SlicedBlock]:
     """The verified selections of the longest prefix of ``blocks`` the agent found."""
-    import ray
-
     agent = actor_name("agent", ns.cm.node_id)
     try:
-        ref = ns.cm.link.submit(agent, "load_slices", [b.key for b in blocks],
-                                [list(b.copies) for b in blocks], selection.runs(ns.layout))
-        found: list[SlicedBlock] = ray.get(ref, timeout=ns.cm.config.load_timeout_s)
+        found: list[SlicedBlock] = ns.cm.link.call(
+            agent, "load_slices", [b.key for b in blocks], [list(b.copies) for b in blocks],
+            selection.runs(ns.layout), timeout_s=ns.cm.config.load_timeout_s)
     except Exception as exc:  # noqa: BLE001 - a failed or late load is a miss
         log.warning("partial load failed: %s", exc)
         return []

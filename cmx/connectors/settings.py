@@ -50,6 +50,9 @@ class ConnectorSettings:
     #                          (vLLM holds the step); "async": the request waits in vLLM's
     #                          WAITING_FOR_REMOTE_KVS while its blocks land, others run
     load_threads: int = 2  # async mode: loads that run at once; more wait their turn
+    load_layer_groups: int = 4  # sync mode: a step's loads are fetched and written in this
+    #                            many groups of layers, so attention over the first layers
+    #                            waits for their bytes only (1: the whole prefix first)
     save_mode: str = "sync"  # "sync": each layer's blocks are copied out inside the forward;
     #                          "async": copied after it, on a thread, the request's blocks
     #                          kept from reuse until then (vllm_gather)
@@ -85,8 +88,8 @@ class ConnectorSettings:
         if self.load_mode not in ("sync", "async") or self.save_mode not in ("sync", "async"):
             raise ValueError(f"load_mode and save_mode are 'sync' or 'async', not "
                              f"{self.load_mode!r} and {self.save_mode!r}")
-        if self.load_threads < 1 or self.staging_bytes < 1:
-            raise ValueError("load_threads and staging_bytes must be >= 1")
+        if self.load_threads < 1 or self.staging_bytes < 1 or self.load_layer_groups < 1:
+            raise ValueError("load_threads, load_layer_groups and staging_bytes must be >= 1")
 
     @property
     def load_bound_s(self) -> float:

@@ -28,6 +28,7 @@ request keeps out of the cache with ``kv_transfer_params={"cmx": {"skip": True}}
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -53,6 +54,7 @@ from cmx.layout import KVLayout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -185,17 +187,21 @@ class CMXConnector(KVConnectorBase_V1):
     def reset_cache(self) -> bool | None:
         return None if self._scheduler is None else self._scheduler.reset()
 
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return () if self._scheduler is None else self._scheduler.events.take()
+
     # -- scheduler side ------------------------------------------------------------------------
 
     def on_new_request(self, request: Request) -> None:
         self._side_scheduler().track(request.request_id, request.prompt_token_ids,
-                                     request.cache_salt, request.kv_transfer_params)
+                                     request.cache_salt, request.kv_transfer_params,
+                                     request.block_hashes)
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         side = self._side_scheduler()
         side.track(request.request_id, request.prompt_token_ids, request.cache_salt,
-                   request.kv_transfer_params)
+                   request.kv_transfer_params, request.block_hashes)
         tokens = side.matched_tokens(request.request_id, num_computed_tokens)
         return tokens, bool(tokens) and side.settings.async_loads
 

@@ -29,9 +29,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from cmx.client.matches import Match
+from cmx.connectors.settings import Namespaces
 from cmx.connectors.vllm_meta import LoadSpec
+from cmx.policies.breakeven import source_class
 
-__all__ = ["AsyncLoads", "Ended", "Loaded"]
+__all__ = ["AsyncLoads", "Ended", "Fetcher", "GroupLoad", "Loaded"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,85 @@ class Loaded:
     kv: Any  # [layers, 2, heads, blocks * T, dim] on the host, or None
     blocks: int  # how many of spec's blocks arrived (a prefix)
     sources: tuple[str, ...] = ()  # source class of each block asked for, where it was found
+
+
+@dataclass
+class GroupLoad:
+    """One sync load fetched in groups of layers (``NamespaceClient.load_layers``): each
+    ``next`` is the next group's ``Loaded`` (its ``kv`` holds that group's layers), ``finish``
+    the load's end, its ``blocks`` the prefix every group brought whole and verified. A load
+    that fails brings nothing more, and nothing at its end."""
+
+    spec: LoadSpec
+    sources: tuple[str, ...] = ()
+    load: Any = None  # a LayerLoad; None: nothing to load, or it failed
+
+    def next(self, layers: range) -> Loaded:
+        if self.load is not None:
+            try:
+                return Loaded(self.spec, self.load.group(layers), self.load.blocks, self.sources)
+            except Exception as exc:  # noqa: BLE001 - a failed load is recomputed, never fatal
+                self._fail(exc)
+        return Loaded(self.spec, None, 0, self.sources)
+
+    def finish(self) -> Loaded:
+        blocks = 0
+        if self.load is not None:
+            try:
+                blocks = self.load.finish()
+            except Exception as exc:  # noqa: BLE001
+                self._fail(exc)
+        return Loaded(self.spec, None, blocks, self.sources)
+
+    def _fail(self, exc: Exception) -> None:
+        log.warning("load of %d tokens failed: %s", self.spec.end - self.spec.start, exc)
+        load, self.load = self.load, None
+        try:
+            load.close()
+        except Exception as err:  # noqa: BLE001 - its pins expire with their lease
+            log.debug("pins of a failed load not let go: %s", err)
+
+
+class Fetcher:
+    """A load's blocks from the service, looked up again first: the prefix may have changed
+    since the scheduler's lookup. A load that fails is recomputed, never fatal."""
+
+    def __init__(self, namespaces: Namespaces) -> None:
+        self.namespaces = namespaces
+        self.block_tokens = namespaces.layout.block_tokens
+
+    def fetch(self, spec: LoadSpec) -> Loaded:
+        """The whole prefix at once."""
+        try:
+            match, sources = self.match(spec)
+            if not match.blocks:
+                return Loaded(spec, None, 0)
+            kv = self.namespaces.get(spec.salt).load(spec.token_ids, match)
+            return Loaded(spec, kv.contiguous(), kv.shape[3] // self.block_tokens, sources)
+        except Exception as exc:  # noqa: BLE001 - a failed load is recomputed, never fatal
+            log.warning("load of %d tokens failed: %s", spec.end - spec.start, exc)
+            return Loaded(spec, None, 0)
+
+    def in_groups(self, spec: LoadSpec) -> GroupLoad:
+        """The prefix one group of layers at a time (``GroupLoad.next``)."""
+        try:
+            match, sources = self.match(spec)
+            if not match.blocks:
+                return GroupLoad(spec)
+            ns = self.namespaces.get(spec.salt)
+            return GroupLoad(spec, sources, ns.load_layers(spec.token_ids, match))
+        except Exception as exc:  # noqa: BLE001 - a failed load is recomputed, never fatal
+            log.warning("load of %d tokens failed: %s", spec.end - spec.start, exc)
+            return GroupLoad(spec)
+
+    def match(self, spec: LoadSpec) -> tuple[Match, tuple[str, ...]]:
+        """The blocks of ``spec``'s range the service holds now, and the source class of each."""
+        T = self.block_tokens
+        match = self.namespaces.get(spec.salt).lookup(spec.token_ids, here_first=True)
+        blocks = match.blocks[spec.start // T:spec.end // T]
+        here = self.namespaces.node_id
+        sources = tuple(source_class(b.tier.value, b.node, here) for b in blocks)
+        return Match(len(blocks) * T, tuple(blocks)), sources
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,7 @@ class StoreResult:
     committed_tokens: int  # in blocks the service committed (visible to lookups) for this store
     failed_tokens: int  # in blocks refused, or of a store that raised or timed out
     # The rest (tokens - committed - failed) were already held, or found no room: not stored.
+    start: int = field(default=0, compare=False)  # the save's first token: which blocks
 
 
 @dataclass

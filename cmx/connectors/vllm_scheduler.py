@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cmx.connectors.settings import ConnectorSettings, Namespaces, namespace_salt
+from cmx.connectors.vllm_events import StoreEvents
 from cmx.connectors.vllm_meta import CMXStepMetadata, CMXWorkerReport, LoadSpec, SaveSpec
 from cmx.connectors.vllm_stats import CMXConnectorStats, Counters
 from cmx.policies.breakeven import BreakEven, source_class
@@ -94,6 +95,7 @@ class RequestState:
     store_ended: int = 0  # of those, in stores that ended (committed, failed or not needed)
     loading: bool = False  # an asynchronous load into its blocks is under way
     saved: bool = False  # a save of its blocks went to the workers
+    hashes: Sequence[Any] = ()  # vLLM's block hashes of the request (its own list, growing)
 
 
 class SchedulerSide:
@@ -120,19 +122,22 @@ class SchedulerSide:
         self._held: list[str] = []  # finished requests whose blocks vLLM keeps for the workers
         self.counters = Counters()
         self.generation = 0  # resets so far: mixed into the salts of requests tracked since
+        self.events = StoreEvents(block_size)
 
     # -- requests ------------------------------------------------------------------------------
 
     def track(self, req_id: str, prompt: Sequence[int] | None, cache_salt: str | None,
-              params: Any = None) -> None:
-        """Start knowing a request; ``params`` is its ``kv_transfer_params``."""
+              params: Any = None, hashes: Sequence[Any] = ()) -> None:
+        """Start knowing a request; ``params`` is its ``kv_transfer_params``, ``hashes`` its
+        block hashes (for the KV events of what it stores)."""
         if req_id not in self.requests:
             salt = generation_salt(namespace_salt(self.settings.salt, cache_salt),
                                    self.generation)
             options = RequestOptions.of(params)
             if options.load or options.store:
                 self.namespaces.get(salt)  # opened: ``reset`` drops what this engine used
-            self.requests[req_id] = RequestState(salt, tuple(prompt or ()), options)
+            self.requests[req_id] = RequestState(salt, tuple(prompt or ()), options,
+                                                 hashes=hashes)
 
     def matched_tokens(self, req_id: str, local_tokens: int) -> int | None:
         """Tokens beyond ``local_tokens`` to load; None while the lookup runs."""
@@ -274,6 +279,7 @@ class SchedulerSide:
             start = state.stored_upto
             meta.saves.append(SaveSpec(req_id, state.salt, state.prompt[:upto], start, upto,
                                        tuple(state.block_ids[start // T:upto // T])))
+            self.events.planned(req_id, state.hashes, state.prompt, start, upto)
             state.stored_upto = upto
             state.saved = True
 
@@ -293,6 +299,7 @@ class SchedulerSide:
                 state.store_handed += tokens
                 _note_pending(state)
         for store in report.stores:
+            self.events.ended(store.req_id, store.start, store.tokens, store.committed_tokens)
             state = self._state_of(store.req_id)
             if state is None:
                 continue  # ended after its request's report was sent: counted in the stats
@@ -329,6 +336,7 @@ class SchedulerSide:
         losing them too. False if a drop failed."""
         ok = True
         self.generation += 1
+        self.events.cleared()
         for ns in self.namespaces.forget():
             try:
                 evicted = self.namespaces.cm.drop_namespace(ns.namespace)

@@ -4,8 +4,9 @@ One step, in vLLM's call order:
 
 1. ``begin_step`` (``bind_connector_metadata``): the step's loads and saves.
 2. ``start_load`` (``start_load_kv``, before the forward): a loader thread looks the prefix up
-   afresh, loads what is still there, then writes it into the paged cache layer by layer,
-   marking each layer ready.
+   afresh (``vllm_loads.Fetcher``) and loads what is still there in ``load_layer_groups``
+   groups of layers (``cmx.client.layer_loads``), writing each group into the paged cache as
+   it arrives, marking each layer ready.
 3. ``wait_layer`` (``wait_for_layer_load``, at each attention layer): waits for that layer
    only, so attention over the first layers runs while the last are being written. Past the
    load bound the step's loads are cancelled (the loader writes nothing more) and failed.
@@ -45,10 +46,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from cmx.client.layer_loads import layer_groups
 from cmx.connectors.paged import PagedLayout, block_view, gather_layer, scatter_layer
 from cmx.connectors.settings import ConnectorSettings, Namespaces
 from cmx.connectors.vllm_gather import Gatherer
-from cmx.connectors.vllm_loads import AsyncLoads, Loaded
+from cmx.connectors.vllm_loads import AsyncLoads, Fetcher, Loaded
 from cmx.connectors.vllm_meta import (
     CMXStepMetadata,
     CMXWorkerReport,
@@ -59,7 +61,6 @@ from cmx.connectors.vllm_meta import (
 )
 from cmx.connectors.vllm_stats import CMXConnectorStats, Counters
 from cmx.errors import LayoutMismatchError
-from cmx.policies.breakeven import source_class
 
 __all__ = ["WorkerSide"]
 
@@ -101,7 +102,8 @@ class WorkerSide:
         self._ended: list[StoreResult] = []  # stores finished since the last report
         self._pending_lock = threading.Lock()  # guards _pending and _ended
         self.counters = Counters()
-        self.loads = AsyncLoads(self._fetch, self._write_layer, len(layer_names),
+        self.fetcher = Fetcher(namespaces)
+        self.loads = AsyncLoads(self.fetcher.fetch, self._write_layer, len(layer_names),
                                 settings.load_bound_s, settings.load_threads)
         self.gatherer = Gatherer(self.layout, paged_layout, settings.staging_bytes,
                                  self._gathered)
@@ -223,45 +225,44 @@ class WorkerSide:
     # -- loads ---------------------------------------------------------------------------------
 
     def _load(self, step: _Step) -> list[Loaded]:
-        """On the loader thread: fetch every load of the step, then write it layer by layer."""
+        """On the loader thread: fetch the step's loads and write them layer by layer, one
+        group of layers at a time (``load_layer_groups``; one group: the whole prefix first)."""
         try:
-            loaded = [self._fetch(spec) for spec in step.meta.loads]
-            for layer in range(len(self.caches)):
-                with step.lock:
-                    if step.cancelled:
+            groups = layer_groups(len(self.caches), self.settings.load_layer_groups)
+            if len(groups) == 1:
+                loaded = [self.fetcher.fetch(spec) for spec in step.meta.loads]
+                self._write_group(step, groups[0], loaded)
+                return loaded
+            loads = [self.fetcher.in_groups(spec) for spec in step.meta.loads]
+            try:
+                for layers in groups:
+                    if not self._write_group(step, layers, [g.next(layers) for g in loads]):
                         break
-                    self._write_layer(layer, loaded)
-                step.ready[layer].set()  # its attention may run; later layers still land
+            finally:
+                loaded = [g.finish() for g in loads]
             return loaded
         finally:
             for event in step.ready:
                 event.set()
 
-    def _write_layer(self, layer: int, loaded: list[Loaded]) -> None:
-        """Write one layer of every arrived load into the engine's paged cache."""
+    def _write_group(self, step: _Step, layers: range, loaded: list[Loaded]) -> bool:
+        """Write ``layers`` of every arrived load (each ``kv`` holds those layers), marking each
+        layer ready as it lands; False once the step's loads are cancelled."""
+        for layer in layers:
+            with step.lock:
+                if step.cancelled:
+                    return False
+                self._write_layer(layer, loaded, layers.start)
+            step.ready[layer].set()  # its attention may run; later layers still land
+        return True
+
+    def _write_layer(self, layer: int, loaded: list[Loaded], first: int = 0) -> None:
+        """Write one layer of every arrived load into the engine's paged cache (each load's
+        ``kv`` holds the layers from ``first``)."""
         for item in loaded:
             if item.blocks:
                 scatter_layer(self.caches[layer], self.paged, item.spec.block_ids[:item.blocks],
-                              item.kv[layer])
-
-    def _fetch(self, spec: LoadSpec) -> Loaded:
-        from cmx.client import Match
-
-        T = self.layout.block_tokens
-        ns = self.namespaces.get(spec.salt)
-        try:
-            # Looked up again: the prefix may have changed since the scheduler's lookup.
-            match = ns.lookup(spec.token_ids, here_first=True)
-            blocks = match.blocks[spec.start // T:spec.end // T]
-            if not blocks:
-                return Loaded(spec, None, 0)
-            kv = ns.load(spec.token_ids, Match(len(blocks) * T, tuple(blocks)))
-            here = self.namespaces.node_id
-            sources = tuple(source_class(b.tier.value, b.node, here) for b in blocks)
-            return Loaded(spec, kv.contiguous(), kv.shape[3] // T, sources)
-        except Exception as exc:  # noqa: BLE001 - a failed load is recomputed, never fatal
-            log.warning("load of %d tokens failed: %s", spec.end - spec.start, exc)
-            return Loaded(spec, None, 0)
+                              item.kv[layer - first])
 
     def _cancel(self, step: _Step, why: str) -> None:
         with step.lock:
@@ -342,7 +343,7 @@ class WorkerSide:
             self.counters.add(store_failed_tokens=tokens)
             with self._pending_lock:
                 self._pending -= 1
-                self._ended.append(StoreResult(save.req_id, tokens, 0, tokens))
+                self._ended.append(StoreResult(save.req_id, tokens, 0, tokens, save.start))
             self.gatherer.release(nbytes)
             return
 
@@ -369,7 +370,7 @@ class WorkerSide:
             log.warning("store of %d tokens failed: %s", tokens, exc)
             committed, failed = 0, tokens  # what it may have committed before is not known
         finally:
-            result = StoreResult(save.req_id, tokens, committed, failed)
+            result = StoreResult(save.req_id, tokens, committed, failed, save.start)
             self.counters.add(stored_tokens=committed, store_failed_tokens=failed)
             with self._pending_lock:
                 self._pending -= 1

@@ -92,16 +92,16 @@ class HeldWorker(WorkerSide):
         super().__init__(*args)
         self.go = threading.Event()
 
-    def _write_layer(self, layer: int, loaded: list[Loaded]) -> None:
+    def _write_layer(self, layer: int, loaded: list[Loaded], first: int = 0) -> None:
         if layer > 0:
             assert self.go.wait(BOUND_S)
-        super()._write_layer(layer, loaded)
+        super()._write_layer(layer, loaded, first)
 
 
 def worker(cls: type[WorkerSide] = WorkerSide) -> tuple[Any, FakeNamespace, list[torch.Tensor]]:
     ns = FakeNamespace()
-    w = cls(ConnectorSettings(load_timeout_s=BOUND_S), FakeNamespaces(ns), NAMES,
-            PagedLayout.VLLM_CPU)
+    settings = ConnectorSettings(load_timeout_s=BOUND_S, load_layer_groups=1)  # whole loads
+    w = cls(settings, FakeNamespaces(ns), NAMES, PagedLayout.VLLM_CPU)
     caches = [torch.zeros(BLOCKS, HEADS, T, 2 * DIM) for _ in range(LAYERS)]
     w.register(dict(zip(NAMES, caches)))
     return w, ns, caches

@@ -37,13 +37,13 @@ LEASE_S = 60.0  # the plane's clock moves only when a test moves it
 
 
 def plane_of(root: Path, block_bytes: int = 8192,
-             link_type: type[LocalLink] = LocalLink) -> Plane:
-    """A one-node service whose slots are ``block_bytes``."""
+             link_type: type[LocalLink] = LocalLink, **extra: Any) -> Plane:
+    """A one-node service whose slots are ``block_bytes`` (``extra``: more of its config)."""
     config = ServiceConfig(block_bytes=block_bytes, hbm_bytes=16 * block_bytes,
                            dram_bytes=32 * block_bytes, nvme_bytes=64 * block_bytes,
                            nvme_dir=str(root), nvme_segment_bytes=16 * block_bytes,
                            directory_shards=2, call_timeout_s=5.0, load_timeout_s=BOUND_S,
-                           lease_s=LEASE_S)
+                           lease_s=LEASE_S, **extra)
     return make_plane(config, nodes=(NODE,), link_type=link_type)
 
 
@@ -111,7 +111,7 @@ class GatedLink(LocalLink):
 def request(req_id: str, prompt: tuple[int, ...]) -> Any:
     """What the connector reads of a vLLM ``Request``."""
     return SimpleNamespace(request_id=req_id, prompt_token_ids=list(prompt), cache_salt=None,
-                           kv_transfer_params=None)
+                           kv_transfer_params=None, block_hashes=[])
 
 
 def allocated(block_ids: list[int]) -> Any:

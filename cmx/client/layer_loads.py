@@ -1,0 +1,178 @@
+"""Loads in layer groups: a cached prefix handed over one group of layers at a time, so that an
+engine's attention over the first layers runs while the later layers are still on their way
+(``NamespaceClient.load_layers``; the vLLM connector's sync loads).
+
+A ``LayerLoad`` is asked for its groups in order, contiguous from layer 0 (``group``), then
+``finish`` says how many blocks every group brought whole and verified. Where the bytes come
+from:
+
+- What this node's memory holds is pinned once, at the start, in one round trip to its tiers,
+  and each group is copied out of their shared memory. The layers of a layer-major payload are
+  consecutive runs of it, so each block's checksum is fed group by group as it is copied
+  (``ChecksumStream``) and is known once the last group is copied; a head-major payload is
+  checked whole before the first group and again after the last.
+- The rest (NVMe, a peer, the pool) is fetched group by group as a selection through this
+  node's agent (``cmx.client.selections``): only the group's bytes move, checked where they
+  were sliced and again here.
+
+So a group may carry a block whose checksum is not yet known. A group may also bring fewer
+blocks than the one before it (a block went between two calls). Only ``finish``'s count is
+the load's: a block past it was handed over in an earlier group and must not be used, which
+the caller says to the engine (vLLM recomputes such blocks, then overwrites them). Pins are
+let go at ``finish`` or ``close``, or expire with their lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from cmx.checksum import ChecksumStream, checksum
+from cmx.client.copy_out import kv_array
+from cmx.client.matches import Match
+from cmx.client.selections import load_selection
+from cmx.errors import CmxError
+from cmx.layout import PayloadOrder
+from cmx.selection import Selection
+
+if TYPE_CHECKING:
+    from cmx.client.namespaces import NamespaceClient
+    from cmx.client.node_plane import LocalPin
+
+__all__ = ["LayerLoad", "layer_groups"]
+
+log = logging.getLogger(__name__)
+
+
+def layer_groups(num_layers: int, groups: int) -> list[range]:
+    """``num_layers`` split into at most ``groups`` contiguous ranges, in order, the first ones
+    no longer than the later: the first group is the one the engine waits for."""
+    groups = max(1, min(groups, num_layers))
+    size, extra = divmod(num_layers, groups)
+    out, at = [], 0
+    for g in range(groups):
+        n = size + (1 if g >= groups - extra else 0)
+        out.append(range(at, at + n))
+        at += n
+    return out
+
+
+class LayerLoad:
+    def __init__(self, ns: NamespaceClient, match: Match) -> None:
+        from cmx.client.namespaces import held_here  # the namespace module imports this one
+
+        self.ns = ns
+        self.layout = ns.layout
+        self._plane = ns.cm.plane
+        keys = [b.key for b in match.blocks]
+        here = held_here(match, ns.cm.node_id)
+        self._pins: list[LocalPin] = []
+        self._payloads: list[np.ndarray] = []
+        if here:
+            self._pins = self._plane.pin_prefix(keys[:here], f"client:{uuid.uuid4().hex}")
+            try:
+                self._payloads = [self._plane.payload(p) for p in self._pins]
+            except (CmxError, OSError, ValueError) as exc:  # a tier restarted: its arena is gone
+                log.warning("a local block's arena is gone: %s", exc)
+                self._release(self._pins)
+        pinned = len(self._payloads)
+        if pinned == here:
+            self._away = list(match.blocks[pinned:])
+        else:  # a block here went since the lookup: the directory is asked for the rest
+            self._away = list(ns._locate(keys[pinned:], ask_here=False))
+        self._streams: list[ChecksumStream] = []
+        self._blocks = pinned + len(self._away)  # what every group so far brought
+        self._next = 0  # the first layer of the next group
+        self._verify_whole_first()
+
+    @property
+    def blocks(self) -> int:
+        """Blocks every group so far brought (an upper bound of ``finish``'s count)."""
+        return self._blocks
+
+    def group(self, layers: range) -> Any:
+        """KV [len(layers), 2, kv_heads, n, head_dim] of the next group of layers."""
+        import torch
+
+        L = self.layout
+        if layers.step != 1 or layers.start != self._next or not layers or \
+                layers.stop > L.num_layers:
+            raise ValueError(f"layer group {layers} does not follow layer {self._next}")
+        T = L.block_tokens
+        out = torch.empty((len(layers), 2, L.num_kv_heads, self._blocks * T, L.head_dim),
+                          dtype=L.torch_dtype())
+        local = min(len(self._payloads), self._blocks)
+        self._copy_local(layers, kv_array(out), local)
+        if self._blocks > local:
+            away = self._away[: self._blocks - local]
+            kv = load_selection(self.ns, Selection(layers, range(L.num_kv_heads)),
+                                Match(len(away) * T, tuple(away)))
+            out[:, :, :, local * T : local * T + kv.shape[3]].copy_(kv)
+            self._blocks = local + kv.shape[3] // T
+        self._next = layers.stop
+        if self._blocks * T < out.shape[3]:  # fewer than asked for (rare): laid out whole
+            return out[:, :, :, : self._blocks * T].contiguous()
+        return out
+
+    def finish(self) -> int:
+        """How many leading blocks every group brought whole and verified (0 unless every
+        layer was asked); the pins are let go."""
+        blocks = self._blocks if self._next == self.layout.num_layers else 0
+        if self.ns.verify and blocks:
+            for i, (pin, payload) in enumerate(zip(self._pins, self._payloads[:blocks])):
+                # Layer-major: the bytes each group copied, hashed as they were copied.
+                # Head-major: checked whole before the first group and again now, so a slot
+                # taken back and reused while the groups were copied is not believed.
+                got = self._streams[i].value() if self._streams else checksum(payload)
+                if got != pin.pin.checksum:
+                    log.warning("block %s failed its checksum where it was used",
+                                pin.pin.key.hex()[:12])
+                    self._plane.quarantine([pin])
+                    blocks = i
+                    break
+        self.close()
+        return blocks
+
+    def close(self) -> None:
+        self._release(self._pins)
+
+    # -- here ----------------------------------------------------------------------------------
+
+    def _verify_whole_first(self) -> None:
+        """Streams for a layer-major payload; a head-major one is checked whole now."""
+        if not self.ns.verify or not self._payloads:
+            return
+        if self.layout.order is PayloadOrder.LAYER_MAJOR:
+            self._streams = [ChecksumStream() for _ in self._payloads]
+            return
+        for i, (pin, payload) in enumerate(zip(self._pins, self._payloads)):
+            if checksum(payload) != pin.pin.checksum:
+                log.warning("block %s failed its checksum where it was used",
+                            pin.pin.key.hex()[:12])
+                self._plane.quarantine([pin])
+                self._payloads = self._payloads[:i]
+                self._away = []
+                self._blocks = i
+                return
+
+    def _copy_local(self, layers: range, dst: np.ndarray, count: int) -> None:
+        L = self.layout
+        T = L.block_tokens
+        unit = L.block_bytes // L.num_layers  # one layer of a layer-major payload
+        for i, payload in enumerate(self._payloads[:count]):
+            src = payload.view(dst.dtype).reshape(L.payload_shape)
+            place = dst[:, :, :, i * T : (i + 1) * T]
+            if L.order is PayloadOrder.LAYER_MAJOR:
+                np.copyto(place, src[layers.start : layers.stop])
+                if self._streams:
+                    self._streams[i].feed(payload[layers.start * unit : layers.stop * unit])
+            else:
+                np.copyto(place, src.transpose(1, 2, 0, 3, 4)[layers.start : layers.stop])
+
+    def _release(self, pins: list[LocalPin]) -> None:
+        if pins:
+            self._plane.unpin(pins)
+        self._pins, self._payloads, self._streams = [], [], []

@@ -18,13 +18,14 @@ Public calls, each bounded:
 - ``store(keys, parents, payload)``: blocks into this node's DRAM (evicted DRAM blocks demote
   to NVMe first, if NVMe admission lets them in); with write-through placement, admitted
   blocks go to NVMe as well. Returns when committed and visible to lookups.
-- ``load(keys, copies, priority, owner, namespace)``: the longest prefix of ``keys`` into this
-  node's HBM arena (tagged with the blocks' namespace id, so a namespace drop finds the copy
-  after the directory restarts), each from its fastest copy, checksums verified for NVMe and
-  network reads; the returned slots are pinned (leases of ``owner``) for the caller, who
-  checks each block's checksum, reads them and calls ``release(leases, corrupt)``; a caller
-  that stops waiting calls ``give_up(owner)``. Every copy goes into the arena of its grant's
-  epoch.
+- ``load(keys, copies, priority, owner, namespace, of_blocks)``: the longest prefix of ``keys``
+  into this node's HBM arena (tagged with the blocks' namespace id, so a namespace drop finds
+  the copy after the directory restarts), each from its fastest copy, checksums verified for
+  NVMe and network reads; the returned slots are pinned (leases of ``owner``) for the caller,
+  who checks each block's checksum, reads them and calls ``release(leases, corrupt)``; a
+  caller that stops waiting calls ``give_up(owner)``. Every copy goes into the arena of its
+  grant's epoch. ``of_blocks``: the whole load's blocks, where ``keys`` are a window of it (a
+  scan's windows do not demote to DRAM what NVMe holds: ``actors/agent/demote.py``).
 - ``stage(keys, owner)`` / ``unstage(staged)``: for a peer agent: pin blocks in a memory arena
   here (promoting from NVMe if needed) so the peer can read them with one transfer.
 - ``load_slices``, ``expose_selection``, ``read_selection``: partial (layer or head) loads
@@ -149,9 +150,9 @@ class OffloadAgent:
     # -- loads ---------------------------------------------------------------------------------
 
     def load(self, keys: Sequence[BlockHash], copies: Sequence[Sequence[Copy]],
-             priority: Priority = Priority.LOAD, owner: str = "", namespace: str = ""
-             ) -> LoadResult:
-        return self.loads.load(keys, copies, priority, owner, namespace)
+             priority: Priority = Priority.LOAD, owner: str = "", namespace: str = "",
+             of_blocks: int = 0) -> LoadResult:
+        return self.loads.load(keys, copies, priority, owner, namespace, of_blocks)
 
     def release(self, leases: Sequence[int], corrupt: Sequence[Loaded] = ()) -> None:
         self.loads.release(leases, corrupt)

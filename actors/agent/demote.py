@@ -1,4 +1,10 @@
-"""The agent moving evicted blocks one tier down: HBM -> DRAM -> NVMe."""
+"""The agent moving evicted blocks one tier down: HBM -> DRAM -> NVMe.
+
+A scan (a load of more blocks than this node's HBM and DRAM hold together, ``Loads.is_scan``)
+does not demote to DRAM the HBM blocks its windows evict that this node's NVMe holds: the scan
+would evict them from DRAM in turn before it ends, each taking the place of a DRAM block first,
+and their NVMe copy stays, committed. A victim NVMe does not hold is demoted as ever.
+"""
 
 from __future__ import annotations
 
@@ -35,12 +41,20 @@ class Demotion:
 
         A demotion that fails drops its blocks (a cache may always drop one): the caller's
         write into the slots goes on, and nothing granted on the way is left held."""
+        self._demote(tier, grants, scan=False)
+
+    def demote_scan_victims(self, grants: Sequence[Grant | None]) -> None:
+        """``demote_victims`` of the HBM grants of a scan's window: those this node's NVMe
+        holds stay there alone."""
+        self._demote(Tier.HBM, grants, scan=True)
+
+    def _demote(self, tier: Tier, grants: Sequence[Grant | None], scan: bool) -> None:
         victims = [(g, g.victim) for g in grants if g is not None and g.victim is not None]
         if not victims:
             return
         try:
             if tier is Tier.HBM:
-                self._demote_to_dram(victims)
+                self._demote_to_dram(victims, scan)
             elif tier is Tier.DRAM:
                 victims = [(g, v) for g, v in victims if self.placed_below(v.key)]
                 items = [(v.key, v.size, v.checksum) for _, v in victims]
@@ -62,11 +76,11 @@ class Demotion:
         self.counters.dropped["not_admitted_to_nvme"] += 1
         return False
 
-    def _demote_to_dram(self, victims: list[tuple[Grant, Victim]]) -> None:
-        """Each (HBM grant, the victim in its slot) into DRAM, unless DRAM holds it."""
+    def _demote_to_dram(self, victims: list[tuple[Grant, Victim]], scan: bool) -> None:
+        """Each (HBM grant, the victim in its slot) into DRAM, unless DRAM holds it (or, for
+        a scan, NVMe does)."""
         tiers = self.tiers
-        have = tiers.call(Tier.DRAM, "contains", [v.key for _, v in victims])
-        todo = [gv for gv, h in zip(victims, have) if not h]
+        todo = [gv for gv, h in zip(victims, self._held_below(victims, scan)) if not h]
         if not todo:
             return
         grants = tiers.call(Tier.DRAM, "reserve", [(v.key, v.parent) for _, v in todo],
@@ -85,3 +99,22 @@ class Demotion:
             raise
         for namespace, done in commits.items():  # the tag goes down with the block
             tiers.call(Tier.DRAM, "commit", done, namespace)
+
+    def _held_below(self, victims: list[tuple[Grant, Victim]], scan: bool) -> list[bool]:
+        """Per victim, whether DRAM holds it, or for a scan NVMe does: both asked at once. An
+        NVMe tier that does not answer holds nothing here (its victims go to DRAM)."""
+        keys = [v.key for _, v in victims]
+        calls = [(Tier.DRAM, "contains", (keys,))]
+        if scan:
+            calls.append((Tier.NVME, "contains", (keys,)))
+        answers = self.tiers.call_many(calls, return_exceptions=True)
+        if isinstance(answers[0], BaseException):
+            raise answers[0]
+        have = list(answers[0])
+        if scan and not isinstance(answers[1], BaseException):
+            on_nvme = [not h and n for h, n in zip(have, answers[1])]
+            self.counters.dropped["scan_held_on_nvme"] += sum(on_nvme)
+            have = [h or n for h, n in zip(have, on_nvme)]
+        elif scan:
+            log.warning("NVMe did not say which scan victims it holds: %s", answers[1])
+        return have

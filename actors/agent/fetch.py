@@ -54,6 +54,17 @@ class StagedAhead:
     def take_nvme(self, idx: Sequence[int]) -> dict[int, Extent | None]:
         return {i: self.nvme.pop(i) for i in idx if i in self.nvme}
 
+    def nvme_first(self, i: int, options: list[tuple[Tier, str]], node: str
+                   ) -> list[tuple[Tier, str]]:
+        """Key ``i``'s sources, fastest first, but ``node``'s NVMe first where the key was
+        pinned there ahead: the directory knows it there alone, and asking DRAM first for a
+        copy the directory has not heard of is a round trip for nothing on every window of a
+        load from NVMe. DRAM stays a source after it."""
+        if self.nvme.get(i) is None:
+            return options
+        here = (Tier.NVME, node)
+        return [here] + [o for o in options if o != here]
+
     def leftovers(self) -> list[Staged]:
         """Staged blocks no fill took (their HBM slot was not granted, or a fill failed)."""
         rest = [s for s in self.staged.values() if s is not None]

@@ -1,12 +1,14 @@
 """The agent's loads: the longest prefix of a request's blocks into this node's HBM, each from
 its fastest copy, pinned for the caller.
 
-- ``load(keys, copies, priority, owner, namespace)``: HBM is asked for the keys (hits pinned,
-  slots granted for the rest) in the same round trip as the likely peer stages its blocks
-  and this node's DRAM pins its own (``RemoteFills.acquire``); the granted slots are filled
-  from this node's DRAM and NVMe (``LocalReads``), then from other nodes and the pool
-  (``RemoteFills.fill``), and committed pinned for the caller. Every copy goes into the
-  arena of its grant's epoch.
+- ``load(keys, copies, priority, owner, namespace, of_blocks)``: HBM is asked for the keys
+  (hits pinned, slots granted for the rest) in the same round trip as the likely peer stages
+  its blocks and this node's DRAM and NVMe pin their own (``RemoteFills.acquire``); the
+  granted slots' victims are demoted (``Demotion``; a scan's, ``is_scan``, only those NVMe
+  does not hold), the slots filled from this node's DRAM and NVMe (``LocalReads``), then from
+  other nodes and the pool (``RemoteFills.fill``), and committed pinned for the caller. Every
+  copy goes into the arena of its grant's epoch. A load from NVMe whose victims NVMe holds is
+  three round trips to the tiers: acquire, which victims are held below, commit.
 - ``release(leases, corrupt)``, ``give_up(owner)``, ``quarantine(blocks)``: how the caller
   ends its pins, stops waiting, or reports the blocks it found corrupt.
 """
@@ -83,14 +85,23 @@ class Loads:
         self.counters = counters
         self._given_up: dict[str, float] = {}  # load owners that stopped waiting -> until
 
+    def is_scan(self, of_blocks: int) -> bool:
+        """Whether a window of a load of ``of_blocks`` blocks is a scan's: a load of more
+        blocks than this node's HBM and DRAM hold together evicts the blocks it brings into
+        HBM before it ends, and would evict from DRAM whatever of them it demoted there."""
+        c = self.config
+        return of_blocks > c.hbm_bytes // c.block_bytes + c.dram_bytes // c.block_bytes
+
     def load(
         self, keys: Sequence[BlockHash], copies: Sequence[Sequence[Copy]],
         priority: Priority = Priority.LOAD, owner: str = "", namespace: str = "",
+        of_blocks: int = 0,
     ) -> LoadResult:
         """The longest prefix of ``keys`` pinned in HBM for ``owner`` (default: this agent);
         the caller reads the slots and ends the pins with ``release``, or they expire. The
         HBM copies made are tagged with ``namespace`` (the blocks' namespace id), or where the
-        caller names none with the tag of the copy each was read from.
+        caller names none with the tag of the copy each was read from. ``of_blocks``: the
+        blocks of the whole load these keys are a window of (0: these alone), for ``is_scan``.
 
         Whatever fails part-way gives back what it was granted: a load never leaves a pin or
         a reservation behind but the returned prefix's."""
@@ -109,7 +120,7 @@ class Loads:
             }
             if granted:
                 loaded.update(self._fill_hbm(keys, sources, granted, priority, ahead, owner,
-                                             namespace))
+                                             namespace, self.is_scan(of_blocks)))
         except BaseException:
             tiers.give_back(Tier.HBM, unpin=[p.lease for p in hits.values()],
                             abort=[g.lease for g in granted.values()])
@@ -173,12 +184,15 @@ class Loads:
     def _fill_hbm(
         self, keys: Sequence[BlockHash], sources: Sequence[list[tuple[Tier, str]]],
         granted: dict[int, Grant], priority: Priority, ahead: StagedAhead, owner: str,
-        namespace: str,
+        namespace: str, scan: bool,
     ) -> dict[int, Loaded]:
         """Fill the granted HBM slots, each from its fastest copy; the filled ones pinned."""
-        self.demotion.demote_victims(Tier.HBM, list(granted.values()))
+        if scan:
+            self.demotion.demote_scan_victims(list(granted.values()))
+        else:
+            self.demotion.demote_victims(Tier.HBM, list(granted.values()))
         # Try each key's sources fastest first, round by round.
-        options = {i: sources[i] for i in granted}
+        options = {i: ahead.nvme_first(i, sources[i], self.node) for i in granted}
         filled: dict[int, Loaded] = {}
         for rnd in range(max((len(o) for o in options.values()), default=0)):
             by_source: dict[tuple[Tier, str], list[int]] = {}

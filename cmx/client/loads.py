@@ -5,13 +5,15 @@ Protocol, per window of ``load_window`` blocks (a ``DEPTH``-th of the HBM tier, 
 ``WINDOW_BYTES``), with at most ``DEPTH`` windows holding pins at once (a load holds at most
 the whole tier, and the client's memory stays the caller's tensor):
 
-1. ``agent.load(keys, copies, priority, owner)``: the window's blocks pinned in this node's
-   HBM for ``owner``, a lease of its own per window. Up to ``DEPTH`` windows are asked for
-   before the first answer is waited for, and each window copied out makes room for the next
-   one: the agent serves calls concurrently, so one window's pins, demotions and commit run
-   while another's NVMe reads are in flight, and the client copies window k out of the HBM
-   arena, each block verified as it is copied (``cmx.client.copy_out``), while windows k+1
-   to k+DEPTH-1 are read.
+1. ``agent.load(keys, copies, priority, owner, namespace, of_blocks)``: the window's blocks
+   pinned in this node's HBM for ``owner``, a lease of its own per window; ``of_blocks``, the
+   whole load's, tells the agent a scan (more than HBM and DRAM hold) from a load that fits
+   (``actors/agent/demote.py``: a scan's windows do not demote what NVMe holds to DRAM).
+   Up to ``DEPTH`` windows are asked for before the first answer is waited for, and each
+   window copied out makes room for the next one: the agent serves calls concurrently, so
+   one window's pins, demotions and commit run while another's NVMe reads are in flight, and
+   the client copies window k out of the HBM arena, each block verified as it is copied
+   (``cmx.client.copy_out``), while windows k+1 to k+DEPTH-1 are read.
 2. ``agent.release(leases, corrupt)`` after each window's copy, sent at once and waited for
    only when the next window asked for would otherwise make more than ``DEPTH`` windows of
    pins (an agent serves calls concurrently, and a window asked for after a release merely
@@ -177,7 +179,7 @@ def _ask(ns: Reader, blocks: Sequence[BlockLocation], start: int, window: int,
     try:
         ref = ns.cm.link.submit(_agent(ns), "load", [b.key for b in chunk],
                                 [list(b.copies) for b in chunk], Priority.LOAD, owner,
-                                ns.namespace.id)
+                                ns.namespace.id, len(blocks))
     except CmxError as exc:  # the agent is not running: a miss from here on
         log.warning("load not sent: %s", exc)
         return None

@@ -2,12 +2,15 @@
 through a few HBM windows at a time: the agent has the NVMe reads of the windows after the one
 the client copies out under way before that copy (``cmx.client.loads.DEPTH`` windows hold pins
 at once), the bytes come back exact, a window that comes back corrupt ends the load there, and
-every pin of every window is given back."""
+every pin of every window is given back. The blocks its windows evict from HBM stay on NVMe,
+not copied to DRAM, in three round trips to the tiers a window; a block NVMe lacks still goes
+to DRAM."""
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,7 +23,7 @@ from cmx.client import ContextMemory, NamespaceClient
 from cmx.client.loads import DEPTH, load_window
 from cmx.client.node_plane import NodePlane
 from cmx.keys import Namespace
-from cmx.links import LocalLink
+from cmx.links import LocalLink, actor_name
 from cmx.storage.arena import SharedArena
 from cmx.tiers import Tier
 
@@ -50,13 +53,24 @@ class Events:
 
 class RecordingLink(LocalLink):
     """Runs calls in this process as LocalLink does, noting the client's releases and
-    give-ups; ``on_load[n]`` runs on the answer of the n-th load before the client sees it."""
+    give-ups, and each round trip to this node's tiers (``trips``: the calls of one
+    ``call_many``, as "tier.method"); ``on_load[n]`` runs on the answer of the n-th load
+    before the client sees it."""
 
     def __init__(self, targets: dict[str, Any]) -> None:
         super().__init__(targets)
         self.events = Events()
         self.on_load: dict[int, Callable[[Any], Any]] = {}
         self.loads = 0
+        self.trips: list[tuple[str, ...]] = []
+        self._tiers = {actor_name(t.value, NODE): t.value for t in Tier if t is not Tier.POOL}
+
+    def call_many(self, calls: Sequence[tuple[str, str, tuple[Any, ...]]],
+                  timeout_s: float | None = None, return_exceptions: bool = False) -> list[Any]:
+        trip = tuple(f"{self._tiers[n]}.{m}" for n, m, _ in calls if n in self._tiers)
+        if trip:
+            self.trips.append(trip)
+        return super().call_many(calls, timeout_s, return_exceptions)
 
     def submit(self, name: str, method: str, *args: Any) -> Any:
         if method == "release":
@@ -155,8 +169,8 @@ def test_the_windows_after_the_one_copied_out_are_read_from_nvme_before_its_copy
 
 
 def test_a_prefix_eight_times_the_memory_tiers_loads_back_exact_twice(plane: Plane) -> None:
-    """Loaded twice (the second time from what the first left in HBM and DRAM, and NVMe for
-    the rest), the prefix comes back exact both times, with nothing held after either."""
+    """Loaded twice (the second time from what the first left in HBM, and NVMe for the
+    rest), the prefix comes back exact both times, with nothing held after either."""
     ns, toks, kv = on_nvme_only(plane)
     assert same_bits(ns.load(toks), kv)
     assert nothing_held(plane)
@@ -188,4 +202,55 @@ def test_a_corrupt_window_mid_prefix_ends_the_load_there_with_every_pin_given_ba
     assert link.loads == bad_window + DEPTH  # nothing asked once it came back corrupt
     assert nothing_held(plane)
     assert hbm.stats().store.quarantined == 1
+    check(plane)
+
+
+
+def test_a_scan_demotes_to_dram_nothing_nvme_holds_in_three_tier_round_trips_a_window(
+        plane: Plane) -> None:
+    """The prefix is more than HBM and DRAM hold together: the blocks its windows evict from
+    HBM stay on NVMe and are not copied to DRAM (where the scan would evict them in turn), so
+    DRAM gains none of them, and each window asks this node's tiers three times (HBM's slots
+    with NVMe's pins, which victims are held below, the commit), twice while HBM has room."""
+    ns, toks, kv = on_nvme_only(plane)
+    link: RecordingLink = plane.link  # type: ignore[assignment]
+    agent = plane.agents[NODE]
+    window = load_window(plane.config)
+    windows, with_room = BLOCKS // window, TIER_BLOCKS // window
+    link.trips.clear()
+    assert same_bits(ns.load(toks), kv)
+    assert agent.counters.dropped["scan_held_on_nvme"] == BLOCKS - TIER_BLOCKS
+    assert "hbm->dram" not in agent.stats().moved_bytes
+    keys = ns.keys(toks)
+    assert not any(plane.tiers[(NODE, Tier.DRAM)].contains(keys))
+    assert all(plane.tiers[(NODE, Tier.NVME)].contains(keys))
+    loads = Counter(t for t in link.trips if t != ("hbm.unpin",))  # the releases aside
+    assert loads == {("hbm.acquire", "nvme.pin"): windows, ("hbm.commit_pinned",): windows,
+                     ("dram.contains", "nvme.contains"): windows - with_room}
+    assert nothing_held(plane)
+    check(plane)
+
+
+def test_a_block_a_scan_evicts_from_hbm_that_nvme_lacks_is_demoted_to_dram(
+        plane: Plane) -> None:
+    """A block held in HBM alone when a scan starts is evicted by it and demoted to DRAM as
+    by any load (only blocks NVMe holds are left to NVMe): it loads back exact after."""
+    ns, toks, kv = on_nvme_only(plane)
+    agent = plane.agents[NODE]
+    hot = NamespaceClient(ns.cm, Namespace("m", LAYOUT, "hot"))
+    hot_toks = np.random.default_rng(8).integers(0, 50_000, T)
+    hot_kv = LAYOUT.random_kv(T, seed=8)
+    assert hot.store(hot_toks, hot_kv).wait() == 1
+    hot_keys = hot.keys(hot_toks)
+    assert agent.prefetch(hot_keys, plane.lookup(hot_keys)) == 1
+    for tier in (Tier.DRAM, Tier.NVME):
+        plane.tiers[(NODE, tier)].evict(hot_keys)
+    assert [c.tier for b in hot.lookup(hot_toks).blocks for c in b.copies] == [Tier.HBM]
+    assert same_bits(ns.load(toks), kv)
+    assert plane.tiers[(NODE, Tier.HBM)].contains(hot_keys) == [False]
+    assert plane.tiers[(NODE, Tier.DRAM)].contains(hot_keys) == [True]
+    assert agent.stats().moved_bytes["hbm->dram"] == BLOCK
+    assert agent.counters.dropped["scan_held_on_nvme"] == BLOCKS - TIER_BLOCKS
+    assert same_bits(hot.load(hot_toks), hot_kv)
+    assert nothing_held(plane)
     check(plane)

@@ -10,9 +10,13 @@ here. Every figure is a ratio to a baseline measured in the same run (see ``core
     storage  "nvme", "dram": NvmeStore and DramStore bandwidth against fio and memcpy
     slices   "slices": one KV head as 512-byte pieces, served by NvmeStore.read_runs
     service  "transfer", "directory", "pool": the service on a local multi-node Ray cluster
+    xhost    "transfer-hosts": that load between two hosts with only TCP between them, against
+             one TCP stream (xhost_run measures, tcp_copy copies)
     lookups  "lookups": 1,000-block lookups under 16 callers, node plane against the directory
     heads    "heads": one KV head of eight through the service against a whole load, per tier
     hits     "service": local hits against Ray round trips; the client's checksum of a load
+    layers   "layers": the vLLM connector's loads in groups of layers, layer 0's wait against
+             the last's and against the whole prefix first
     dpu      "dpu": loads through an agent on the host and one on a DPU over NIXL
     cluster  that cluster
     e2e      "e2e": time to first token through the Serve application, cached against recompute
@@ -36,10 +40,12 @@ SUITES: dict[str, str] = {
     "dram": "cmx.bench.storage:run_dram",
     "slices": "cmx.bench.slices:run_slices",
     "transfer": "cmx.bench.service:run_transfer",
+    "transfer-hosts": "cmx.bench.xhost:run_transfer_hosts",
     "directory": "cmx.bench.service:run_directory",
     "lookups": "cmx.bench.lookups:run_lookups",
     "pool": "cmx.bench.service:run_pool",
     "heads": "cmx.bench.heads:run_heads",
+    "layers": "cmx.bench.layers:run_layers",
     "service": "cmx.bench.hits:run_service",
     "lmcache": "cmx.bench.peer:run_lmcache",
     "prefetch": "cmx.bench.prefetch:run_prefetch",

@@ -4,7 +4,8 @@ One module per group of suites; each suite is a function ``(BenchContext) -> Sui
 named in ``SUITES`` and imported only when it runs. A new suite is a new module and one line
 here. Every figure is a ratio to a baseline measured in the same run (see ``core``).
 
-    core     figures, goals, settings, cold-cache helpers
+    core     figures, goals (judged only on figures that can be judged), settings, cold caches
+    intervals  two variants alternated per repetition; bootstrap intervals over the pairs
     machine  CPU, cores, memory, disk and kernel, for every report
     raw      "limits": fio O_DIRECT matrix and memcpy; the baselines other suites call
     storage  "nvme", "dram": NvmeStore and DramStore bandwidth against fio and memcpy
@@ -24,6 +25,7 @@ here. Every figure is a ratio to a baseline measured in the same run (see ``core
              e2e_pairs)
     vllm_serve "e2e-serve": vLLM's OpenAI servers driven by ``vllm bench serve`` (vllm_results)
     report   JSON, markdown, plots, docs/BENCHMARKS.md
+    summary  the counts of PASS, MISS and inconclusive atop docs/BENCHMARKS.md, from its sections
     runner   runs suites in order and collects a BenchReport
 """
 

@@ -4,11 +4,18 @@ A figure is never a bare number. It is the median of ``reps`` measurements besid
 baseline measured in the same run (raw disk bandwidth with fio, or numpy memcpy), and its ratio
 to that baseline is what a goal judges. The disk here is virtual and noisy, so a number from
 another run, or another day, is not a baseline.
+
+A goal passes only on a figure that can be judged (``Figure.inconclusive``): a negative median,
+a baseline of zero or next to it, a non-finite sample, or a difference whose paired interval
+reaches below zero is a MISS, whatever the goal's side, and says why. A figure that is a
+difference of two variants is measured in pairs and carries its interval
+(``Figure.paired_difference``).
 """
 
 from __future__ import annotations
 
 import enum
+import math
 import os
 import statistics
 import time
@@ -16,6 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from cmx.bench.intervals import Interval, ratio_interval
 
 __all__ = [
     "GB",
@@ -33,6 +42,10 @@ __all__ = [
     "median",
     "timed",
 ]
+
+# A baseline at or below this fraction of the largest magnitude among a figure's samples is ~0:
+# a ratio to it says nothing (a difference of medians that cancelled, a timer's resolution).
+DEGENERATE_BASELINE = 1e-6
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -83,6 +96,21 @@ class Figure:
     baseline_samples: tuple[float, ...]  # one per repetition, measured in the same run
     goal: Goal | None = None
     note: str = ""  # how to read it, or why it misses
+    interval: Interval | None = None  # the ratio's bootstrap interval, for a paired figure
+
+    @classmethod
+    def paired_difference(cls, suite: str, name: str, unit: str, a: Sequence[float],
+                          b: Sequence[float], baseline_name: str, goal: Goal | None = None,
+                          note: str = "") -> Figure:
+        """What ``a`` adds over ``b``, judged against ``a``: ``a[i]`` and ``b[i]`` are one
+        pair (the same repetition, run back to back), the figure's samples are ``a[i] - b[i]``
+        and its baseline ``a``; the interval resamples whole pairs."""
+        if len(a) != len(b) or not a:
+            raise ValueError(f"paired samples of equal, non-zero length, got {len(a)} and "
+                             f"{len(b)}")
+        diffs = tuple(x - y for x, y in zip(a, b, strict=True))
+        interval = ratio_interval(diffs, a) if median(a) > 0 and min(a) > 0 else None
+        return cls(suite, name, unit, diffs, baseline_name, tuple(a), goal, note, interval)
 
     @property
     def value(self) -> float:
@@ -97,10 +125,38 @@ class Figure:
         return self.value / self.baseline if self.baseline else float("nan")
 
     @property
+    def inconclusive(self) -> str | None:
+        """Why no goal can be judged on this figure, or None when one can."""
+        samples = (*self.samples, *self.baseline_samples)
+        if not all(map(math.isfinite, samples)):
+            return "a sample is not a finite number"
+        if self.value < 0:
+            return f"its median is negative ({self.value:.3g} {self.unit})"
+        scale = max(abs(x) for x in samples)
+        if self.baseline <= DEGENERATE_BASELINE * scale or min(self.baseline_samples) <= 0:
+            return (f"its baseline is ~0 or below (median {self.baseline:.3g}, least "
+                    f"{min(self.baseline_samples):.3g} {self.unit}): the ratio means nothing")
+        if self.interval is not None:
+            iv = self.interval
+            if not all(map(math.isfinite, (iv.ratio, iv.low, iv.high))):
+                return f"its interval is not finite ({iv})"
+            if iv.low < 0:
+                return f"its interval reaches below zero: {iv}"
+        elif min(self.samples) < 0:
+            return ("samples below zero (a difference) with no paired interval to judge "
+                    "them by")
+        return None
+
+    @property
     def verdict(self) -> Verdict:
-        return self.goal.check(self.ratio) if self.goal else Verdict.INFO
+        if self.goal is None:
+            return Verdict.INFO
+        if self.inconclusive is not None:
+            return Verdict.MISS  # never PASS on a figure that cannot be judged
+        return self.goal.check(self.ratio)
 
     def to_dict(self) -> dict[str, Any]:
+        iv = self.interval
         return {
             "suite": self.suite,
             "name": self.name,
@@ -111,8 +167,11 @@ class Figure:
             "baseline": self.baseline,
             "baseline_samples": list(self.baseline_samples),
             "ratio": self.ratio,
+            "interval": None if iv is None else {"ratio": iv.ratio, "low": iv.low,
+                                                 "high": iv.high, "level": iv.level},
             "goal": str(self.goal) if self.goal else None,
             "verdict": self.verdict.value,
+            "inconclusive": self.inconclusive if self.goal else None,
             "note": self.note,
         }
 

@@ -1,5 +1,5 @@
 """The pure parts of a paired engine comparison: the order requests run in, their prompts, and
-the interval of a ratio of medians.
+the interval of a ratio of medians (``cmx.bench.intervals``, named here too).
 
 Engines with and without a connector run in separate processes, one request at a time. Each
 repetition sends one request of every variant, in an order rotated by one each repetition
@@ -10,10 +10,11 @@ background work (a connector's stores finishing) in its figures.
 from __future__ import annotations
 
 import random
-import statistics
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from cmx.bench.intervals import Interval, ratio_interval
 
 __all__ = ["VOCAB", "Interval", "Slot", "prompt_ids", "prompt_seed", "ratio_interval",
            "schedule"]
@@ -49,39 +50,3 @@ def prompt_ids(seed: int, n: int) -> list[int]:
     """``n`` token ids drawn uniformly from ``VOCAB`` with Python's Mersenne Twister at ``seed``."""
     rng = random.Random(seed)
     return [rng.randrange(*VOCAB) for _ in range(n)]
-
-
-@dataclass(frozen=True)
-class Interval:
-    """A ratio of medians and its bootstrap interval."""
-
-    ratio: float
-    low: float
-    high: float
-    level: float  # e.g. 0.95
-
-    def __str__(self) -> str:
-        return f"{self.ratio:.3f} [{self.low:.3f}, {self.high:.3f}] ({self.level:.0%})"
-
-
-def ratio_interval(a: Sequence[float], b: Sequence[float], level: float = 0.95,
-                   resamples: int = 2000, seed: int = 0) -> Interval:
-    """median(a) / median(b), with a percentile bootstrap over repetitions.
-
-    ``a[i]`` and ``b[i]`` come from the same repetition, so repetitions are resampled in pairs
-    (the same indices for both). With one repetition the interval is the ratio itself.
-    """
-    if len(a) != len(b) or not a:
-        raise ValueError(f"paired samples of equal, non-zero length, got {len(a)} and {len(b)}")
-    if not 0 < level < 1:
-        raise ValueError(f"level must be in (0, 1), got {level}")
-    ratio = statistics.median(a) / statistics.median(b)
-    rng = random.Random(seed)
-    n = len(a)
-    ratios = sorted(
-        statistics.median([a[i] for i in idx]) / statistics.median([b[i] for i in idx])
-        for idx in ([rng.randrange(n) for _ in range(n)] for _ in range(resamples)))
-    tail = (1 - level) / 2
-    low = ratios[int(tail * (resamples - 1))]
-    high = ratios[int(round((1 - tail) * (resamples - 1)))]
-    return Interval(ratio, low, high, level)

@@ -6,8 +6,12 @@
   client's verified copy out of shared memory, and a one-way unpin; any HBM copy is evicted
   before each load, so each is a DRAM hit.
 - The consumer-side checksum on a 64 MiB DRAM-hit load (16 blocks of 4 MiB): what verifying
-  adds to the load (loads with the client's checks against loads without, alternating),
-  against the whole verified load; beside it, XXH3 and memcpy alone on this machine.
+  adds to the load, against the whole verified load. Measured in pairs: each repetition loads
+  once with the client's checks and once without, the order swapping every repetition
+  (``intervals.alternated``); the figure is the median of the per-pair differences over the
+  median verified load, with a bootstrap interval over pairs, and an interval reaching below
+  zero is inconclusive, not a PASS (``Figure.paired_difference``). Beside it, XXH3 and memcpy
+  alone on this machine.
 - A prefix on the local NVMe tier alone, loaded and stored against fio (``nvme_hits``).
 - The same under memory pressure: a prefix eight times the node's HBM and DRAM, loaded from
   NVMe through a few HBM windows at a time, against fio (``pressure``).
@@ -23,13 +27,14 @@ import numpy as np
 
 from cmx.bench.cluster import bench_cluster, on_node
 from cmx.bench.core import BenchContext, Figure, Goal, MiB, SuiteResult, median
+from cmx.bench.intervals import alternated
 from cmx.bench.nvme_hits import nvme_prefix_figures
 from cmx.bench.pressure import pressure_figures
 from cmx.checksum import checksum
 from cmx.config import ServiceConfig
 from cmx.layout import KVLayout
 
-__all__ = ["run_service"]
+__all__ = ["checksum_cost_figure", "run_service"]
 
 SMALL = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16)
 BIG = KVLayout(num_layers=16, num_kv_heads=8, head_dim=128, dtype="float16", block_tokens=64)
@@ -82,17 +87,19 @@ def _dram_hits(cm: Any, ns: Any, toks: np.ndarray, keys: list[Any], reps: int) -
 
 def _verify_cost(cm: Any, ns: Any, toks: np.ndarray, keys: list[Any], n: int
                  ) -> tuple[list[float], list[float]]:
-    """Load times of ``toks`` (DRAM hits) with the client's checks and without, alternating,
-    so both see the same minute of a busy machine."""
-    verified, unverified = [], []
-    for _ in range(n):
-        verified += _dram_hits(cm, ns, toks, keys, 1)
+    """``n`` pairs of load times of ``toks`` (DRAM hits), with the client's checks and without,
+    the order swapping every pair, so both see the same minute of a busy machine."""
+    def verified() -> float:
+        return _dram_hits(cm, ns, toks, keys, 1)[0]
+
+    def unverified() -> float:
         ns.verify = False
         try:
-            unverified += _dram_hits(cm, ns, toks, keys, 1)
+            return _dram_hits(cm, ns, toks, keys, 1)[0]
         finally:
             ns.verify = True
-    return verified, unverified
+
+    return alternated(n, verified, unverified)
 
 
 def _alone_gbps(nbytes: int) -> tuple[float, float]:
@@ -109,6 +116,20 @@ def _alone_gbps(nbytes: int) -> tuple[float, float]:
         copies.append(time.perf_counter() - t1)
         sums.append(t1 - t0)
     return nbytes / median(sums) / 1e9, nbytes / median(copies) / 1e9
+
+
+def checksum_cost_figure(loads: list[float], bare: list[float], xxh3: float,
+                         memcpy: float) -> Figure:
+    """What the client's checks add to a 64 MiB load: ``loads[i]`` (verified) and ``bare[i]``
+    (unverified) are one pair, in seconds."""
+    return Figure.paired_difference(
+        "service", "consumer-side checksum of a 64 MiB DRAM-hit load (load verified - "
+        "unverified, per pair)", "s", loads, bare,
+        "the whole verified load through ContextMemory.load", Goal("<=", 0.10),
+        note=f"verified load {median(loads) * 1e3:.1f} ms ({64 * MiB / median(loads) / 1e9:.2f} "
+             f"GB/s), unverified {median(bare) * 1e3:.1f} ms, medians of {len(loads)} pairs, "
+             f"the order swapped every pair; alone in the client's process: XXH3 {xxh3:.1f} "
+             f"GB/s, numpy memcpy {memcpy:.1f} GB/s")
 
 
 def run_service(ctx: BenchContext) -> SuiteResult:
@@ -138,15 +159,7 @@ def run_service(ctx: BenchContext) -> SuiteResult:
         _dram_hits(cm, ns, toks, keys, 2)
         loads, bare = _verify_cost(cm, ns, toks, keys, 10 * ctx.config.reps + 1)
     xxh3, memcpy = _alone_gbps(64 * MiB)
-    cost = median(loads) - median(bare)
-    result.figures.append(Figure(
-        "service", "consumer-side checksum of a 64 MiB DRAM-hit load (load verified - "
-        "unverified)", "s", (cost,), "the whole verified load through ContextMemory.load",
-        (median(loads),), Goal("<=", 0.10),
-        note=f"verified load {median(loads) * 1e3:.1f} ms ({64 * MiB / median(loads) / 1e9:.2f} "
-             f"GB/s), unverified {median(bare) * 1e3:.1f} ms, medians of {len(loads)} each, "
-             f"alternating; alone in the client's process: XXH3 {xxh3:.1f} GB/s, numpy memcpy "
-             f"{memcpy:.1f} GB/s"))
+    result.figures.append(checksum_cost_figure(loads, bare, xxh3, memcpy))
     figures, notes = nvme_prefix_figures(ctx)
     result.figures += figures
     result.notes += notes

@@ -14,9 +14,12 @@ one JSON object of timings (seconds) and counts. Operations:
   of the same tokens: how many are still hits, and how many of the prefix's chunk files (by
   the engine's own key-to-path mapping) lie on disk.
 - ``cpu``: LocalCPUBackend only; ``store`` then ``lookup`` + ``retrieve``.
-- ``prefetch``: store the prefix on disk (in batches), then per repetition a cold blocking
-  load, and for each queue wait W: ``async_lookup_and_prefetch`` at the request's arrival,
-  sleep W, then wait for the prefetch's completion and ``retrieve``.
+- ``prefetch``: store the prefix on disk (in batches), then a cold blocking load per
+  repetition; the queue waits W are ``wait_fractions`` of the median of those cold loads (the
+  rule of ``cmx.bench.prefetch.queue_waits``, which checks them); then per repetition, for each
+  W: ``async_lookup_and_prefetch`` at the request's arrival, sleep W, then wait for the
+  prefetch's completion and ``retrieve``. ``ready_s`` lists, in the order of ``waits``, each
+  wait's times.
 
 Every engine first stores and loads one chunk of other tokens, untimed (``Bench.warm_up``).
 
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import threading
 import time
@@ -315,8 +319,7 @@ def op_prefetch(spec: dict[str, Any]) -> dict[str, Any]:
         bench.warm_up(disk=True)
         store_s = bench.store(batch_tokens=int(spec.get("store_batch_tokens", 16384)))
         cold: list[float] = []
-        ready: dict[str, list[float]] = {str(w): [] for w in spec["waits"]}
-        for rep in range(int(spec["reps"])):
+        for _ in range(int(spec["reps"])):
             # The blocking path (batched_get_blocking), as an engine built without
             # enable_async_loading retrieves: no preloading.
             bench.engine.async_loading = False
@@ -325,13 +328,16 @@ def op_prefetch(spec: dict[str, Any]) -> dict[str, Any]:
             if loaded != bench.tokens:
                 raise RuntimeError(f"cold load retrieved {loaded} of {bench.tokens} tokens")
             cold.append(seconds)
-            for w in spec["waits"]:
-                seconds, loaded = bench.prefetched_load(f"r{rep}-w{w}", float(w))
+        waits = [float(f) * statistics.median(cold) for f in spec["wait_fractions"]]
+        ready: list[list[float]] = [[] for _ in waits]
+        for rep in range(int(spec["reps"])):
+            for i, w in enumerate(waits):
+                seconds, loaded = bench.prefetched_load(f"r{rep}-w{i}", w)
                 if loaded != bench.tokens:
                     raise RuntimeError(f"prefetched load got {loaded} of {bench.tokens} tokens")
-                ready[str(w)].append(seconds)
-        return {"bytes": bench.nbytes, "store_s": store_s, "cold_s": cold, "ready_s": ready,
-                "verified": bench.verify()}
+                ready[i].append(seconds)
+        return {"bytes": bench.nbytes, "store_s": store_s, "cold_s": cold, "waits": waits,
+                "ready_s": ready, "verified": bench.verify()}
     finally:
         bench.close()
 

@@ -49,7 +49,7 @@ REQUIRED_KEYS: dict[str, tuple[str, ...]] = {
     "disk": ("bytes", "store_s", "load_s", "loaded_tokens", "head_s", "verified", "files"),
     "restart": ("chunks", "hit_chunks", "hit_tokens", "files_before"),
     "cpu": ("bytes", "store_s", "load_s", "loaded_tokens", "verified"),
-    "prefetch": ("bytes", "store_s", "cold_s", "ready_s", "verified"),
+    "prefetch": ("bytes", "store_s", "cold_s", "waits", "ready_s", "verified"),
 }
 
 

@@ -20,13 +20,18 @@ of the wait to the moment every byte of the prefix is in the destination.
   doing, at arrival, with the same W. Without async loading it loads only when the request is
   scheduled: its time-to-ready is then its whole blocking load (``time_to_ready`` with no
   preloading), shown beside it.
-- W: the median of our own cold loads in this run (the time of the cold load itself), and
-  half of it.
+- W: the median of LMCache's cold loads in this run, and half of it (``WAIT_FRACTIONS``,
+  ``queue_waits``): the baseline's time, measured before any of ours, never our own result.
+  A wait set to our own cold load would let our preload finish by construction. LMCache's
+  driver measures its cold loads first and sets W from them before its preloaded loads (the
+  driver runs without cmx, so it applies the same rule, and the suite checks its waits
+  against ``queue_waits``).
 - Cold load: each side's load with no wait, LMCache's through its blocking path.
 
-Ours runs first (store, cold loads, preloaded loads), then LMCache's (one process: its disk
-index lives in memory, so it stores the prefix itself), so the two never hold 10 GiB of
-destination memory at the same time.
+LMCache's side runs first (one process: its disk index lives in memory, so it stores the prefix
+itself; cold loads, then preloaded loads), then ours (store, cold loads, preloaded loads with
+LMCache's waits), so the two never hold 10 GiB of destination memory at the same time. If
+LMCache cannot be measured there is no W: ours makes its cold loads alone, and no figure.
 """
 
 from __future__ import annotations
@@ -47,19 +52,27 @@ from cmx.bench.storage import payload_pool
 from cmx.buffers import aligned_empty
 from cmx.policies.prefetch import make_prefetch
 
-__all__ = ["BLOCK_TOKENS", "TOKENS_PER_GIB", "ThreadLoad", "prefix_tokens", "run_prefetch",
-           "time_to_ready"]
+__all__ = ["BLOCK_TOKENS", "TOKENS_PER_GIB", "WAIT_FRACTIONS", "ThreadLoad", "prefix_tokens",
+           "queue_waits", "run_prefetch", "time_to_ready"]
 
 BLOCK_TOKENS = 256
 TOKENS_PER_GIB = 40_960  # 81,920 tokens (10 GiB of Llama-3-8B KV) at the default --gib 2
 READY_GOAL = Goal("<=", 0.5)  # at most half LMCache's time-to-ready: >= 2x faster
-WAIT_FRACTIONS = (1.0, 0.5)  # queue waits, as fractions of our median cold load
+WAIT_FRACTIONS = (1.0, 0.5)  # queue waits, as fractions of LMCache's median cold load
 
 
 def prefix_tokens(gib: float, block_tokens: int = BLOCK_TOKENS) -> int:
     """Tokens of the prefix for ``--gib``: whole blocks, at least one."""
     blocks = int(gib * TOKENS_PER_GIB) // block_tokens
     return max(1, blocks) * block_tokens
+
+
+def queue_waits(baseline_cold_s: list[float] | tuple[float, ...]) -> list[float]:
+    """The queue waits W: ``WAIT_FRACTIONS`` of the baseline's (LMCache's) median cold load."""
+    if not baseline_cold_s or min(baseline_cold_s) <= 0:
+        raise ValueError(f"the baseline's cold loads must be > 0 s, got {baseline_cold_s}")
+    cold = median(baseline_cold_s)
+    return [f * cold for f in WAIT_FRACTIONS]
 
 
 def time_to_ready(load_s: float, wait_s: float, residual_s: float = 0.0,
@@ -110,8 +123,9 @@ class ThreadLoad:
             raise self.error
 
 
-def _ours(ctx: BenchContext, tokens: int) -> dict[str, Any]:
-    """Our store, cold loads and preloaded loads of the prefix; W is decided here."""
+def _ours(ctx: BenchContext, tokens: int, waits: list[float]) -> dict[str, Any]:
+    """Our store, cold loads, and preloaded loads of the prefix after each wait in ``waits``
+    (set from LMCache's cold loads, never from ours)."""
     layout = llama_layout(BLOCK_TOKENS)
     blocks = tokens // BLOCK_TOKENS
     block = layout.block_bytes
@@ -133,8 +147,7 @@ def _ours(ctx: BenchContext, tokens: int) -> dict[str, Any]:
                 ctx.drop_cache()
                 out["cold_s"].append(timed(lambda: load_into(store, keys, dest)))
                 _check(dest, block, blocks, pool)
-            waits = [f * median(out["cold_s"]) for f in WAIT_FRACTIONS]
-            out["waits"] = waits
+            out["waits"] = list(waits)
             for rep in range(ctx.config.reps):
                 for w in waits:
                     ctx.log(f"prefetch ours: wait {w:.2f} s, {rep + 1}/{ctx.config.reps}")
@@ -157,36 +170,50 @@ def _check(dest: np.ndarray, block: int, blocks: int, pool: list[np.ndarray]) ->
             raise AssertionError(f"block {i} of the prefix loaded wrong bytes")
 
 
-def _theirs(ctx: BenchContext, peer: Peer, tokens: int, waits: list[float]) -> dict[str, Any]:
+def _theirs(ctx: BenchContext, peer: Peer, tokens: int) -> dict[str, Any]:
+    """LMCache's store, cold loads, then preloaded loads after the waits its cold loads set."""
     disk = ctx.scratch("prefetch-lmcache")
     layout = llama_layout(BLOCK_TOKENS)
     spec = {"op": "prefetch", "geometry": driver_geometry(), "chunk_tokens": BLOCK_TOKENS,
             "tokens": tokens, "disk_dir": str(disk), "seed": 80, "reps": ctx.config.reps,
-            "waits": waits, "ring_tokens": 256 * 2**20 // layout.token_bytes,
-            "store_batch_tokens": 16_384}
+            "wait_fractions": list(WAIT_FRACTIONS),
+            "ring_tokens": 256 * 2**20 // layout.token_bytes, "store_batch_tokens": 16_384}
     ctx.log(f"prefetch: LMCache stores {tokens:,} tokens, then loads them "
-            f"{ctx.config.reps * (1 + len(waits))} times")
+            f"{ctx.config.reps * (1 + len(WAIT_FRACTIONS))} times")
     try:
         got = run_driver(peer, spec, ctx.scratch("lmcache-driver"), timeout=3600)
     finally:
         shutil.rmtree(disk, ignore_errors=True)
-    # JSON keys are strings; map them back to the waits asked for, in order.
-    got["ready_s"] = {w: got["ready_s"][str(w)] for w in waits}
-    return got
+    return _theirs_waited(got)
+
+
+def _theirs_waited(got: dict[str, Any]) -> dict[str, Any]:
+    """The driver's answer with ``ready_s`` keyed by wait; PeerError if its waits are not
+    ``queue_waits`` of its own cold loads."""
+    want = queue_waits(got["cold_s"])
+    waits = [float(w) for w in got["waits"]]
+    if len(waits) != len(want) or any(abs(w - x) > 1e-9 * max(1.0, x)
+                                      for w, x in zip(waits, want, strict=True)):
+        raise PeerError(f"LMCache's driver waited {waits} s, not {want} "
+                        f"(WAIT_FRACTIONS of its median cold load)")
+    return {**got, "waits": waits,
+            "ready_s": {w: list(r) for w, r in zip(waits, got["ready_s"], strict=True)}}
 
 
 def run_prefetch(ctx: BenchContext) -> SuiteResult:
     result = SuiteResult("prefetch", command="")
     tokens = prefix_tokens(ctx.config.gib)
     size = f"{tokens:,} tokens ({tokens * llama_layout(BLOCK_TOKENS).token_bytes / GiB:g} GiB)"
-    ours = _ours(ctx, tokens)
     try:
         peer = ensure_peer(ctx)
-        theirs = _theirs(ctx, peer, tokens, ours["waits"])
+        theirs = _theirs(ctx, peer, tokens)
     except PeerError as exc:
-        result.notes.append(f"LMCache could not be measured, so there are no figures: {exc}")
+        ours = _ours(ctx, tokens, [])
+        result.notes.append(f"LMCache could not be measured, so there is no queue wait to "
+                            f"set and no figure: {exc}")
         result.tables.append(_table(ours, None, size))
         return result
+    ours = _ours(ctx, tokens, theirs["waits"])
     result.figures += _figures(ours, theirs, size)
     result.tables.append(_table(ours, theirs, size))
     result.notes += [
@@ -194,6 +221,8 @@ def run_prefetch(ctx: BenchContext) -> SuiteResult:
         "hot cache; the scheduler's side (told by the engine when a prefetch is done) is "
         "played by the driver; cold loads set the engine's async_loading off for that call, "
         "so they take its blocking path (batched_get_blocking, 4 threads)",
+        f"queue waits: {', '.join(f'{f:g}' for f in WAIT_FRACTIONS)} x LMCache's median cold "
+        "load, measured first, in this run; never our own",
         f"ours: NvmeStore get_many_into of the prefix, into a page-aligned destination; "
         f"prefix stored in {ours['store_s']:.1f} s (put_many + flush), LMCache's in "
         f"{theirs['store_s']:.1f} s",
@@ -211,9 +240,10 @@ def _figures(ours: dict[str, Any], theirs: dict[str, Any], size: str) -> list[Fi
     cold_o, cold_t = tuple(ours["cold_s"]), tuple(theirs["cold_s"])
     figures = [Figure("prefetch", f"cold load, {size}, no queue wait", "s", cold_o,
                       "LMCache blocking retrieve", cold_t)]
-    for i, w in enumerate(ours["waits"]):
+    for i, w in enumerate(theirs["waits"]):
         ready_o, ready_t = tuple(ours["ready_s"][w]), tuple(theirs["ready_s"][w])
-        what = "our median cold load" if i == 0 else f"{WAIT_FRACTIONS[i]:g} x our cold load"
+        what = ("LMCache's median cold load" if WAIT_FRACTIONS[i] == 1
+                else f"{WAIT_FRACTIONS[i]:g} x LMCache's median cold load")
         label = f"time-to-KV-ready, {size}, queue wait {w:.2f} s ({what})"
         figures += [
             Figure("prefetch", label, "s", ready_o,
@@ -235,7 +265,7 @@ def _table(ours: dict[str, Any], theirs: dict[str, Any] | None, size: str) -> Ta
 
     rows = [("cold load (no wait)", cell(ours["cold_s"]),
              cell(theirs["cold_s"]) if theirs else "n/a", "")]
-    cold = median(ours["cold_s"])
+    cold = median(ours["cold_s"])  # the model's load is ours; the waits are LMCache's
     for w in ours["waits"]:
         rows.append((f"time-to-ready after a {w:.2f} s wait", cell(ours["ready_s"][w]),
                      cell(theirs["ready_s"][w]) if theirs else "n/a",

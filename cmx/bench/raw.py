@@ -5,15 +5,19 @@
   queue depth 1 and 16, io_uring where the kernel allows it, libaio otherwise.
 - numpy memcpy of the same bytes, in 32 MiB pieces into a buffer already faulted in.
 
-Other suites call ``fio_bandwidth`` and ``memcpy_bandwidth`` for their own baselines, so that a
+Other suites call ``fio_bandwidth``, ``memcpy_bandwidth`` and ``ThreadedMemcpy`` (memcpy on as
+many threads as the stores copy with, ``copy_threads``) for their own baselines, so that a
 store's figure and its baseline come from the same minutes of the same run.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +29,8 @@ from cmx.errors import CmxError
 __all__ = [
     "FioJob",
     "FioMissingError",
+    "ThreadedMemcpy",
+    "copy_threads",
     "fio_bandwidth",
     "fio_engine",
     "fio_path",
@@ -155,6 +161,46 @@ MATRIX = tuple(
     for bs in (4 * KiB, 128 * KiB, MiB)
     for qd in (1, 16)
 )
+
+
+def copy_threads() -> int:
+    """Threads a store's large copy runs on: ``copy_bytes`` splits it over every core this
+    process may use, the caller's thread included."""
+    return len(os.sched_getaffinity(0))
+
+
+class ThreadedMemcpy:
+    """numpy memcpy of blocks into consecutive slots of one destination on ``threads`` threads:
+    each block cut into ``threads`` pieces, piece ``j`` of every block copied by thread ``j``
+    (the caller's thread is thread 0), so each thread copies its share in one go."""
+
+    def __init__(self, threads: int) -> None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self.threads = threads
+        self._pool = ThreadPoolExecutor(threads - 1, "cmx-bench-memcpy") if threads > 1 else None
+
+    def _share(self, j: int, dst: np.ndarray, blocks: Sequence[np.ndarray],
+               block_bytes: int) -> None:
+        piece = -(-block_bytes // self.threads)
+        lo, hi = j * piece, min(block_bytes, (j + 1) * piece)
+        for i, src in enumerate(blocks):
+            base = i * block_bytes
+            np.copyto(dst[base + lo:base + hi], src[lo:hi])
+
+    def copy(self, dst: np.ndarray, pool: Sequence[np.ndarray], n: int,
+             block_bytes: int) -> None:
+        """``dst[i * block_bytes:][:block_bytes] = pool[i % len(pool)]`` for ``i < n``."""
+        blocks = [pool[i % len(pool)] for i in range(n)]
+        futures = [self._pool.submit(self._share, j, dst, blocks, block_bytes)
+                   for j in range(1, self.threads)] if self._pool else []
+        self._share(0, dst, blocks, block_bytes)
+        for future in futures:
+            future.result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
 
 
 def run_limits(ctx: BenchContext) -> SuiteResult:

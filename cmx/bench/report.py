@@ -2,7 +2,8 @@
 
 ``docs/BENCHMARKS.md`` is updated in place: each suite owns the text between its two markers
 (``<!-- cmx-bench:NAME:begin -->`` / ``:end``), so running one suite rewrites only its section
-and everything written by hand around the markers stays.
+and everything written by hand around the markers stays. The summary between the page's
+``cmx-bench-summary`` markers is then counted again from every section (``summary``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 from cmx.bench.core import Figure, SuiteResult, Verdict
 from cmx.bench.machine import machine_line
+from cmx.bench.summary import INCONCLUSIVE, SUMMARY_BEGIN, SUMMARY_END, refresh_summary
 
 __all__ = [
     "BenchReport",
@@ -31,10 +33,13 @@ __all__ = [
 
 PLOT_HINT = "plots skipped: matplotlib is not installed (pip install 'cmx-ray[bench]')"
 # A page started by ``cmx bench`` itself; the project's docs/BENCHMARKS.md adds the goals.
-DOCS_HEADER = """# Benchmarks
+DOCS_HEADER = f"""# Benchmarks
 
 Written by `cmx bench`: each suite's section holds its latest figures, every one a ratio to a
 baseline measured in the same run. Text outside the `cmx-bench` markers is kept.
+
+{SUMMARY_BEGIN}
+{SUMMARY_END}
 """
 
 
@@ -78,6 +83,8 @@ def figure_rows(figures: Sequence[Figure]) -> list[tuple[str, ...]]:
     rows: list[tuple[str, ...]] = []
     for f in figures:
         verdict = "—" if f.verdict is Verdict.INFO else f"**{f.verdict.value}**"
+        if f.goal is not None and f.inconclusive is not None:
+            verdict += f" ({INCONCLUSIVE})"
         rows.append((
             f.name,
             f"{_num(f.value)} {f.unit}",
@@ -112,6 +119,11 @@ def _suite_markdown(suite: SuiteResult, report: BenchReport, level: str = "###")
     for f in suite.figures:
         if f.note:
             notes.setdefault(f.note, []).append(f.name)
+        if f.interval is not None:
+            notes.setdefault(f"ratio {f.interval}, bootstrap over {len(f.samples)} pairs",
+                             []).append(f.name)
+        if f.goal is not None and f.inconclusive is not None:
+            notes.setdefault(f"{INCONCLUSIVE}, not judged: {f.inconclusive}", []).append(f.name)
     for table in suite.tables:
         parts += ["", f"{table.title}:", "", _md_table(table.headers, table.rows)]
     lines = [*suite.notes, *(f"{'; '.join(names)}: {note}" for note, names in notes.items())]
@@ -160,7 +172,7 @@ def update_docs(path: Path, report: BenchReport, plots: Sequence[Path] = ()) -> 
         else:
             text = text.rstrip("\n") + "\n\n" + block + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    path.write_text(refresh_summary(text))
 
 
 def write_plots(out: Path, report: BenchReport) -> list[Path] | str:

@@ -13,9 +13,11 @@
   tier's ExtentBooks deciding, the agent's ExtentPlane moving the bytes: ``plane_io``) is
   measured on the same bytes and judged by the same goals.
 - ``dram``: DramStore ``put``, ``get_into`` and ``get`` of the same bytes against numpy memcpy
-  (one thread) into a faulted-in destination of the same size, measured in the same
-  repetition. The store splits large copies over the cores (``cmx.buffers.copy_bytes``); that
-  copy alone, into shared memory, is shown beside it.
+  into a faulted-in destination of the same size, measured in the same repetition, on as many
+  threads as the store copies with: the store splits large copies over the cores this process
+  may use (``cmx.buffers.copy_bytes``), so the baseline does too (``raw.ThreadedMemcpy``: piece
+  ``j`` of every block on thread ``j``, one hand-off per pass). One thread's memcpy, and the
+  store's copy alone into shared memory, are shown beside it.
 
 Each repetition uses a new store in a new directory, removed afterwards. Payloads come from a
 pool of random blocks (256 MiB in all), each put under its own key.
@@ -23,9 +25,8 @@ pool of random blocks (256 MiB in all), each put under its own key.
 
 from __future__ import annotations
 
-import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,14 +35,14 @@ import numpy as np
 
 from cmx.bench.core import GB, BenchContext, Figure, Goal, KiB, MiB, SuiteResult, Table, timed
 from cmx.bench.plane_io import plane_pass
-from cmx.bench.raw import FioJob, fio_bandwidth, fio_engine
+from cmx.bench.raw import FioJob, ThreadedMemcpy, copy_threads, fio_bandwidth, fio_engine
 from cmx.buffers import PARALLEL_MIN_BYTES, aligned_empty, copy_bytes
 from cmx.keys import BlockHash, block_hash
 
 if TYPE_CHECKING:
     from cmx.storage import NvmeStore
 
-__all__ = ["block_keys", "payload_pool", "run_dram", "run_nvme"]
+__all__ = ["block_keys", "dram_figures", "payload_pool", "run_dram", "run_nvme"]
 
 # (block bytes, label, goal: ratio to fio 1 MiB QD16)
 NVME_BLOCKS = (
@@ -268,13 +269,15 @@ def _shm_memcpy(pool: list[np.ndarray], n: int, block_bytes: int) -> tuple[float
     return n * block_bytes / plain, n * block_bytes / split
 
 
-def _dram_pass(block_bytes: int, n: int, pool: list[np.ndarray],
-               dst: np.ndarray) -> dict[str, float]:
-    """GB/s of memcpy (private and shared memory), put, get_into and get over ``n`` blocks."""
+def _dram_pass(block_bytes: int, n: int, pool: list[np.ndarray], dst: np.ndarray,
+               memcpy: ThreadedMemcpy) -> dict[str, float]:
+    """GB/s of memcpy (on the stores' threads, on one, into shared memory), put, get_into and
+    get over ``n`` blocks."""
     from cmx.storage import DramStore
 
     total = n * block_bytes
-    rates = {"memcpy": total / timed(lambda: _copy_all(dst, pool, n, block_bytes))}
+    rates = {"memcpy": total / timed(lambda: memcpy.copy(dst, pool, n, block_bytes)),
+             "memcpy1": total / timed(lambda: _copy_all(dst, pool, n, block_bytes))}
     rates["shm"], rates["shm_split"] = _shm_memcpy(pool, n, block_bytes)
     keys = block_keys(n, b"dram")
     store = DramStore(capacity_bytes=total, block_bytes=block_bytes)
@@ -305,35 +308,48 @@ def run_dram(ctx: BenchContext) -> SuiteResult:
     pool = payload_pool(block_bytes)
     dst = np.empty(n * block_bytes, dtype=np.uint8)
     dst[:] = 0  # fault the destination in: page faults are not memcpy
-    _dram_pass(block_bytes, min(n, 8), pool, dst)  # warm-up, not counted
+    memcpy = ThreadedMemcpy(copy_threads())
     rates: dict[str, list[float]] = {}
-    for rep in range(ctx.config.reps):
-        ctx.log(f"dram rep {rep + 1}/{ctx.config.reps}")
-        for k, v in _dram_pass(block_bytes, n, pool, dst).items():
-            rates.setdefault(k, []).append(v)
-    size = f"32 MiB blocks, {n * block_bytes / 2**30:g} GiB"
-    base = ("numpy memcpy into a faulted-in buffer", tuple(rates["memcpy"]))
-    result.figures += [
+    try:
+        _dram_pass(block_bytes, min(n, 8), pool, dst, memcpy)  # warm-up, not counted
+        for rep in range(ctx.config.reps):
+            ctx.log(f"dram rep {rep + 1}/{ctx.config.reps}")
+            for k, v in _dram_pass(block_bytes, n, pool, dst, memcpy).items():
+                rates.setdefault(k, []).append(v)
+    finally:
+        memcpy.close()
+    result.figures += dram_figures(rates, n, block_bytes, memcpy.threads)
+    result.notes.append(f"transparent huge pages here: {_thp('enabled')} for private memory "
+                        f"(numpy asks for them on large arrays), {_thp('shmem_enabled')} for "
+                        f"shared memory")
+    return result
+
+
+def dram_figures(rates: Mapping[str, Sequence[float]], n: int, block_bytes: int,
+                 threads: int) -> list[Figure]:
+    """The suite's figures from each pass's GB/s; the baseline memcpy ran on ``threads``."""
+    size = f"{block_bytes // MiB} MiB blocks, {n * block_bytes / 2**30:g} GiB"
+    base = (f"numpy memcpy into a faulted-in buffer, split over {threads} thread(s), as many as "
+            f"the store copies with", tuple(rates["memcpy"]))
+    return [
         Figure("dram", f"DramStore put, {size}", "GB/s", tuple(rates["put"]), *base, DRAM_GOAL),
         Figure("dram", f"DramStore get_into (caller's buffer), {size}", "GB/s",
                tuple(rates["get_into"]), *base, DRAM_GOAL),
         Figure("dram", f"DramStore get (new buffer each call), {size}", "GB/s",
                tuple(rates["get"]), *base,
                note="allocates a 32 MiB result per call; get_into avoids it"),
+        Figure("dram", f"numpy memcpy on one thread, {size}", "GB/s", tuple(rates["memcpy1"]),
+               *base, note="what splitting the copy over the cores gains"),
         Figure("dram", f"numpy memcpy into POSIX shared memory, {size}", "GB/s",
                tuple(rates["shm"]), *base,
-               note="the arena's kind of memory (a /dev/shm mapping) with no store in the way: "
-                    "what the arena itself costs against private memory"),
+               note="one thread, into the arena's kind of memory (a /dev/shm mapping) with no "
+                    "store in the way: what the arena itself costs against private memory"),
         Figure("dram", f"copy_bytes into POSIX shared memory, {size}", "GB/s",
                tuple(rates["shm_split"]), *base,
                note=f"the stores' own copy with no store in the way: copies of "
                     f"{PARALLEL_MIN_BYTES // MiB} MiB or more are split over the "
-                    f"{_cores()} cores this process may use, as torch's copy_ splits them"),
+                    f"{threads} cores this process may use, as torch's copy_ splits them"),
     ]
-    result.notes.append(f"transparent huge pages here: {_thp('enabled')} for private memory "
-                        f"(numpy asks for them on large arrays), {_thp('shmem_enabled')} for "
-                        f"shared memory")
-    return result
 
 
 def _thp(name: str) -> str:
@@ -345,6 +361,3 @@ def _thp(name: str) -> str:
     start, end = text.find("["), text.find("]")
     return text[start + 1:end] if 0 <= start < end else text.strip()
 
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0))

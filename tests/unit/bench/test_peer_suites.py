@@ -177,15 +177,16 @@ def test_disk_figures_judge_parity_heads_and_restart() -> None:
 
 
 def test_time_to_ready_is_judged_against_lmcaches_prefetch() -> None:
-    ours = {"cold_s": [8.0, 9.0, 10.0], "waits": [9.0, 4.5],
-            "ready_s": {9.0: [0.0, 0.0, 0.1], 4.5: [4.4, 4.6, 4.5]}}
-    theirs = {"cold_s": [11.0, 12.0, 13.0],
-              "ready_s": {9.0: [2.0, 2.5, 3.0], 4.5: [7.0, 7.5, 8.0]}}
+    ours = {"cold_s": [8.0, 9.0, 10.0], "waits": [12.0, 6.0],
+            "ready_s": {12.0: [0.0, 0.0, 0.1], 6.0: [2.4, 2.6, 2.5]}}
+    theirs = {"cold_s": [11.0, 12.0, 13.0], "waits": [12.0, 6.0],
+              "ready_s": {12.0: [2.0, 2.5, 3.0], 6.0: [7.0, 7.5, 8.0]}}
     figs = _figures(ours, theirs, "81,920 tokens (10 GiB)")
     goal = [f for f in figs if f.goal is not None]
     assert len(goal) == 1 and goal[0].goal == READY_GOAL
-    assert "queue wait 9.00 s" in goal[0].name and goal[0].verdict is Verdict.PASS
-    no_preload = next(f for f in figs if "9.00 s" in f.name and "no preloading" in f.name)
+    assert "queue wait 12.00 s (LMCache's median cold load)" in goal[0].name
+    assert goal[0].verdict is Verdict.PASS
+    no_preload = next(f for f in figs if "12.00 s" in f.name and "no preloading" in f.name)
     assert no_preload.baseline == 12.0  # its whole blocking load, after the wait
 
 

@@ -78,15 +78,19 @@ class LayerLoad:
             except (CmxError, OSError, ValueError) as exc:  # a tier restarted: its arena is gone
                 log.warning("a local block's arena is gone: %s", exc)
                 self._release(self._pins)
-        pinned = len(self._payloads)
-        if pinned == here:
-            self._away = list(match.blocks[pinned:])
-        else:  # a block here went since the lookup: the directory is asked for the rest
-            self._away = list(ns._locate(keys[pinned:], ask_here=False))
         self._streams: list[ChecksumStream] = []
-        self._blocks = pinned + len(self._away)  # what every group so far brought
         self._next = 0  # the first layer of the next group
-        self._verify_whole_first()
+        try:
+            pinned = len(self._payloads)
+            if pinned == here:
+                self._away = list(match.blocks[pinned:])
+            else:  # a block here went since the lookup: the directory is asked for the rest
+                self._away = list(ns._locate(keys[pinned:], ask_here=False))
+            self._blocks = pinned + len(self._away)  # what every group so far brought
+            self._verify_whole_first()
+        except BaseException:  # nobody holds this load to close it: its pins go now
+            self.close()
+            raise
 
     @property
     def blocks(self) -> int:

@@ -96,6 +96,7 @@ class RequestState:
     loading: bool = False  # an asynchronous load into its blocks is under way
     saved: bool = False  # a save of its blocks went to the workers
     hashes: Sequence[Any] = ()  # vLLM's block hashes of the request (its own list, growing)
+    generation: int = 0  # resets before it was tracked: its salt's
 
 
 class SchedulerSide:
@@ -137,7 +138,7 @@ class SchedulerSide:
             if options.load or options.store:
                 self.namespaces.get(salt)  # opened: ``reset`` drops what this engine used
             self.requests[req_id] = RequestState(salt, tuple(prompt or ()), options,
-                                                 hashes=hashes)
+                                                 hashes=hashes, generation=self.generation)
 
     def matched_tokens(self, req_id: str, local_tokens: int) -> int | None:
         """Tokens beyond ``local_tokens`` to load; None while the lookup runs."""
@@ -279,7 +280,8 @@ class SchedulerSide:
             start = state.stored_upto
             meta.saves.append(SaveSpec(req_id, state.salt, state.prompt[:upto], start, upto,
                                        tuple(state.block_ids[start // T:upto // T])))
-            self.events.planned(req_id, state.hashes, state.prompt, start, upto)
+            if state.generation == self.generation:  # else stored where no new request looks
+                self.events.planned(req_id, state.hashes, state.prompt, start, upto)
             state.stored_upto = upto
             state.saved = True
 

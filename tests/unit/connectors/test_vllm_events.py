@@ -19,6 +19,7 @@ from vllm.distributed.kv_events import MEDIUM_CPU, AllBlocksCleared, BlockStored
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import (
+    BlockHash,
     get_request_block_hasher,
     init_none_hash,
     maybe_convert_block_hash,
@@ -47,9 +48,10 @@ def vllm_request(req_id: str) -> Request:
                    block_hasher=get_request_block_hasher(T, sha256))
 
 
-def store_a_prompt(plane: Plane) -> tuple[CMXConnector, Request]:
+def store_a_prompt(plane: Plane, reset_first: bool = False) -> tuple[CMXConnector, Request]:
     """One step that computes and stores the prompt's two full blocks, as vLLM drives both
-    sides; the workers' report has reached the scheduler side when it returns."""
+    sides; the workers' report has reached the scheduler side when it returns.
+    ``reset_first``: ``reset_cache`` once the request is known, before its step."""
     scheduler = connector(plane, KVConnectorRole.SCHEDULER)
     worker = connector(plane, KVConnectorRole.WORKER)
     caches = [torch.randn_like(c) for c in paged_caches()]
@@ -57,6 +59,8 @@ def store_a_prompt(plane: Plane) -> tuple[CMXConnector, Request]:
     request = vllm_request("r")
     assert scheduler.get_num_new_matched_tokens(request, 0) in ((0, False), (None, False))
     scheduler.update_state_after_alloc(request, allocated([3, 6, 1]), 0)
+    if reset_first:
+        assert scheduler.reset_cache() is True
     meta = scheduler.build_connector_meta(step_output(new=(("r", [3, 6, 1], 0, len(PROMPT)),)))
     worker.bind_connector_metadata(meta)
     worker.start_load_kv(None)  # type: ignore[arg-type]
@@ -94,7 +98,7 @@ def test_a_save_the_service_did_not_commit_is_not_announced(plane: Plane, troubl
 
 def test_a_later_save_names_its_parent_block_and_saves_never_ended_are_forgotten() -> None:
     events = StoreEvents(block_size=4)
-    hashes = [bytes([i]) * 32 for i in range(3)]
+    hashes = [BlockHash(bytes([i]) * 32) for i in range(3)]
     events.planned("r", hashes, list(range(12)), 4, 12)
     events.ended("r", 4, 8, 8)
     (stored,) = events.take()
@@ -109,3 +113,34 @@ def test_a_later_save_names_its_parent_block_and_saves_never_ended_are_forgotten
     events.ended("q0", 0, 4, 4)  # its save was planned longest ago: forgotten
     events.ended(f"q{KEEP}", 0, 4, 4)
     assert len(events.take()) == 1
+
+
+def test_a_save_of_a_request_known_before_a_reset_is_not_announced_after_it(
+    plane: Plane,
+) -> None:
+    # Its blocks go to the namespaces of before the reset, which no later request looks in.
+    scheduler, _ = store_a_prompt(plane, reset_first=True)
+    assert list(scheduler.take_events()) == [AllBlocksCleared()]
+    scheduler.shutdown()
+
+
+def test_a_store_under_way_says_nothing_of_a_later_requests_blocks_under_the_same_id() -> None:
+    events = StoreEvents(block_size=4)
+    earlier, later = ([BlockHash(bytes([n, i]) * 16) for i in range(2)] for n in (1, 2))
+    events.planned("r", earlier, list(range(8)), 0, 8)
+    events.planned("r", later, list(range(100, 108)), 0, 8)  # vLLM's caller reused the id
+    events.ended("r", 0, 8, 8)  # one of the two stores committed: which one is not known
+    events.ended("r", 0, 8, 0)
+    assert events.take() == []
+    events.planned("r", earlier, list(range(8)), 0, 8)
+    events.cleared()  # reset_cache while its store is under way
+    events.planned("r", later, list(range(100, 108)), 0, 8)
+    events.ended("r", 0, 8, 8)
+    assert events.take() == [AllBlocksCleared()]
+    events.ended("r", 0, 8, 8)
+    events.planned("r", earlier, list(range(8)), 0, 8)  # the same blocks twice: either says
+    events.planned("r", earlier, list(range(8)), 0, 8)
+    events.ended("r", 0, 8, 0)
+    events.ended("r", 0, 8, 8)
+    (stored,) = events.take()
+    assert stored.block_hashes == [maybe_convert_block_hash(h) for h in earlier]

@@ -9,21 +9,24 @@ the pinned shared memory, its checksum known at the end).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from plane import Plane
+from plane import Plane, namespace_client
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm_plane import BOUND_S, LAYOUT, NAMES, NODE, T, blocks_of, connector, paged_caches, plane_of
 
 from cmx.client.layer_loads import layer_groups
 from cmx.connectors.vllm import CMXConnector
 from cmx.connectors.vllm_meta import CMXStepMetadata, CMXWorkerReport, LoadSpec
+from cmx.layout import PayloadOrder
 from cmx.links import LocalLink
 from cmx.tiers import Tier
 
@@ -184,3 +187,84 @@ def test_groups_asked_out_of_order_are_refused(plane: Plane) -> None:
     assert torch.equal(load.group(range(0, 2)), stored[:2])
     assert load.finish() == 0  # not every layer was asked: nothing counts
     conn.shutdown()
+
+
+def pins_held(plane: Plane) -> int:
+    return sum(plane.tiers[(NODE, t)].stats().leases.pinned for t in (Tier.HBM, Tier.DRAM))
+
+
+def test_a_load_that_fails_once_its_blocks_here_are_pinned_lets_the_pins_go(
+    plane: Plane, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    conn, _, ns, _ = engine(plane)
+    keys = ns.keys(list(PROMPT))
+    match = ns.lookup(list(PROMPT), True)
+    for tier in (Tier.HBM, Tier.DRAM):  # the last block goes after the lookup: asked again
+        plane.tiers[(NODE, tier)].evict([keys[2]])
+
+    def unreachable(_: Any) -> Any:
+        raise RuntimeError("the directory is unreachable")
+
+    monkeypatch.setattr(ns.cm, "copies", unreachable)
+    with pytest.raises(RuntimeError, match="unreachable"):
+        ns.load_layers(list(PROMPT), match)
+    assert pins_held(plane) == 0
+    conn.shutdown()
+
+
+def test_a_step_cancelled_between_groups_writes_nothing_more_and_lets_its_pins_go(
+    plane: Plane, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from cmx.client.layer_loads import LayerLoad
+
+    conn, caches, ns, stored = engine(plane)
+    entered, opened = threading.Event(), threading.Event()
+    group = LayerLoad.group
+
+    def held_group(self: LayerLoad, layers: range) -> Any:
+        if layers.start:  # the groups after the first wait until the step is cancelled
+            entered.set()
+            assert opened.wait(BOUND_S)
+        return group(self, layers)
+
+    monkeypatch.setattr(LayerLoad, "group", held_group)
+    step(conn)
+    conn.wait_for_layer_load(NAMES[0])
+    assert entered.wait(BOUND_S) and pins_held(plane) == 3
+    worker = conn._side_worker()
+    assert worker._step is not None
+    worker._cancel(worker._step, "late")  # as wait_layer past the bound
+    opened.set()
+    for name in NAMES:
+        conn.wait_for_layer_load(name)
+    report = end(conn)
+    assert conn.get_block_ids_with_load_errors() == set(ENGINE_BLOCKS)
+    assert [(x.req_id, x.loaded_tokens) for x in report.loads] == [("r", 0)]
+    assert torch.equal(blocks_of(caches[0], list(ENGINE_BLOCKS)), stored[0])
+    assert not caches[1].any() and not caches[2].any()  # nothing written after the cancel
+    assert pins_held(plane) == 0
+    conn.shutdown()
+
+
+@pytest.mark.parametrize("order", list(PayloadOrder))
+def test_groups_bring_the_stored_bytes_in_either_order_and_a_slot_reused_midway_counts_not(
+    plane: Plane, order: PayloadOrder,
+) -> None:
+    layout = dataclasses.replace(LAYOUT, order=order)
+    ns = namespace_client(plane, NODE, layout, f"t-{uuid.uuid4().hex[:6]}")
+    stored = layout.random_kv(3 * T, seed=5)
+    assert ns.store(list(PROMPT), stored).wait() == 3
+    load = ns.load_layers(list(PROMPT))
+    assert torch.equal(torch.cat([load.group(range(i, i + 1)) for i in range(3)]), stored)
+    assert load.finish() == 3
+    load = ns.load_layers(list(PROMPT))
+    first = load.group(range(0, 1))
+    # Block 1's lease ran out and its slot took another block's bytes before the next group.
+    pins = ns.cm.plane.pin_prefix(ns.keys(list(PROMPT)), "test")
+    payload = ns.cm.plane.payload(pins[1])
+    payload[:] = np.frombuffer(layout.random_kv(T, seed=6).numpy().tobytes(), np.uint8)
+    ns.cm.plane.unpin(pins)
+    load.group(range(1, 3))
+    assert torch.equal(first, stored[:1])
+    assert load.finish() == 1  # block 1 failed its checksum: it and the rest are not counted
+    assert pins_held(plane) == 0

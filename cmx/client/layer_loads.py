@@ -11,12 +11,15 @@ from:
   consecutive runs of it, so each block's checksum is fed group by group as it is copied
   (``ChecksumStream``) and is known once the last group is copied; a head-major payload is
   checked whole before the first group and again after the last.
-- The rest (NVMe, a peer, the pool) is fetched group by group as a selection through this
-  node's agent (``cmx.client.selections``): only the group's bytes move, checked where they
-  were sliced and again here.
+- The rest (NVMe, a peer, the pool) comes whole with the first group, through this node's
+  agent into its HBM as a whole load's does (``cmx.client.loads``), each block verified as it
+  is copied out, and stays there for the next load; the later groups are cut from it. Fetched
+  group by group as layer selections instead (``cmx.client.selections``: the agent sends each
+  group's bytes by value), a 256 MiB prefix on NVMe took 2.7 times as long in all and its
+  first group was ready little sooner (``cmx bench layers``, docs/BENCHMARKS.md).
 
-So a group may carry a block whose checksum is not yet known. A group may also bring fewer
-blocks than the one before it (a block went between two calls). Only ``finish``'s count is
+So a group may carry a block whose checksum is not yet known. The first group may also bring
+fewer blocks than were found (a block went since the lookup). Only ``finish``'s count is
 the load's: a block past it was handed over in an earlier group and must not be used, which
 the caller says to the engine (vLLM recomputes such blocks, then overwrites them). Pins are
 let go at ``finish`` or ``close``, or expire with their lease.
@@ -31,12 +34,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cmx.checksum import ChecksumStream, checksum
-from cmx.client.copy_out import kv_array
+from cmx.client.copy_out import empty_kv, kv_array
+from cmx.client.loads import load_through_agent
 from cmx.client.matches import Match
-from cmx.client.selections import load_selection
 from cmx.errors import CmxError
 from cmx.layout import PayloadOrder
-from cmx.selection import Selection
 
 if TYPE_CHECKING:
     from cmx.client.namespaces import NamespaceClient
@@ -79,6 +81,7 @@ class LayerLoad:
                 log.warning("a local block's arena is gone: %s", exc)
                 self._release(self._pins)
         self._streams: list[ChecksumStream] = []
+        self._away_kv: Any = None  # what was away, every layer, once the first group came
         self._next = 0  # the first layer of the next group
         try:
             pinned = len(self._payloads)
@@ -106,19 +109,20 @@ class LayerLoad:
                 layers.stop > L.num_layers:
             raise ValueError(f"layer group {layers} does not follow layer {self._next}")
         T = L.block_tokens
+        local = min(len(self._payloads), self._blocks)
+        if self._blocks > local and self._away_kv is None:  # the first group: the rest, whole
+            away = self._away[: self._blocks - local]
+            self._away_kv = empty_kv(L, len(away) * T)
+            self._blocks = local + load_through_agent(self.ns, away, self._away_kv, 0)
+        self._next = layers.stop
+        n = (self._blocks - local) * T  # tokens of it that came
+        if not local and self._away_kv is not None and n == self._away_kv.shape[3]:
+            return self._away_kv[layers.start : layers.stop]  # all of it away: no copy
         out = torch.empty((len(layers), 2, L.num_kv_heads, self._blocks * T, L.head_dim),
                           dtype=L.torch_dtype())
-        local = min(len(self._payloads), self._blocks)
         self._copy_local(layers, kv_array(out), local)
-        if self._blocks > local:
-            away = self._away[: self._blocks - local]
-            kv = load_selection(self.ns, Selection(layers, range(L.num_kv_heads)),
-                                Match(len(away) * T, tuple(away)))
-            out[:, :, :, local * T : local * T + kv.shape[3]].copy_(kv)
-            self._blocks = local + kv.shape[3] // T
-        self._next = layers.stop
-        if self._blocks * T < out.shape[3]:  # fewer than asked for (rare): laid out whole
-            return out[:, :, :, : self._blocks * T].contiguous()
+        if n:
+            out[:, :, :, local * T :].copy_(self._away_kv[layers.start : layers.stop, :, :, :n])
         return out
 
     def finish(self) -> int:

@@ -1,10 +1,10 @@
 """Sync loads in groups of layers (``load_layer_groups``): layer 0's wait returns once layer 0's
-group has landed, while the later groups are still being fetched from the service; the load
-counts only the blocks every group brought whole and verified.
+group has landed, while the later groups are still being copied; the load counts only the
+blocks every group brought whole and verified.
 
-The service is the in-process plane; the prefix is held on its NVMe tier (each group is then a
-selection fetched through the agent: ``load_slices``) or in its DRAM (each group copied out of
-the pinned shared memory, its checksum known at the end).
+The service is the in-process plane; the prefix is held in its DRAM (each group copied out of
+the pinned shared memory, its checksum known at the end), or partly on its NVMe (that part
+comes whole with the first group, through the agent, and stays in memory here).
 """
 
 from __future__ import annotations
@@ -34,33 +34,23 @@ PROMPT = tuple(range(700, 700 + 3 * T))  # three full blocks
 ENGINE_BLOCKS = (5, 2, 4)
 
 
-class HeldSlices(LocalLink):
-    """The plane's link; once ``hold`` is set, the loader's second and later selection fetches
-    (``load_slices``: the groups after the first) wait for ``opened``."""
+class CountingLink(LocalLink):
+    """The plane's link, counting the agent's loads: whole (``load``) and by layer selection
+    (``load_slices``)."""
 
     def __init__(self, targets: Any) -> None:
         super().__init__(targets)
-        self.hold = False
-        self.fetches = 0
-        self.entered = threading.Event()  # a later group's fetch is waiting
-        self.opened = threading.Event()
-        self.meanwhile: Any = None  # run once, while the first held fetch waits
+        self.counts = {"load": 0, "load_slices": 0}
 
     def call(self, name: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
-        if self.hold and method == "load_slices":
-            self.fetches += 1
-            if self.fetches > 1:
-                if self.meanwhile is not None:
-                    self.meanwhile, run = None, self.meanwhile
-                    run()
-                self.entered.set()
-                assert self.opened.wait(BOUND_S)
-        return super().call(name, method, *args, timeout_s=timeout_s)
+        if method in self.counts:
+            self.counts[method] += 1
+        return super().call(name, method, *args, timeout_s=timeout_s)  # submit calls it too
 
 
 @pytest.fixture
 def plane(tmp_path) -> Iterator[Plane]:
-    p = plane_of(tmp_path, link_type=HeldSlices, placement="write_through")
+    p = plane_of(tmp_path, link_type=CountingLink, placement="write_through")
     yield p
     p.close()
 
@@ -101,47 +91,56 @@ def end(conn: CMXConnector) -> CMXWorkerReport:
     return report
 
 
-def test_layer_zero_is_ready_while_the_later_groups_are_still_being_fetched(
-    plane: Plane,
+def test_layer_zero_is_ready_while_the_later_groups_are_still_being_copied(
+    plane: Plane, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from cmx.client.layer_loads import LayerLoad
+
     conn, caches, ns, stored = engine(plane)
-    only_on_nvme(plane, ns.keys(list(PROMPT)))
-    link = plane.link
-    link.hold = True
+    entered, opened = threading.Event(), threading.Event()
+    group = LayerLoad.group
+
+    def held_group(self: LayerLoad, layers: range) -> Any:
+        if layers.start:  # the groups after the first wait for the test
+            entered.set()
+            assert opened.wait(BOUND_S)
+        return group(self, layers)
+
+    monkeypatch.setattr(LayerLoad, "group", held_group)
     step(conn)
     conn.wait_for_layer_load(NAMES[0])
-    assert link.entered.wait(BOUND_S)  # layer 1's group is being fetched: held in the service
+    assert entered.wait(BOUND_S)  # layer 1's group is not copied yet
     assert torch.equal(blocks_of(caches[0], list(ENGINE_BLOCKS)), stored[0])
     assert not caches[1].any() and not caches[2].any()
-    link.opened.set()
+    opened.set()
     for layer, name in enumerate(NAMES):
         conn.wait_for_layer_load(name)
         assert torch.equal(blocks_of(caches[layer], list(ENGINE_BLOCKS)), stored[layer])
     report = end(conn)
     assert conn.get_block_ids_with_load_errors() == set()
     assert [(x.req_id, x.loaded_tokens) for x in report.loads] == [("r", 3 * T)]
+    assert pins_held(plane) == 0
     conn.shutdown()
 
 
-def test_a_block_gone_between_two_groups_is_recomputed_and_the_rest_counts(
-    plane: Plane,
+@pytest.mark.parametrize("away", [1, 3])
+def test_the_part_away_comes_whole_with_the_first_group_and_stays_in_memory_here(
+    plane: Plane, away: int,
 ) -> None:
     conn, caches, ns, stored = engine(plane)
     keys = ns.keys(list(PROMPT))
-    only_on_nvme(plane, keys)
-    link = plane.link
-    link.hold = True
-    link.meanwhile = lambda: plane.tiers[(NODE, Tier.NVME)].evict([keys[2]])
-    link.opened.set()
+    only_on_nvme(plane, keys[3 - away:])
     step(conn)
-    for name in NAMES:
+    for layer, name in enumerate(NAMES):
         conn.wait_for_layer_load(name)
+        assert torch.equal(blocks_of(caches[layer], list(ENGINE_BLOCKS)), stored[layer])
     report = end(conn)
-    assert conn.get_block_ids_with_load_errors() == {ENGINE_BLOCKS[2]}  # layer 0 had it
-    assert [(x.req_id, x.loaded_tokens) for x in report.loads] == [("r", 2 * T)]
-    for layer in range(len(NAMES)):
-        assert torch.equal(blocks_of(caches[layer], list(ENGINE_BLOCKS[:2])),
-                           stored[layer][:, :, : 2 * T])
+    assert conn.get_block_ids_with_load_errors() == set()
+    assert [(x.req_id, x.loaded_tokens) for x in report.loads] == [("r", 3 * T)]
+    link = plane.link
+    assert link.counts == {"load": 1, "load_slices": 0}  # one whole load, not one per group
+    assert all(Tier.HBM in {c.tier for c in cs} for cs in plane.lookup(keys[3 - away:]))
+    assert pins_held(plane) == 0
     conn.shutdown()
 
 

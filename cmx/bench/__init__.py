@@ -16,6 +16,7 @@ here. Every figure is a ratio to a baseline measured in the same run (see ``core
     lookups  "lookups": 1,000-block lookups under 16 callers, node plane against the directory
     heads    "heads": one KV head of eight through the service against a whole load, per tier
     hits     "service": local hits against Ray round trips; the client's checksum of a load
+    pressure "pressure": a prefix eight times HBM and DRAM loaded from NVMe, against fio
     layers   "layers": the vLLM connector's loads in groups of layers, layer 0's wait against
              the last's and against the whole prefix first
     dpu      "dpu": loads through an agent on the host and one on a DPU over NIXL
@@ -49,6 +50,7 @@ SUITES: dict[str, str] = {
     "heads": "cmx.bench.heads:run_heads",
     "layers": "cmx.bench.layers:run_layers",
     "service": "cmx.bench.hits:run_service",
+    "pressure": "cmx.bench.pressure:run_pressure",
     "lmcache": "cmx.bench.peer:run_lmcache",
     "prefetch": "cmx.bench.prefetch:run_prefetch",
     "dpu": "cmx.bench.dpu:run_dpu",

@@ -18,12 +18,12 @@ from typing import Any
 import numpy as np
 
 from cmx.bench.cluster import bench_cluster
-from cmx.bench.core import GB, BenchContext, Figure, GiB, Goal, MiB, median
+from cmx.bench.core import GB, BenchContext, Figure, GiB, Goal, MiB, SuiteResult, median
 from cmx.bench.nvme_hits import fio_same_bytes
 from cmx.config import ServiceConfig
 from cmx.layout import KVLayout
 
-__all__ = ["PREFIX_BYTES", "TIER_SHARE", "pressure_figures"]
+__all__ = ["PREFIX_BYTES", "TIER_SHARE", "pressure_figures", "run_pressure"]
 
 PREFIX_BYTES = 512 * MiB
 TIER_SHARE = 8  # HBM and DRAM each hold 1/TIER_SHARE of the prefix
@@ -107,3 +107,10 @@ def pressure_figures(ctx: BenchContext, prefix_bytes: int = PREFIX_BYTES) -> lis
         tuple(loads), f"fio read, same bytes, bs {LAYOUT.block_bytes // MiB} MiB QD16 O_DIRECT, "
         "alternating with the loads", tuple(fio), Goal(">=", GOAL),
         note=f"the client's CPU time per load (copy out, checks, calls): {median(cpu):.2f} s")]
+
+
+def run_pressure(ctx: BenchContext) -> SuiteResult:
+    """Suite "pressure": the memory-pressure load alone (``service`` runs it among others)."""
+    result = SuiteResult("pressure", command="")
+    result.figures += pressure_figures(ctx)
+    return result

@@ -17,9 +17,10 @@ import warnings
 from pathlib import Path
 
 import pytest
+from hosts_support import on_hosts
 from lifecycle_support import new_machine
 
-from cmx.bench.hosts import driver_network
+pytestmark = pytest.mark.hosts
 
 SCENARIO = """
 import dataclasses, json, os, time, sys, torch, ray
@@ -109,10 +110,7 @@ print(json.dumps(out))
 def test_a_dpu_agent_moves_every_host_byte_through_nixl(tmp_path: Path) -> None:
     m = new_machine(tmp_path, with_token=False)
     nvme = tmp_path / "nvme-dpu"
-    with driver_network() as prefix:
-        out = m.python(f"import sys; sys.argv = ['s', {str(nvme)!r}]\n" + SCENARIO,
-                       timeout_s=500, RAY_ADDRESS="", prefix=prefix,
-                           CMX_HOSTS="1" if prefix else "0")
+    out = on_hosts(m, SCENARIO, str(nvme), timeout_s=500)
     assert out["placement"]["placed_on"] == out["dpu"] and out["placement"]["dpu"] is True
     assert out["stored_a"] == 4 and out["dram_tiers"] == ["dram"]
     assert out["exact_dram"] is True

@@ -16,9 +16,10 @@ import warnings
 from pathlib import Path
 
 import pytest
+from hosts_support import on_hosts
 from lifecycle_support import new_machine
 
-from cmx.bench.hosts import driver_network
+pytestmark = pytest.mark.hosts
 
 SCENARIO = """
 import dataclasses, json, os, time, sys, torch, ray
@@ -125,10 +126,7 @@ print(json.dumps(out))
 def test_a_dpu_node_serves_and_pulls_blocks_between_nodes_over_nixl(tmp_path: Path) -> None:
     m = new_machine(tmp_path, with_token=False)
     nvme = tmp_path / "nvme-dpu-peers"
-    with driver_network() as prefix:
-        out = m.python(f"import sys; sys.argv = ['s', {str(nvme)!r}]\n" + SCENARIO,
-                       timeout_s=540, RAY_ADDRESS="", prefix=prefix,
-                           CMX_HOSTS="1" if prefix else "0")
+    out = on_hosts(m, SCENARIO, str(nvme), timeout_s=540)
     assert out["placement"]["placed_on"] == out["dpu"] and out["placement"]["dpu"] is True
     assert out["stored_p"] == 6 and out["p_on"] is True
     assert out["b_head_p"] is True  # one head of two: checked on A's host, read from its memory

@@ -88,7 +88,7 @@ class WorkerSide:
     def __init__(self, settings: ConnectorSettings, namespaces: Namespaces,
                  layer_names: list[str], paged_layout: PagedLayout) -> None:
         self.settings = settings
-        self.namespaces = namespaces
+        self.fetcher = Fetcher(namespaces)  # holds the namespaces: see ``namespaces``
         self.layout = namespaces.layout
         self.index = {name: i for i, name in enumerate(layer_names)}
         self.paged = paged_layout
@@ -102,12 +102,21 @@ class WorkerSide:
         self._ended: list[StoreResult] = []  # stores finished since the last report
         self._pending_lock = threading.Lock()  # guards _pending and _ended
         self.counters = Counters()
-        self.fetcher = Fetcher(namespaces)
         self.loads = AsyncLoads(self.fetcher.fetch, self._write_layer, len(layer_names),
                                 settings.load_bound_s, settings.load_threads)
         self.gatherer = Gatherer(self.layout, paged_layout, settings.staging_bytes,
                                  self._gathered)
         self._held: set[str] = set()  # finished requests whose blocks vLLM keeps for us
+
+    @property
+    def namespaces(self) -> Namespaces:
+        """The namespaces of every load and store (one object, the fetcher's: replaced here,
+        it is replaced for both)."""
+        return self.fetcher.namespaces
+
+    @namespaces.setter
+    def namespaces(self, namespaces: Namespaces) -> None:
+        self.fetcher.namespaces = namespaces
 
     def register(self, kv_caches: Mapping[str, Any]) -> None:
         """The engine's per-layer caches; each must be the layout's shape."""

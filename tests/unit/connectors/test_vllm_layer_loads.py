@@ -139,7 +139,8 @@ def test_the_part_away_comes_whole_with_the_first_group_and_stays_in_memory_here
     assert [(x.req_id, x.loaded_tokens) for x in report.loads] == [("r", 3 * T)]
     link = plane.link
     assert link.counts == {"load": 1, "load_slices": 0}  # one whole load, not one per group
-    assert all(Tier.HBM in {c.tier for c in cs} for cs in plane.lookup(keys[3 - away:]))
+    # Committed in this node's HBM (its books; the directory hears of it a moment later).
+    assert all(plane.tiers[(NODE, Tier.HBM)].contains(keys[3 - away:]))
     assert pins_held(plane) == 0
     conn.shutdown()
 

@@ -18,7 +18,8 @@ network has and one machine does not are ``kill_host`` (every process of a host,
 Needs root, ``ip``, ``unshare`` and ``CMX_HOSTS=1`` (``make test`` sets it for the suites marked
 ``hosts``, run apart); ``unavailable()`` says why not where one is missing, and
 ``hosts_or_local`` then gives ``ray.cluster_utils``' one-machine cluster. Names carry this
-process's id, so a harness that died without cleaning up is swept by the next one.
+process's id, so a harness that died without cleaning up is swept by the next one. The
+namespace plumbing under it (the probe, the driver's namespace, the sweep) is ``host_net``.
 """
 
 from __future__ import annotations
@@ -27,22 +28,33 @@ import atexit
 import json
 import logging
 import os
-import random
-import re
 import shlex
 import shutil
 import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cmx.errors import CmxError
-from cmx.operate.local_ray import is_running, ray_executable
+from cmx.bench.host_net import (
+    PREFIX,
+    UNSHARE,
+    WORKDIR_PREFIX,
+    HostsError,
+    driver_network,
+    free_subnet,
+    in_machines_network,
+    kill,
+    netns_pids,
+    own_network,
+    run,
+    sweep,
+    tail,
+    unavailable,
+)
+from cmx.operate.local_ray import ray_executable
 from cmx.operate.ray_cluster import needs_token
 
 __all__ = ["HostNode", "Hosts", "HostsError", "driver_network", "hosts_or_local",
@@ -50,8 +62,6 @@ __all__ = ["HostNode", "Hosts", "HostsError", "driver_network", "hosts_or_local"
 
 log = logging.getLogger(__name__)
 
-PREFIX = "cmx"  # every netns, bridge and veth this harness makes starts with it, then its pid
-WORKDIR_PREFIX = "cmx-hosts-"  # its directory in the temp dir: this, then its pid
 JOIN_TIMEOUT_S = 180.0  # a host's raylet registers with the head within this, on a busy machine
 STOP_TIMEOUT_S = 30.0
 SHM_BYTES = 4 << 30  # a host's /dev/shm: tmpfs, so only what is used takes memory
@@ -60,37 +70,6 @@ OBJECT_STORE_BYTES = 150 << 20  # as ray.cluster_utils.Cluster gives each node
 # whose cable was down for two timed-out loads, on a busy two-core machine, missed Ray's 5. A
 # killed host is still found dead within about a minute.
 HEALTH_CHECK_FAILURES = 20
-# A host's own mounts, hostname and System V IPC: UCX counts two processes as on one node (and
-# moves bytes by shared memory or CMA) unless their IPC namespaces differ; with them apart, its
-# endpoints between hosts are TCP only ("inter-node" in UCX_LOG_LEVEL=info).
-UNSHARE = ("unshare", "--mount", "--uts", "--ipc", "--propagation", "private")
-
-
-class HostsError(CmxError):
-    """The hosts harness could not make or start a host (the message says what failed)."""
-
-
-def unavailable() -> str | None:
-    """Why hosts cannot be made on this machine, or None where they can."""
-    if os.environ.get("CMX_HOSTS", "0") != "1":
-        return ("CMX_HOSTS=1 is not set (`make test` sets it for the suites marked hosts, "
-                "run apart: beside a busy cluster a host may miss its join bound)")
-    if os.geteuid() != 0:
-        return "namespaces need root"
-    for tool in ("ip", "unshare"):
-        if shutil.which(tool) is None:
-            return f"`{tool}` is not installed"
-    probe = f"{PREFIX}{os.getpid():06x}probe"
-    made = _run(["ip", "netns", "add", probe], check=False)
-    if made.returncode != 0:
-        return f"`ip netns add` failed: {made.stderr.strip()}"
-    try:
-        tried = _run(["ip", "netns", "exec", probe, *UNSHARE, "true"], check=False)
-        if tried.returncode != 0:
-            return f"`{shlex.join(UNSHARE)}` failed: {tried.stderr.strip()}"
-    finally:
-        _run(["ip", "netns", "del", probe], check=False)
-    return None
 
 
 @dataclass
@@ -123,7 +102,7 @@ class Hosts:
         reason = unavailable()
         if reason is not None:
             raise HostsError(f"hosts cannot be made here: {reason}")
-        if _in_machines_network():
+        if in_machines_network():
             raise HostsError("the hosts harness runs in a network namespace of its own "
                              "(own_network): its devices would otherwise be every process's")
         sweep()
@@ -133,7 +112,7 @@ class Hosts:
         self.workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid():06x}-"))
         self.bridge = f"{self.tag}br"
         self.cable = f"{self.tag}r"  # this machine's veth into the bridge
-        self.subnet = _free_subnet()
+        self.subnet = free_subnet()
         self.hosts: list[HostNode] = []
         self._next = 1
         args = {**(head_node_args or {}), "node_ip_address": self.ip(1)}
@@ -213,8 +192,8 @@ class Hosts:
     # what a network has and one machine does not
     def kill_host(self, node: HostNode) -> None:
         """SIGKILL every process of the host at once, as a host that loses power."""
-        for pid in _netns_pids(node.netns):
-            _kill(pid)
+        for pid in netns_pids(node.netns):
+            kill(pid)
         if node.process is not None:
             try:
                 node.process.wait(timeout=STOP_TIMEOUT_S)
@@ -223,39 +202,39 @@ class Hosts:
 
     def link(self, node: HostNode, up: bool) -> None:
         """Take the host's cable down (nothing crosses) or bring it back up."""
-        _run(["ip", "link", "set", node.veth, "up" if up else "down"])
+        run(["ip", "link", "set", node.veth, "up" if up else "down"])
 
     # plumbing
     def _make_bridge(self) -> None:
         """The bridge, and this machine's own cable into it: a veth, as every host has (UCX
         offers no bridge device to its peers, so the address is on the cable's end here)."""
-        _run(["ip", "link", "add", self.bridge, "type", "bridge"])
-        _run(["ip", "link", "set", self.bridge, "up"])
-        _run(["ip", "link", "add", self.cable, "type", "veth", "peer", "name", f"{self.cable}p"])
-        _run(["ip", "link", "set", f"{self.cable}p", "master", self.bridge, "up"])
-        _run(["ip", "addr", "add", f"{self.ip(1)}/24", "dev", self.cable])
-        _run(["ip", "link", "set", self.cable, "up"])
+        run(["ip", "link", "add", self.bridge, "type", "bridge"])
+        run(["ip", "link", "set", self.bridge, "up"])
+        run(["ip", "link", "add", self.cable, "type", "veth", "peer", "name", f"{self.cable}p"])
+        run(["ip", "link", "set", f"{self.cable}p", "master", self.bridge, "up"])
+        run(["ip", "addr", "add", f"{self.ip(1)}/24", "dev", self.cable])
+        run(["ip", "link", "set", self.cable, "up"])
 
     def _plug(self, host: HostNode) -> None:
-        _run(["ip", "netns", "add", host.netns])
-        _run(["ip", "link", "add", host.veth, "type", "veth", "peer", "name", "eth0",
+        run(["ip", "netns", "add", host.netns])
+        run(["ip", "link", "add", host.veth, "type", "veth", "peer", "name", "eth0",
               "netns", host.netns])
-        _run(["ip", "link", "set", host.veth, "master", self.bridge, "up"])
-        _run(["ip", "-n", host.netns, "addr", "add", f"{host.address}/24", "dev", "eth0"])
-        _run(["ip", "-n", host.netns, "link", "set", "eth0", "up"])
-        _run(["ip", "-n", host.netns, "link", "set", "lo", "up"])
+        run(["ip", "link", "set", host.veth, "master", self.bridge, "up"])
+        run(["ip", "-n", host.netns, "addr", "add", f"{host.address}/24", "dev", "eth0"])
+        run(["ip", "-n", host.netns, "link", "set", "eth0", "up"])
+        run(["ip", "-n", host.netns, "link", "set", "lo", "up"])
 
     def _unplug(self, host: HostNode) -> None:
-        _run(["ip", "link", "del", host.veth], check=False)
-        _run(["ip", "netns", "del", host.netns], check=False)
+        run(["ip", "link", "del", host.veth], check=False)
+        run(["ip", "netns", "del", host.netns], check=False)
 
     def _unmake(self) -> None:
         for host in list(self.hosts):
             self.kill_host(host)
             self._unplug(host)
         self.hosts.clear()
-        _run(["ip", "link", "del", self.cable], check=False)
-        _run(["ip", "link", "del", self.bridge], check=False)
+        run(["ip", "link", "del", self.cable], check=False)
+        run(["ip", "link", "del", self.bridge], check=False)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def _start_ray(self, host: HostNode, num_cpus: int, resources: dict[str, float],
@@ -298,14 +277,14 @@ class Hosts:
         while time.monotonic() < deadline:
             if host.process is not None and host.process.poll() is not None:
                 raise HostsError(f"host {host.name}: ray start exited "
-                                 f"({host.process.returncode}): {_tail(host.log_path)}")
+                                 f"({host.process.returncode}): {tail(host.log_path)}")
             for node_id, info in gcs.get_all_node_info(timeout=10).items():
                 if info.node_manager_address == host.address and info.state == 0:
                     host.node_id = node_id.hex()
                     return
             time.sleep(0.5)
         raise HostsError(f"host {host.name} did not join in {timeout_s:.0f} s: "
-                         f"{_tail(host.log_path)}")
+                         f"{tail(host.log_path)}")
 
 
 def hosts_or_local(head_node_args: dict[str, Any] | None = None,
@@ -313,105 +292,10 @@ def hosts_or_local(head_node_args: dict[str, Any] | None = None,
     """(a cluster, None) on hosts where namespaces can be made, else (ray.cluster_utils'
     one-machine Cluster, why not)."""
     reason = unavailable() or ("this process is in the machine's own network namespace"
-                               if _in_machines_network() else None)
+                               if in_machines_network() else None)
     if reason is None:
         return Hosts(head_node_args, private_dirs), None
     from ray.cluster_utils import Cluster
 
     log.warning("hosts harness unavailable (%s): every node runs on this one machine", reason)
     return Cluster(initialize_head=True, head_node_args=head_node_args or {}), reason
-
-
-@contextmanager
-def own_network() -> Iterator[list[str]]:
-    """A network namespace for the driver's host, with only its loopback: yields the command
-    prefix that runs a process there (``[*prefix, python, ...]``). The harness's bridge and
-    cables are then made inside it, never in this machine's own namespace, where every
-    process's UCX would count them as its own devices (and fail once they are gone)."""
-    sweep()
-    name = f"{PREFIX}{os.getpid():06x}h1-{random.randrange(1 << 16):04x}"
-    _run(["ip", "netns", "add", name])
-    try:
-        _run(["ip", "-n", name, "link", "set", "lo", "up"])
-        yield ["ip", "netns", "exec", name]
-    finally:
-        for pid in _netns_pids(name):
-            _kill(pid)
-        _run(["ip", "netns", "del", name], check=False)
-
-
-@contextmanager
-def driver_network() -> Iterator[list[str]]:
-    """``own_network()`` where hosts can be made; elsewhere no prefix (then ``hosts_or_local``
-    runs every node on this one machine)."""
-    if unavailable() is not None:
-        yield []
-        return
-    with own_network() as prefix:
-        yield prefix
-
-
-def _in_machines_network() -> bool:
-    """Whether this process runs in no named network namespace (the machine's own)."""
-    done = _run(["ip", "netns", "identify", str(os.getpid())], check=False)
-    return not done.stdout.strip()
-
-
-def sweep() -> None:
-    """Remove what a harness of a process no longer alive left behind."""
-    names = set(_run(["ip", "netns", "list"], check=False).stdout.split())
-    links = re.findall(r"^\d+: ([^:@]+)", _run(["ip", "-o", "link"], check=False).stdout,
-                       flags=re.M)
-    for name in names | set(links):
-        found = re.fullmatch(rf"{PREFIX}([0-9a-f]{{6}})(?:h|v|br|r|probe).*", name)
-        if found is None or is_running(int(found.group(1), 16)):
-            continue
-        if name in names:
-            for pid in _netns_pids(name):
-                _kill(pid)
-            _run(["ip", "netns", "del", name], check=False)
-        else:
-            _run(["ip", "link", "del", name], check=False)
-    for workdir in Path(tempfile.gettempdir()).glob(f"{WORKDIR_PREFIX}*"):
-        found = re.fullmatch(rf"{WORKDIR_PREFIX}([0-9a-f]{{6}})-.*", workdir.name)
-        if found is not None and not is_running(int(found.group(1), 16)):
-            shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _free_subnet() -> str:
-    """A 10.x.y /24 no interface of this machine is on."""
-    used = _run(["ip", "-4", "-o", "addr"], check=False).stdout
-    rng = random.Random(os.getpid())
-    for _ in range(200):
-        subnet = f"10.{rng.randrange(200, 255)}.{rng.randrange(0, 256)}"
-        if f" {subnet}." not in used:
-            return subnet
-    raise HostsError("no free 10.x.y.0/24 subnet for the bridge")
-
-
-def _netns_pids(netns: str) -> list[int]:
-    done = _run(["ip", "netns", "pids", netns], check=False)
-    return [int(p) for p in done.stdout.split()]
-
-
-def _kill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def _run(cmd: list[str], check: bool = True,
-         timeout_s: float = 300.0) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-    if check and done.returncode != 0:
-        raise HostsError(f"{shlex.join(cmd)}: {done.stderr.strip()}")
-    return done
-
-
-def _tail(path: Path, nbytes: int = 1500) -> str:
-    try:
-        return path.read_bytes()[-nbytes:].decode(errors="replace")
-    except OSError:
-        return "(no log)"
-

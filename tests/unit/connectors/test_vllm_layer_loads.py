@@ -91,22 +91,29 @@ def end(conn: CMXConnector) -> CMXWorkerReport:
     return report
 
 
-def test_layer_zero_is_ready_while_the_later_groups_are_still_being_copied(
-    plane: Plane, monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def hold_later_groups(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Make every group after a load's first wait until the test sets ``opened``; ``entered``
+    is set once one is waiting."""
     from cmx.client.layer_loads import LayerLoad
 
-    conn, caches, ns, stored = engine(plane)
     entered, opened = threading.Event(), threading.Event()
     group = LayerLoad.group
 
     def held_group(self: LayerLoad, layers: range) -> Any:
-        if layers.start:  # the groups after the first wait for the test
+        if layers.start:
             entered.set()
             assert opened.wait(BOUND_S)
         return group(self, layers)
 
     monkeypatch.setattr(LayerLoad, "group", held_group)
+    return entered, opened
+
+
+def test_layer_zero_is_ready_while_the_later_groups_are_still_being_copied(
+    plane: Plane, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    conn, caches, ns, stored = engine(plane)
+    entered, opened = hold_later_groups(monkeypatch)
     step(conn)
     conn.wait_for_layer_load(NAMES[0])
     assert entered.wait(BOUND_S)  # layer 1's group is not copied yet
@@ -215,19 +222,8 @@ def test_a_load_that_fails_once_its_blocks_here_are_pinned_lets_the_pins_go(
 def test_a_step_cancelled_between_groups_writes_nothing_more_and_lets_its_pins_go(
     plane: Plane, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from cmx.client.layer_loads import LayerLoad
-
     conn, caches, ns, stored = engine(plane)
-    entered, opened = threading.Event(), threading.Event()
-    group = LayerLoad.group
-
-    def held_group(self: LayerLoad, layers: range) -> Any:
-        if layers.start:  # the groups after the first wait until the step is cancelled
-            entered.set()
-            assert opened.wait(BOUND_S)
-        return group(self, layers)
-
-    monkeypatch.setattr(LayerLoad, "group", held_group)
+    entered, opened = hold_later_groups(monkeypatch)
     step(conn)
     conn.wait_for_layer_load(NAMES[0])
     assert entered.wait(BOUND_S) and pins_held(plane) == 3

@@ -20,12 +20,13 @@ cluster-wide through the context memory (``CMXConnector``).
     router         PrefixAwareRouter: Serve's RequestRouter filled with that ranking
     app            the bound application; build_app for Serve config files
     serve_llm      the same engine and connector under Ray Serve LLM (ray.serve.llm)
+    serve_llm_server  CMXLLMServer: Ray Serve LLM's replica, its engine's shared memory reaped
     local          the application on an embedded two-node cluster (demo, benchmark)
     launch         `cmx serve`: the application in the background on the local Ray cluster
     workload       the demo's shared-prefix workload
     demo, render   `cmx demo`, the main job, and its tables
     cli            the `demo` and `serve` commands; keys_cli: `cmx keys add | list`
 
-Files: serve_config.yaml (Serve), kuberay/ (RayService, Redis for GCS fault tolerance),
-cluster.yaml (`ray up`).
+Files: serve_config.yaml (Serve), serve_llm_config.yaml (Ray Serve LLM's app, two replicas on
+two cores), kuberay/ (RayService, Redis for GCS fault tolerance), cluster.yaml (`ray up`).
 """

@@ -107,9 +107,13 @@ def local_app(
         info = httpx.get(f"{base}/cmx/info", timeout=60).json()
         yield LocalApp(base, replicas, info, cm, options)
     finally:
-        # Serve goes down with the cluster; the service is stopped first so that its tiers
-        # unlink their shared-memory arenas.
+        # Serve first, so that each replica stops its engine and unlinks the shared memory the
+        # engine leaves; then the service, so that its tiers unlink their arenas.
         if cm is not None:
+            try:
+                serve.shutdown()
+            except Exception as exc:  # noqa: BLE001 - the cluster goes down regardless
+                log.warning("Serve did not shut down: %s", exc)
             cm.shutdown(stop_service=True)
         ray.shutdown()
         cluster.shutdown()

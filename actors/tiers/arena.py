@@ -30,7 +30,6 @@ by no one meanwhile.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import uuid
@@ -41,12 +40,13 @@ from typing import Any
 from cmx.actors.directory.shard import Entry, Source
 from cmx.actors.tiers.events import EventPublisher
 from cmx.actors.tiers.fences import SlotFences
+from cmx.actors.tiers.held import HeldKeys
 from cmx.actors.tiers.leases import ADMIN, Clock, LeasedPins, LeaseKind, Leases
 from cmx.errors import BlockStateError, StoreClosedError, StoreFullError
 from cmx.keys import BlockHash
-from cmx.protocol import Pinned, arena_name
+from cmx.protocol import Pinned, arena_name, held_table_name
 from cmx.stats import TierStats
-from cmx.storage.arena import SHM_DIR, reap_orphans
+from cmx.storage.arena import reap_orphans, unlink_prefixed
 from cmx.storage.base import EventKind, StoreEvent
 from cmx.storage.blocks import BlockMeta, Reservation
 from cmx.storage.dram import DramStore
@@ -105,7 +105,7 @@ class ArenaTierService:
         self.emulated = emulated
         self.epoch = uuid.uuid4().hex[:8]
         self._evicted: dict[int, Victim] = {}  # slot -> block evicted from it, until granted
-        _unlink_stale_arenas(arena_name(tier, node, ""))
+        unlink_prefixed(arena_name(tier, node, ""))  # an earlier incarnation's (killed)
         reap_orphans()  # arenas of nodes torn down on this host before
         self.store = DramStore(
             capacity_bytes,
@@ -118,7 +118,6 @@ class ArenaTierService:
         self.leased = LeasedPins[Pinned](self.leases, self.pin, self._unpin_key)
         self.fences = SlotFences(self.store, lease_s, clock)
         self._reservations: dict[int, Reservation] = {}  # lease -> open reservation
-        self._doomed: set[BlockHash] = set()  # quarantined while pinned: dropped at last unpin
         self._quarantined = 0
         self._refused = 0  # commits of a lease that had ended or was of an earlier incarnation
         self._tags: dict[BlockHash, str] = {}  # namespace id of blocks stored through here
@@ -136,6 +135,7 @@ class ArenaTierService:
         )
         self.store.subscribe(self.publisher.on_event)
         self.store.subscribe(self._forget_tag)
+        self.held_keys = HeldKeys(self.store, held_table_name(tier, node, self.epoch))
 
     def info(self) -> ArenaInfo:
         arena = self.store.arena
@@ -242,7 +242,7 @@ class ArenaTierService:
         return [self._pin_one(key, owner) for key in keys]
 
     def _pin_one(self, key: BlockHash, owner: str) -> Pinned | None:
-        if key in self._doomed or not self.store.pin(key):
+        if key in self.held_keys.doomed or not self.store.pin(key):
             return None
         ref = self.store.locate(key)
         csum = self.store.checksum_of(key)
@@ -282,8 +282,7 @@ class ArenaTierService:
             self.store.unpin(key)
         except (BlockStateError, StoreClosedError):
             return  # the block went with a close, or the tier is stopping: nothing stays pinned
-        if key in self._doomed and self._drop(key):
-            self._doomed.discard(key)
+        if key in self.held_keys.doomed and self._drop(key):
             self.publisher.flush()
 
     def quarantine(self, keys: Sequence[BlockHash]) -> int:
@@ -310,7 +309,7 @@ class ArenaTierService:
                 continue
             n += 1
             if not self._drop(key):
-                self._doomed.add(key)
+                self.held_keys.doom(key)
         self._quarantined += n
         return n
 
@@ -330,23 +329,9 @@ class ArenaTierService:
 
     def held(self, keys: Sequence[BlockHash]) -> list[tuple[int, int] | None]:
         """A lookup's answer for this tier: per key, (size, checksum) of its copy if one is
-        committed here and readable, else None. A reservation not yet committed, a block
-        evicted (its key is gone from the books at once) and a copy quarantined while pinned
-        (pinned by no one from then on) are None. Nothing is pinned, no hit is counted and
-        eviction order is untouched: a lookup is not a use. One snapshot under the store's
-        lock; the answer is plain tuples, cheap to send."""
-        books = self.store
-        with books._lock:
-            if books.closed:
-                return [None] * len(keys)
-            out: list[tuple[int, int] | None] = []
-            for key in keys:
-                entry = books._index.get(key)
-                if entry is None or not entry.committed or key in self._doomed:
-                    out.append(None)
-                else:
-                    out.append((entry.size, entry.checksum or 0))
-            return out
+        committed here and readable, else None (``actors.tiers.held``). Readers on this host
+        read the same from the tier's held table without calling."""
+        return self.held_keys.answer(keys)
 
     def evict(self, keys: Sequence[BlockHash]) -> int:
         """Drop unpinned blocks; returns how many left."""
@@ -379,10 +364,12 @@ class ArenaTierService:
         if bool(leases.pinned) != bool(s.pinned):
             raise AssertionError(f"{leases.pinned} pin leases, {s.pinned} pinned blocks")
         self.fences.check_integrity()
+        self.held_keys.check_integrity()
 
     def close(self) -> None:
         self.publisher.close()
         self.store.close()
+        self.held_keys.close()
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -395,7 +382,6 @@ class ArenaTierService:
     def _forget_tag(self, event: StoreEvent) -> None:
         if event.kind is EventKind.REMOVED:
             self._tags.pop(event.key, None)
-            self._doomed.discard(event.key)
 
     def _holdings(self) -> list[Entry]:
         entries = []
@@ -406,21 +392,3 @@ class ArenaTierService:
                     Entry(key, True, ref.size, ref.checksum or 0, self._tags.get(key, ""))
                 )
         return entries
-
-
-def _unlink_stale_arenas(prefix: str) -> None:
-    """Remove arenas an earlier incarnation of this tier left behind (it was killed).
-
-    One tier of a kind runs per node, so every arena with this node's and kind's prefix is
-    from a dead process; a reader still mapping one keeps its mapping until it re-attaches.
-    """
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:
-        return
-    for name in names:
-        if name.startswith(prefix):
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
-            except OSError:
-                pass

@@ -5,9 +5,12 @@ callers, of a prefix this node holds in DRAM, on a local Ray cluster.
   trip to DRAM and HBM at once), the directory only for what they lack (here: nothing).
 - Baseline, in the same run: the same lookup asking the directory for every block (one
   batched call per shard), as lookups did before the node's memory answered them.
+- The floor, in the same run: the same callers computing the prefix's block keys alone, which
+  every lookup by tokens does first (one hash per block, in the caller's process).
 - ``CALLERS`` threads of the driver look up at once, each ``PER_CALLER`` times per round;
-  rounds alternate ours and the baseline (A B A B), ``2 x reps`` rounds in all, so that other
-  work on the machine weighs on both alike. p50 and p99 are over every lookup of a mode.
+  rounds rotate ours, the baseline and the floor (A B C A B C), ``3 x reps`` rounds in all, so
+  that other work on the machine weighs on all alike. p50 and p99 are over every lookup of a
+  mode.
 """
 
 from __future__ import annotations
@@ -31,8 +34,10 @@ PER_CALLER = 10
 P99_BUDGET_MS = 5.0
 
 
-def _round(ns: Any, toks: np.ndarray, here_first: bool) -> list[float]:
-    """Seconds of each lookup of ``CALLERS`` threads looking up ``toks`` at once."""
+def _round(ns: Any, toks: np.ndarray, here_first: bool | None) -> list[float]:
+    """Seconds of each lookup of ``CALLERS`` threads looking up ``toks`` at once; with
+    ``here_first`` None, each computes the prefix's block keys alone (what every lookup by
+    tokens pays first)."""
     out: list[float] = []
     lock = threading.Lock()
     start = threading.Barrier(CALLERS)
@@ -43,6 +48,10 @@ def _round(ns: Any, toks: np.ndarray, here_first: bool) -> list[float]:
         start.wait()
         for _ in range(PER_CALLER):
             t0 = time.perf_counter()
+            if here_first is None:
+                ns.keys(toks)
+                mine.append(time.perf_counter() - t0)
+                continue
             match = ns.lookup(toks, here_first)
             mine.append(time.perf_counter() - t0)
             if match.num_blocks != BLOCKS:
@@ -71,6 +80,7 @@ def run_lookups(ctx: BenchContext) -> SuiteResult:
                            nvme_dir=str(ctx.scratch("lookups")))
     ours: list[float] = []
     directory: list[float] = []
+    keys: list[float] = []
     per_round: list[tuple[str, ...]] = []
     with bench_cluster(config) as bc:
         ctx.log(f"lookups: storing a {BLOCKS:,}-block prefix in node a's DRAM")
@@ -79,11 +89,13 @@ def run_lookups(ctx: BenchContext) -> SuiteResult:
         # The same namespace both ways; the baseline asks the directory for every block.
         _round(ns, toks, True)  # untimed: Ray's handles and the first calls of each actor
         _round(baseline, toks, False)
-        for rnd in range(2 * ctx.config.reps):
-            mode, client, into = (("node plane", ns, ours) if rnd % 2 == 0
-                                  else ("directory only", baseline, directory))
-            ctx.log(f"lookups round {rnd + 1}/{2 * ctx.config.reps}: {mode}")
-            lat = _round(client, toks, client is ns)
+        modes: list[tuple[str, Any, bool | None, list[float]]] = [
+            ("node plane", ns, True, ours), ("directory only", baseline, False, directory),
+            ("block keys alone", ns, None, keys)]
+        for rnd in range(3 * ctx.config.reps):
+            mode, client, here_first, into = modes[rnd % 3]
+            ctx.log(f"lookups round {rnd + 1}/{3 * ctx.config.reps}: {mode}")
+            lat = _round(client, toks, here_first)
             into.extend(lat)
             per_round.append((str(rnd + 1), mode, f"{_ms(lat, 50):.2f}", f"{_ms(lat, 99):.2f}"))
     p99, base99 = _ms(ours, 99), _ms(directory, 99)
@@ -95,6 +107,11 @@ def run_lookups(ctx: BenchContext) -> SuiteResult:
         "lookups", f"p99 of that lookup against the directory alone, {CALLERS} callers", "ms",
         (p99,), "directory-only lookup, rounds alternated", (base99,), None,
         note=f"directory only: p50 {_ms(directory, 50):.2f} ms, p99 {base99:.2f} ms"))
+    result.figures.append(Figure(
+        "lookups", f"p99 of that lookup against computing its block keys alone, {CALLERS} "
+        "callers", "ms", (p99,), "block keys alone (the floor), rounds rotated",
+        (_ms(keys, 99),), None,
+        note=f"keys alone: p50 {_ms(keys, 50):.2f} ms, p99 {_ms(keys, 99):.2f} ms"))
     result.tables.append(Table(
         f"{BLOCKS:,}-block lookups, {CALLERS} callers x {PER_CALLER}, rounds alternated",
         ("round", "path", "p50 ms", "p99 ms"), tuple(per_round)))

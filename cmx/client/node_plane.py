@@ -16,11 +16,13 @@ Protocol, in call order:
 3. ``unpin(pins)`` and ``quarantine(pins)``: one way, off the load's path. A corrupt copy goes
    when its last pin does.
 
-A lookup asks ``held(keys)``: what this node's memory holds committed of ``keys``, read from
-both tiers' books at once (one round trip, nothing pinned), so that only the rest is asked of
-the directory, and a copy here the directory still lists after the tier let it go is not
-reported. It promises no more than the directory does: a block may go before it is pinned,
-and a load pins it or looks it up again.
+A lookup asks ``held(keys)``: what this node's memory holds committed of ``keys``, so that
+only the rest is asked of the directory, and a copy here the directory still lists after the
+tier let it go is not reported. Each tier answers from its held table, mapped here
+(``cmx.storage.held_table``: its books in shared memory, read in place, no round trip); a
+tier whose table cannot be read (gone with a restart, closed, changing under every read) is
+asked itself, both at once in one round trip. It promises no more than the directory does:
+a block may go before it is pinned, and a load pins it or looks it up again.
 
 Blocks this node holds on NVMe, on other nodes or in the pool are the agent's to move.
 """
@@ -28,15 +30,18 @@ Blocks this node holds on NVMe, on other nodes or in the pool are the agent's to
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from cmx.protocol import Copy, Pinned, actor_name, arena_name
-from cmx.storage.arena import SharedArena
+from cmx.protocol import Copy, Pinned, actor_name, arena_name, held_table_name
+from cmx.storage.arena import SHM_DIR, SharedArena
+from cmx.storage.held_table import HeldTable
 from cmx.tiers import Tier
 
 __all__ = ["HeldHere", "LocalPin", "NodePlane"]
@@ -44,6 +49,7 @@ __all__ = ["HeldHere", "LocalPin", "NodePlane"]
 log = logging.getLogger(__name__)
 
 KEEP_ARENAS = 8  # arenas mapped at once: the current incarnations and a few earlier ones
+NO_TABLE_S = 10.0  # after a tier's held table could not be mapped, ask the tier this long
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,8 @@ class NodePlane:
         self.node = node
         self.timeout_s = timeout_s
         self._arenas: dict[str, SharedArena] = {}  # arena name -> mapping, oldest first
+        self._tables: dict[Tier, HeldTable] = {}  # each tier's held table, mapped
+        self._no_table: dict[Tier, float] = {}  # tier -> until when it is asked instead
         self._lock = threading.Lock()
 
     def pin_prefix(self, keys: Sequence[bytes], owner: str) -> list[LocalPin]:
@@ -110,27 +118,59 @@ class NodePlane:
 
     def held(self, keys: Sequence[bytes]) -> HeldHere:
         """This node's committed copies (DRAM, HBM) of each of ``keys``, by the tiers' own
-        books. Both tiers are asked at once, for every key; of a tier that fails or does not
-        answer in time nothing is known."""
+        books: read from their held tables here, and the tiers whose table cannot be read
+        asked at once; of a tier that fails or does not answer in time nothing is known."""
         tiers = (Tier.DRAM, Tier.HBM)
         if not keys:
             return HeldHere(self.node, (), frozenset(tiers))
+        found: dict[Tier, list[tuple[int, int] | None]] = {}
+        for tier in tiers:
+            table = self._table(tier)
+            answer = table.find(keys) if table is not None else None
+            if answer is not None:
+                found[tier] = answer
+        ask = [t for t in tiers if t not in found]
         answers = self.link.call_many(
-            [(actor_name(t.value, self.node), "held", (list(keys),)) for t in tiers],
-            timeout_s=self.timeout_s, return_exceptions=True)
-        found: list[list[tuple[int, int] | None]] = []
-        answered: set[Tier] = set()
-        for tier, answer in zip(tiers, answers):
+            [(actor_name(t.value, self.node), "held", (list(keys),)) for t in ask],
+            timeout_s=self.timeout_s, return_exceptions=True) if ask else []
+        for tier, answer in zip(ask, answers):
             if isinstance(answer, BaseException) or len(answer) != len(keys):
                 log.debug("%s did not answer a lookup: %s", tier.value, answer)
-                answer = [None] * len(keys)
             else:
-                answered.add(tier)
-            found.append(answer)
+                found[tier] = answer
+        none: list[tuple[int, int] | None] = [None] * len(keys)
         copies = tuple(
             tuple(Copy(t, self.node, h[0], h[1]) for t, h in zip(tiers, per_key) if h is not None)
-            for per_key in zip(*found))
-        return HeldHere(self.node, copies, frozenset(answered))
+            for per_key in zip(*(found.get(t, none) for t in tiers)))
+        return HeldHere(self.node, copies, frozenset(found))
+
+    def _table(self, tier: Tier) -> HeldTable | None:
+        """``tier``'s held table of its current incarnation, mapped here; None where it cannot
+        be (then the tier is asked for a while). A table whose name is gone (the tier
+        restarted and unlinked it) is mapped again by the new incarnation's name."""
+        with self._lock:
+            table = self._tables.get(tier)
+            if table is not None and os.path.exists(os.path.join(SHM_DIR, table.name)):
+                return table
+            if table is not None:
+                del self._tables[tier]
+                table.arena.close()
+            if time.monotonic() < self._no_table.get(tier, 0.0):
+                return None
+        try:
+            info = self.link.call(actor_name(tier.value, self.node), "info",
+                                  timeout_s=self.timeout_s)
+            table = HeldTable.attach(held_table_name(tier, self.node, info.epoch))
+        except Exception as exc:  # noqa: BLE001 - not mapped: the tier answers instead
+            log.debug("%s's held table is not readable here: %s", tier.value, exc)
+            with self._lock:
+                self._no_table[tier] = time.monotonic() + NO_TABLE_S
+            return None
+        with self._lock:
+            mapped = self._tables.setdefault(tier, table)
+        if mapped is not table:
+            table.arena.close()
+        return mapped
 
     def _pin(self, tier: Tier, keys: Sequence[bytes], owner: str) -> list[Pinned | None]:
         try:
@@ -176,6 +216,9 @@ class NodePlane:
             for arena in self._arenas.values():
                 arena.close()
             self._arenas.clear()
+            for table in self._tables.values():
+                table.arena.close()
+            self._tables.clear()
 
 
 def _by_tier(pins: Sequence[LocalPin], what: Any) -> dict[Tier, list[Any]]:

@@ -35,7 +35,8 @@ import numpy as np
 from cmx.buffers import ALIGN, align_up
 from cmx.errors import BlockStateError, BlockTooLargeError, StoreClosedError, StoreFullError
 
-__all__ = ["SHM_DIR", "SharedArena", "SlotAllocator", "SlotRef", "read_slot", "reap_orphans"]
+__all__ = ["SHM_DIR", "SharedArena", "SlotAllocator", "SlotRef", "read_slot", "reap_orphans",
+           "unlink_prefixed"]
 
 SHM_DIR = "/dev/shm"  # where POSIX shared memory lives on Linux
 HEADER_BYTES = ALIGN  # one page, so slot 0 starts page-aligned
@@ -305,6 +306,22 @@ def reap_orphans(prefix: str = "cmx-", shm_dir: str = SHM_DIR) -> list[str]:
             continue
         reaped.append(name)
     return reaped
+
+
+def unlink_prefixed(prefix: str, shm_dir: str = SHM_DIR) -> None:
+    """Remove every shared-memory name under ``prefix``: what an earlier incarnation of a
+    process that is one of its kind on this host (a node's tier) left behind when it was
+    killed. A reader still mapping one keeps its mapping until it maps the new one."""
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(prefix):
+            try:
+                os.unlink(os.path.join(shm_dir, name))
+            except OSError:
+                pass
 
 
 def _alive(pid: int) -> bool:

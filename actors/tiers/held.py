@@ -28,10 +28,11 @@ class HeldKeys:
         store.subscribe(self._on_event)
 
     def doom(self, key: BlockHash) -> None:
-        """``key``'s copy goes at its last unpin; from now on no lookup finds it (the caller
-        holds the store's lock)."""
-        self.doomed.add(key)
-        self.table.remove(key)
+        """``key``'s copy goes at its last unpin; from now on no lookup finds it. Under the
+        store's lock (an RLock), as every write of the table: it has one writer at a time."""
+        with self.store._lock:
+            self.doomed.add(key)
+            self.table.remove(key)
 
     def answer(self, keys: Sequence[BlockHash]) -> list[tuple[int, int] | None]:
         """Per key, (size, checksum) of its copy if one is committed here and readable, else

@@ -5,7 +5,9 @@ pinned to the node) and ``cmx:agent:<node>`` (the data plane: on the node, or on
 a node labelled ``dpu_label`` with the same ``host_label`` value exists). Cluster-wide:
 ``cmx:dir:<i>`` directory shards and ``cmx:controller``, which starts the actors of nodes that
 join and drops the copies of nodes that leave. All live in the Ray namespace ``cmx``, are
-detached (they outlive the client that started them) and are restarted by Ray when they die.
+detached (they outlive the client that started them) and are restarted by Ray when they die;
+a directory shard pinned to a labelled node (``directory_label``) that died is started again
+by the controller instead (``directory.placement``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cmx.actors.agent.core import HostParts, OffloadAgent
-from cmx.actors.directory.shard import DirectoryShard, Source
+from cmx.actors.directory.placement import start_shards
+from cmx.actors.directory.shard import Source
 from cmx.actors.dpu.agent import dpu_actor_parts
 from cmx.actors.pool.node import PoolNodeService
 from cmx.actors.tiers.arena import ArenaTierService
@@ -41,6 +44,7 @@ __all__ = ["alive_nodes", "ensure_service", "node_actors", "restart_agent", "ser
 log = logging.getLogger(__name__)
 
 _RESTART = {"max_restarts": -1, "max_task_retries": 0, "lifetime": "detached"}
+_SERVICE_WIDE = {"namespace": RAY_NAMESPACE, "get_if_exists": True, "num_cpus": 0, **_RESTART}
 ORPHAN_SCAN_S = 60.0  # how often a tier lists (and ages out) unclaimed store directories
 
 
@@ -164,8 +168,10 @@ class Controller:
             self.known = {n for n in alive if not _is_dpu(alive[n], self.config)}
             moved = self._place_agents(alive)
             pool = self._reconcile_pool(alive)
+            shards = start_shards(self.config, alive, _SERVICE_WIDE)  # one lost with its node
             return {"started": started, "gone": gone, "nodes": sorted(self.known),
-                    "pool": pool, "agents_moved": moved}
+                    "pool": pool, "agents_moved": moved,
+                    "shards_started": [actor_name("dir", i) for i in shards]}
 
     def _place_agents(self, alive: dict[str, dict[str, Any]]) -> list[str]:
         """Move each agent whose node's DPU joined or left since it was placed (a DPU that
@@ -290,14 +296,20 @@ def restart_agent(node_id: str, config: ServiceConfig, alive: dict[str, dict[str
         ray.kill(old, no_restart=True)
     except ValueError:
         pass
-    deadline = time.monotonic() + 60.0
-    while time.monotonic() < deadline:  # the name is free once the old actor is gone
+    _until_gone(name, 60.0)
+    return _start_agent(node_id, config, alive)
+
+
+def _until_gone(name: str, timeout_s: float) -> None:
+    """Return once no actor holds ``name`` (a killed one lets it go as it dies), or after
+    ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
         try:
             ray.get_actor(name, namespace=RAY_NAMESPACE)
         except ValueError:
-            break
+            return
         time.sleep(0.2)
-    return _start_agent(node_id, config, alive)
 
 
 def start_node_actors(
@@ -335,13 +347,9 @@ def start_pool_actor(node_id: str, pool_id: str, config: ServiceConfig) -> Any:
 
 def ensure_service(config: ServiceConfig) -> Any:
     """Start the directory and the controller if they are not running; returns the controller."""
-    common = {"namespace": RAY_NAMESPACE, "get_if_exists": True, "num_cpus": 0, **_RESTART}
-    for shard in range(config.directory_shards):
-        ray.remote(DirectoryShard).options(
-            name=actor_name("dir", shard), max_concurrency=1, **common
-        ).remote(shard)
+    start_shards(config, {n["NodeID"]: n for n in alive_nodes()}, _SERVICE_WIDE)
     controller: Any = ray.remote(Controller).options(
-        name="cmx:controller", max_concurrency=4, **common
+        name="cmx:controller", max_concurrency=4, **_SERVICE_WIDE
     ).remote(config)
     ray.get(controller.reconcile.remote(), timeout=180)
     return controller
@@ -385,8 +393,9 @@ def node_actors(node_id: str) -> dict[str, Any]:
 def stop_service(timeout_s: float = 10.0) -> int:
     """Close and kill every actor of the service; returns how many were killed.
 
-    Tiers and pool nodes are closed first, so their shared-memory arenas are unlinked and
-    their NVMe indexes snapshotted; an actor that does not close in time is killed anyway.
+    The controller goes first, and is gone before the rest: it starts again what it finds
+    missing. Tiers and pool nodes are then closed, so their shared-memory arenas are unlinked
+    and their NVMe indexes snapshotted; an actor that does not close in time is killed anyway.
     """
     handles: list[tuple[str, Any]] = []
     for info in ray.util.list_named_actors(all_namespaces=True):
@@ -395,6 +404,10 @@ def stop_service(timeout_s: float = 10.0) -> int:
                 handles.append((info["name"], ray.get_actor(info["name"], namespace=RAY_NAMESPACE)))
             except ValueError:
                 pass
+    for name, handle in handles:
+        if name == "cmx:controller":
+            ray.kill(handle, no_restart=True)
+            _until_gone(name, timeout_s)
     closing = [h.close.remote() for name, h in handles if name.split(":")[1] in _CLOSABLE]
     if closing:
         ray.wait(closing, num_returns=len(closing), timeout=timeout_s)

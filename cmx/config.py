@@ -28,6 +28,9 @@ class ServiceConfig:
     orphan_max_age_s: float = 7 * 86400.0  # store dirs unclaimed this long are removed; 0: never
     nvme_segment_bytes: int = 256 * MiB  # size of one log segment file
     directory_shards: int = 2  # directory actors; keys spread by hash
+    # label of the nodes the directory shards are pinned to (round robin; one lost with its
+    # node the controller starts again: actors/directory/placement.py); none: Ray places them
+    directory_label: str = "cmx.io/directory"
     eviction: str = "lru"  # eviction policy of every tier ("lru", "s3fifo")
     placement: str = "write_back"  # "write_back" (NVMe on DRAM eviction) or "write_through"
     nvme_admission_min_count: int = 1  # times a block must be seen before it goes to NVMe

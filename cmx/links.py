@@ -110,6 +110,7 @@ class RayLink:
         import ray
         from ray.exceptions import (
             ActorUnavailableError,
+            ActorUnschedulableError,
             GetTimeoutError,
             RayActorError,
             RayTaskError,
@@ -117,10 +118,28 @@ class RayLink:
 
         try:
             return ray.get(ref, timeout=timeout_s or self.timeout_s)
-        except (GetTimeoutError, RayActorError, ActorUnavailableError) as exc:
+        except (GetTimeoutError, RayActorError, ActorUnavailableError,
+                ActorUnschedulableError) as exc:
+            self._forget(exc)
             raise UnavailableError(f"a call did not answer: {exc}") from None
         except RayTaskError as exc:
             raise exc.as_instanceof_cause() from None
+
+    def _forget(self, failure: Exception) -> None:
+        """Drop the handle of the actor that failed a call, so the next call looks its name
+        up again: an actor started anew under the name (a lost directory shard, a moved
+        agent) is another actor, and the dead one's handle would fail every call. Ray does
+        not say which actor cannot be scheduled (one pinned to a node that died): then every
+        handle goes, each looked up again at its next call."""
+        from ray.exceptions import ActorUnschedulableError
+
+        if isinstance(failure, ActorUnschedulableError):
+            self._handles.clear()
+            return
+        actor_id = getattr(failure, "actor_id", None)
+        for name, handle in list(self._handles.items()):
+            if actor_id and handle._actor_id.hex() == actor_id:
+                del self._handles[name]
 
     def ready(self, ref: Any) -> bool:
         """Whether the call ``submit`` started has answered."""
@@ -140,6 +159,7 @@ class RayLink:
         import ray
         from ray.exceptions import (
             ActorUnavailableError,
+            ActorUnschedulableError,
             GetTimeoutError,
             RayActorError,
             RayTaskError,
@@ -159,7 +179,8 @@ class RayLink:
                 continue
             try:
                 results.append(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
-            except (GetTimeoutError, RayActorError, ActorUnavailableError) as exc:
+            except (GetTimeoutError, RayActorError, ActorUnavailableError,
+                    ActorUnschedulableError) as exc:
                 self._handles.pop(name, None)
                 results.append(UnavailableError(f"{name}.{method} did not answer: {exc}"))
             except RayTaskError as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,15 @@ from cmx.operate.ray_cluster import (
     start_own,
     wait_for_gcs,
 )
+
+
+@pytest.fixture(autouse=True)
+def own_log_records(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The warnings these tests provoke stay off the root logger: an earlier test in this
+    process may have left Ray's logging filter on its handlers, which reads the runtime
+    context the tests replace."""
+    for module in ("cmx.operate.ray_cluster", "cmx.operate.local_ray"):
+        monkeypatch.setattr(logging.getLogger(module), "propagate", False)
 
 
 @pytest.fixture()

@@ -5,11 +5,11 @@ the lost actor's handle, finds the new one under the name: lookups are whole aga
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import ray
 from conftest import patiently
+from pool_support import until
 from support import LAYOUT
 
 from cmx.links import RAY_NAMESPACE, RayLink, actor_name
@@ -24,15 +24,6 @@ class Named:
 
     def ask(self) -> str:
         return self.answer
-
-
-def until(predicate: Any, timeout_s: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.5)
-    return False
 
 
 def gone(name: str) -> bool:

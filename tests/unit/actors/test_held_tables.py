@@ -41,6 +41,13 @@ def plane(tmp_path) -> Iterator[Plane]:
     p.close()
 
 
+def stored(plane: Plane, seed: int) -> tuple[list[Any], Any, NodePlane]:
+    """One block stored into this node's DRAM: its keys, its payload, and a reader here."""
+    keys, payload = blocks(1, seed=seed)
+    assert plane.agents[NODE].store(keys, [None], payload) == 1
+    return keys, payload, NodePlane(plane.link, NODE, 5.0)
+
+
 def answer(reader: NodePlane, keys: list[Any]) -> list[set[Tier]]:
     """Per key, the tiers of this node the lookup found it in."""
     return [{c.tier for c in copies} for copies in reader.held(keys).copies]
@@ -69,9 +76,8 @@ def test_lookups_read_the_tables_and_agree_with_the_books_without_a_call(plane: 
 
 
 def test_a_copy_quarantined_while_pinned_is_found_by_no_lookup(plane: Plane) -> None:
-    keys, payload = blocks(1, seed=2)
-    agent, reader = plane.agents[NODE], NodePlane(plane.link, NODE, 5.0)
-    assert agent.store(keys, [None], payload) == 1
+    keys, payload, reader = stored(plane, seed=2)
+    agent = plane.agents[NODE]
     pins = reader.pin_prefix(keys, "client:reader")
     reader.quarantine(pins)  # pinned: it goes at the last unpin, and is found by none now
     assert answer(reader, keys) == books(plane, keys) == [set()]
@@ -85,9 +91,8 @@ def test_a_copy_quarantined_while_pinned_is_found_by_no_lookup(plane: Plane) -> 
 
 
 def test_a_restarted_tier_is_read_by_its_new_table_never_the_old_one(plane: Plane) -> None:
-    keys, payload = blocks(1, seed=3)
-    agent, reader = plane.agents[NODE], NodePlane(plane.link, NODE, 5.0)
-    assert agent.store(keys, [None], payload) == 1
+    keys, payload, reader = stored(plane, seed=3)
+    agent = plane.agents[NODE]
     assert answer(reader, keys) == [{Tier.DRAM}]
     old = plane.tiers[(NODE, Tier.DRAM)].held_keys.table.name
     restart_tier(plane, NODE, Tier.DRAM)  # empty; the old incarnation's names are unlinked
@@ -100,9 +105,7 @@ def test_a_restarted_tier_is_read_by_its_new_table_never_the_old_one(plane: Plan
 
 
 def test_a_tier_whose_table_cannot_be_read_is_asked(plane: Plane) -> None:
-    keys, payload = blocks(1, seed=4)
-    agent, reader = plane.agents[NODE], NodePlane(plane.link, NODE, 5.0)
-    assert agent.store(keys, [None], payload) == 1
+    keys, _, reader = stored(plane, seed=4)
     calls = plane.link.calls  # type: ignore[attr-defined]
     dram = plane.tiers[(NODE, Tier.DRAM)]
     dram.held_keys.table.close()  # closed under its readers: they ask the tier

@@ -28,6 +28,7 @@ from cmx.actors.directory.placement import start_shards
 from cmx.actors.directory.shard import Source
 from cmx.actors.dpu.agent import dpu_actor_parts
 from cmx.actors.pool.node import PoolNodeService
+from cmx.actors.stop import stop_service, until_gone
 from cmx.actors.tiers.arena import ArenaTierService
 from cmx.actors.tiers.nvme import NvmeTierService
 from cmx.config import ServiceConfig
@@ -157,6 +158,11 @@ class Controller:
     def reconcile(self) -> dict[str, list[str]]:
         with self._lock:
             alive = {n["NodeID"]: n for n in alive_nodes()}
+            try:  # first: a node whose actors cannot start must not keep a shard down
+                shards = start_shards(self.config, alive, _SERVICE_WIDE)  # one lost with its node
+            except Exception as exc:  # noqa: BLE001 - tried again next round
+                log.warning("directory shards not started: %s", exc)
+                shards = []
             started = []
             for node_id, node in alive.items():
                 if node_id not in self.known and not _is_dpu(node, self.config):
@@ -168,7 +174,6 @@ class Controller:
             self.known = {n for n in alive if not _is_dpu(alive[n], self.config)}
             moved = self._place_agents(alive)
             pool = self._reconcile_pool(alive)
-            shards = start_shards(self.config, alive, _SERVICE_WIDE)  # one lost with its node
             return {"started": started, "gone": gone, "nodes": sorted(self.known),
                     "pool": pool, "agents_moved": moved,
                     "shards_started": [actor_name("dir", i) for i in shards]}
@@ -296,20 +301,8 @@ def restart_agent(node_id: str, config: ServiceConfig, alive: dict[str, dict[str
         ray.kill(old, no_restart=True)
     except ValueError:
         pass
-    _until_gone(name, 60.0)
+    until_gone(name, 60.0)
     return _start_agent(node_id, config, alive)
-
-
-def _until_gone(name: str, timeout_s: float) -> None:
-    """Return once no actor holds ``name`` (a killed one lets it go as it dies), or after
-    ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            ray.get_actor(name, namespace=RAY_NAMESPACE)
-        except ValueError:
-            return
-        time.sleep(0.2)
 
 
 def start_node_actors(
@@ -388,32 +381,3 @@ def node_actors(node_id: str) -> dict[str, Any]:
         except ValueError:
             pass
     return out
-
-
-def stop_service(timeout_s: float = 10.0) -> int:
-    """Close and kill every actor of the service; returns how many were killed.
-
-    The controller goes first, and is gone before the rest: it starts again what it finds
-    missing. Tiers and pool nodes are then closed, so their shared-memory arenas are unlinked
-    and their NVMe indexes snapshotted; an actor that does not close in time is killed anyway.
-    """
-    handles: list[tuple[str, Any]] = []
-    for info in ray.util.list_named_actors(all_namespaces=True):
-        if info.get("namespace") == RAY_NAMESPACE and info["name"].startswith("cmx:"):
-            try:
-                handles.append((info["name"], ray.get_actor(info["name"], namespace=RAY_NAMESPACE)))
-            except ValueError:
-                pass
-    for name, handle in handles:
-        if name == "cmx:controller":
-            ray.kill(handle, no_restart=True)
-            _until_gone(name, timeout_s)
-    closing = [h.close.remote() for name, h in handles if name.split(":")[1] in _CLOSABLE]
-    if closing:
-        ray.wait(closing, num_returns=len(closing), timeout=timeout_s)
-    for _, handle in handles:
-        ray.kill(handle, no_restart=True)
-    return len(handles)
-
-
-_CLOSABLE = {"agent", "hbm", "dram", "nvme", "pool"}  # agents first in the list: they map arenas

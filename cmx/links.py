@@ -137,9 +137,12 @@ class RayLink:
             self._handles.clear()
             return
         actor_id = getattr(failure, "actor_id", None)
+        if not actor_id:
+            return
         for name, handle in list(self._handles.items()):
-            if actor_id and handle._actor_id.hex() == actor_id:
-                del self._handles[name]
+            held = getattr(handle, "_actor_id", None)  # Ray's own; absent: looked up again
+            if held is None or held.hex() == actor_id:
+                self._handles.pop(name, None)  # another thread may have dropped it first
 
     def ready(self, ref: Any) -> bool:
         """Whether the call ``submit`` started has answered."""

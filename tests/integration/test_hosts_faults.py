@@ -1,11 +1,14 @@
-"""Faults only a network has: a host's cable pulled mid-load, and a host that loses power.
+"""Faults only a network has: a host's cable pulled before a load and mid-load, and a host that
+loses power.
 
 A cluster of its own, in a process of its own, on hosts (cmx.bench.hosts): host A (the head,
 the driver) and host B, each with its own network, hostname and /dev/shm, TCP between them.
 A prefix lives only on B. With B's cable down, A's loads of it are misses (never wrong
-bytes) within their bound; with the cable back, they are whole again. With every process of
-B killed at once, A's loads are misses within the bound and the service goes on serving what
-A holds.
+bytes) within their bound; with the cable back, they are whole again. Pulled while a load
+runs, after its first window landed (a hook on the client's copy-out, so the step is exact),
+the load keeps that window's blocks whole and misses the rest within the bound. With every
+process of B killed at once, A's loads are misses within the bound and the service goes on
+serving what A holds.
 """
 
 from __future__ import annotations
@@ -108,6 +111,42 @@ while time.monotonic() < deadline:
     if out["back"]["tokens"] == len(s):
         break
     time.sleep(1)
+# The cable pulled mid-load, at a step the load cannot outrun: one window at a time of three
+# blocks each, and B's cable goes down the moment the first window has been copied out, so
+# the second is asked of a host that cannot be reached. The same windows with the cable left
+# in bring the whole prefix: the control, so that only the pull explains a short load.
+import cmx.client.loads as loads
+
+
+def in_windows_of_three(tokens, kv, pull):
+    windows = []  # blocks of each window copied out
+    depth, window, copy_out = loads.DEPTH, loads.load_window, loads._copy_out
+
+    def copied(*args):
+        got = copy_out(*args)
+        if pull and not windows:
+            hosts.link(b_host, up=False)
+        windows.append(got[0])
+        return got
+
+    loads.DEPTH, loads.load_window, loads._copy_out = 1, lambda config: 3, copied
+    try:
+        return {**timed_load(tokens, kv), "windows": windows}
+    finally:
+        loads.DEPTH, loads.load_window, loads._copy_out = depth, window, copy_out
+        hosts.link(b_host, up=True)
+
+
+c, kv_c, *out["c"] = on_b(50_000, 7)
+out["control"] = in_windows_of_three(c, kv_c, pull=False)
+m, kv_m, *out["m"] = on_b(40_000, 6)
+out["mid"] = in_windows_of_three(m, kv_m, pull=True)
+deadline = time.monotonic() + 240
+while time.monotonic() < deadline:
+    out["mid_back"] = timed_load(m, kv_m)
+    if out["mid_back"]["tokens"] == len(m):
+        break
+    time.sleep(1)
 r, kv_r, *out["r"] = on_b(20_000, 5)
 hosts.kill_host(b_host)
 out["killed"] = [timed_load(r, kv_r) for _ in range(2)]
@@ -131,12 +170,21 @@ def test_a_pulled_cable_and_a_dead_host_are_misses_within_the_bound(tmp_path: Pa
     nvme = tmp_path / "nvme-hosts"
     out = on_hosts(m, SCENARIO, str(nvme), str(LOAD_TIMEOUT_S), timeout_s=840)
     assert out["a_name"] != out["b_name"] == "b"
-    assert out["p"] == out["s"] == out["r"] == [6, True]  # each stored on B, held only there
+    assert out["p"] == out["s"] == out["m"] == out["r"] == [6, True]  # each stored on B alone
     assert out["before"] == {**out["before"], "tokens": 6 * 64, "right": True}
     for load in out["cut"] + out["killed"]:
         assert load["right"] is True  # a shorter prefix (a miss) at worst, never wrong bytes
         assert load["s"] < BOUND_S, load
     assert all(load["tokens"] == 0 for load in out["cut"] + out["killed"])
     assert out["back"] == {**out["back"], "tokens": 6 * 64, "right": True}
+    # In windows of three with the cable in: both windows, whole.
+    assert out["c"] == [6, True]
+    assert out["control"] == {**out["control"], "tokens": 6 * 64, "right": True,
+                              "windows": [3, 3]}
+    # Pulled mid-load: the first window's three blocks, whole; the rest a miss in the bound.
+    assert out["mid"] == {**out["mid"], "tokens": 3 * 64, "right": True}
+    assert out["mid"]["windows"][0] == 3 == sum(out["mid"]["windows"])  # none after the pull
+    assert out["mid"]["s"] < BOUND_S, out["mid"]
+    assert out["mid_back"] == {**out["mid_back"], "tokens": 6 * 64, "right": True}
     assert out["stored_after"] == 4 and out["mine_after"] is True
     shutil.rmtree(m.ray_tmp, ignore_errors=True)

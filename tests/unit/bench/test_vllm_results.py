@@ -8,8 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from cmx.bench.vllm_results import ClientResult, merge, parse_result, percentile, read_result
-from cmx.bench.vllm_serve import ServeSettings, client_args
+from cmx.bench.vllm_results import (
+    ClientResult,
+    ServeRun,
+    merge,
+    parse_result,
+    percentile,
+    read_result,
+)
+from cmx.bench.vllm_serve import ServeSettings, client_args, sustained
 
 
 def _result(ttfts: list[float], errors: list[str] | None = None, duration: float = 10.0,
@@ -88,3 +95,48 @@ def test_the_clients_arguments_are_vllms_own(dataset: str, tmp_path: Path) -> No
 def test_an_unknown_dataset_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError):
         client_args("sharegpt", ServeSettings(), "u", "m", 1.0, 2, tmp_path / "x.json")
+
+
+def test_settings_that_vllms_client_would_refuse_are_refused_here() -> None:
+    with pytest.raises(ValueError, match="num_prompts must be at least 8"):
+        ServeSettings(num_prompts=4, num_prefixes=4)  # two per client, fewer than the prefixes
+    with pytest.raises(ValueError, match="rates"):
+        ServeSettings(rates=(0.0,))
+    assert ServeSettings(num_prompts=4, num_prefixes=4, datasets=("random",)).num_prompts == 4
+
+
+def _run(throughput: float, p99_ms: float, failed: int = 0) -> ServeRun:
+    return ServeRun(completed=10, failed=failed, duration_s=10 / throughput,
+                    request_throughput=throughput, token_throughput=100 * throughput,
+                    ttft_p50_ms=p99_ms / 2, ttft_p99_ms=p99_ms)
+
+
+def test_the_throughput_judged_is_the_fastest_run_whose_p99_held() -> None:
+    runs = {("prefix_repetition", 0.2): _run(0.2, 4_000),
+            ("prefix_repetition", 0.4): _run(0.4, 9_000),
+            ("prefix_repetition", 0.8): _run(0.7, 30_000),  # past the p99 target
+            ("prefix_repetition", 0.6): _run(0.6, 5_000, failed=1),  # a request failed
+            ("random", 1.0): _run(1.0, 1_000)}  # another workload
+    assert sustained(runs, "prefix_repetition") == runs[("prefix_repetition", 0.4)]
+    assert sustained({("prefix_repetition", 0.8): _run(0.7, 30_000)}, "prefix_repetition") is None
+
+
+def test_the_throughput_goal_compares_the_connector_with_vllm_alone_at_the_same_p99() -> None:
+    from cmx.bench.core import SuiteResult, Verdict
+    from cmx.bench.vllm_serve import _report
+
+    none = {("prefix_repetition", r): _run(r, p) for r, p in ((0.2, 6_000), (0.4, 20_000))}
+    cmx = {("prefix_repetition", r): _run(r, p) for r, p in ((0.2, 2_000), (0.4, 7_000))}
+    result = SuiteResult("e2e-serve", command="")
+    _report(result, {"cmx": cmx, "none": none})
+    (judged,) = [f for f in result.figures if f.goal is not None]
+    assert (judged.value, judged.baseline) == (0.4, 0.2) and judged.goal is not None
+    assert judged.goal.check(judged.ratio) is Verdict.PASS  # 2x at p99 <= 10 s
+    result = SuiteResult("e2e-serve", command="")
+    _report(result, {"cmx": {("prefix_repetition", 0.2): _run(0.2, 12_000)}, "none": none})
+    (judged,) = [f for f in result.figures if f.goal is not None]
+    assert judged.value == 0.0  # the connector held the p99 at no rate: a miss, not a skip
+    result = SuiteResult("e2e-serve", command="")
+    _report(result, {"cmx": cmx, "none": {("prefix_repetition", 0.4): _run(0.4, 20_000)}})
+    assert not [f for f in result.figures if f.goal is not None]
+    assert any("no baseline" in n for n in result.notes)

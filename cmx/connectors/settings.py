@@ -23,7 +23,7 @@ from cmx.config import ServiceConfig
 from cmx.errors import CmxError, LayoutMismatchError
 from cmx.layout import KVLayout
 
-__all__ = ["ConnectorSettings", "Namespaces", "adopt_service_slots", "connect",
+__all__ = ["ConnectorSettings", "Namespaces", "adopt_service_slots", "connect", "quiet_driver",
            "namespace_salt"]
 
 log = logging.getLogger(__name__)
@@ -129,8 +129,11 @@ def connect(settings: ConnectorSettings) -> Any:
         raise CmxError("CMXConnector needs a Ray cluster: run the engine inside one, or set "
                        "kv_connector_extra_config['ray_address'] (e.g. 'auto')")
     joined = ray.is_initialized()
+    # Not every Ray worker's log lines in the engine's output.
     cm = ContextMemory.connect(address=settings.ray_address or None, config=settings.service,
-                               start_service=settings.start_service)
+                               start_service=settings.start_service, log_to_driver=False)
+    if not joined:
+        quiet_driver()
     if settings.ray_address == "auto" and not joined:
         # "auto" follows the current-cluster file `ray start` leaves on this host, which can
         # name another user's cluster: say which one it was.
@@ -140,6 +143,29 @@ def connect(settings: ConnectorSettings) -> Any:
     if settings.node_id:
         cm.node_id = settings.node_id
     return cm
+
+
+def quiet_driver() -> bool:
+    """Stop the threads Ray starts in every driver it joins to print other workers' errors
+    and log lines (``listen_error_messages``, ``print_logs``), as ``ray.shutdown`` does: the
+    flag they loop on set, their subscribers closed. True if there were any.
+
+    An engine process prints neither, and in vLLM's worker processes under an OpenAI server
+    the error subscriber's poll went round inside Ray without returning: each worker polled
+    the GCS about 2,700 times a second, and the GCS spent half a core answering (2 servers,
+    2 cores). Ray clears the flag when it is joined again."""
+    from ray._private import worker as ray_worker
+
+    driver = ray_worker.global_worker
+    stopped = getattr(driver, "threads_stopped", None)
+    if stopped is None:
+        return False
+    stopped.set()
+    for name in ("gcs_error_subscriber", "gcs_log_subscriber"):
+        subscriber = getattr(driver, name, None)
+        if subscriber is not None:
+            subscriber.close()  # its poll returns; the thread sees the flag and ends
+    return True
 
 
 def adopt_service_slots(cm: Any) -> None:

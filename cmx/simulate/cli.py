@@ -1,4 +1,5 @@
-"""``cmx simulate``: one scenario under our strategy and an LMCache-like one, side by side."""
+"""``cmx simulate``: one scenario under our strategy and an LMCache-like one, side by side;
+with ``--capacity``, each one's highest load within a TTFT p99 target."""
 
 from __future__ import annotations
 
@@ -16,50 +17,103 @@ console = Console(log_path=False)
 def simulate_command(
     name: Annotated[str, typer.Argument(help="Scenario: seed, mix or scale.")] = "seed",
     nodes: Annotated[int | None, typer.Option(min=1, help="GPU nodes (8 GPUs each).")] = None,
-    duration: Annotated[float | None, typer.Option(
-        min=1.0, help="Seconds of simulated arrivals (default 600; scale: 3600).")] = None,
-    load: Annotated[float, typer.Option(
-        min=0.01, max=4.0, help="Offered load: busy share of the replicas if hits were free.",
-    )] = 0.7,
+    duration: Annotated[
+        float | None,
+        typer.Option(
+            min=1.0,
+            help="Seconds of simulated arrivals (default 600; scale: 3600, but 600 with "
+            "--capacity).",
+        ),
+    ] = None,
+    load: Annotated[
+        float,
+        typer.Option(
+            min=0.01,
+            max=4.0,
+            help="Offered load: busy share of the replicas if hits were free.",
+        ),
+    ] = 0.7,
     model: Annotated[str, typer.Option(help="llama-3-8b or llama-3-70b.")] = "llama-3-8b",
-    strategy: Annotated[list[str] | None, typer.Option(
-        help="Strategies to run (default: cmx and lmcache-like).")] = None,
+    strategy: Annotated[
+        list[str] | None, typer.Option(help="Strategies to run (default: cmx and lmcache-like).")
+    ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the trace and of every random choice.")] = 0,
     out: Annotated[Path, typer.Option(help="Directory for the JSON and the plot.")] = Path(
-        "sim-out"),
-    calibrate: Annotated[bool, typer.Option(
-        "--calibrate", help="Measure this machine and the service's loads on an embedded Ray "
-        "cluster; predict the loads with the simulator; exit 1 if off by more than 25%.",
-    )] = False,
-    docs: Annotated[Path | None, typer.Option(
-        help="With --calibrate: markdown page whose calibration section is rewritten.",
-    )] = None,
+        "sim-out"
+    ),
+    calibrate: Annotated[
+        bool,
+        typer.Option(
+            "--calibrate",
+            help="Measure this machine and the service's loads on an embedded Ray "
+            "cluster; predict the loads with the simulator; exit 1 if off by more than 25%.",
+        ),
+    ] = False,
+    docs: Annotated[
+        Path | None,
+        typer.Option(
+            help="With --calibrate: markdown page whose calibration section is rewritten.",
+        ),
+    ] = None,
+    capacity: Annotated[
+        bool,
+        typer.Option(
+            "--capacity",
+            help="Search each strategy's highest load whose TTFT p99 meets "
+            "--p99-target, over --seeds seeds (from --seed); --load is not used.",
+        ),
+    ] = False,
+    p99_target: Annotated[
+        float, typer.Option(help="With --capacity: the TTFT p99 target, seconds.")
+    ] = 10.0,
+    seeds: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="With --capacity: seeds, each its own trace (5 or more: a bootstrap "
+            "interval of the median; fewer: min-max).",
+        ),
+    ] = 5,
+    resolution: Annotated[
+        float, typer.Option(help="With --capacity: the step of the load search.")
+    ] = 0.02,
 ) -> None:
     """Simulate a cluster serving long contexts through the service's own policies."""
     if calibrate:
         _calibrate(out, docs)
+        return
+    if capacity:
+        _capacity(
+            name,
+            nodes=nodes,
+            duration=duration,
+            model=model,
+            strategy=strategy,
+            seed=seed,
+            out=out,
+            target=p99_target,
+            seeds=seeds,
+            resolution=resolution,
+        )
         return
     from cmx.simulate.engine import Simulator
     from cmx.simulate.report import print_results, write_json, write_plots
     from cmx.simulate.scenarios import scenario, with_strategy
     from cmx.simulate.strategy import STRATEGIES
 
-    names = strategy or ["cmx", "lmcache-like"]
-    unknown = [s for s in names if s not in STRATEGIES]
-    if unknown:
-        console.print(f"[red]error:[/] unknown strategy {unknown}; known: {sorted(STRATEGIES)}")
-        raise typer.Exit(code=2)
+    names = _strategies(strategy)
     try:
-        config = scenario(name, nodes=nodes, duration_s=duration, load=load, model=model,
-                          seed=seed)
+        config = scenario(name, nodes=nodes, duration_s=duration, load=load, model=model, seed=seed)
     except ValueError as exc:
         console.print(f"[red]error:[/] {exc}")
         raise typer.Exit(code=2) from exc
     c = config.cluster
-    console.print(f"scenario {name}: {config.model.name}, {c.nodes:,} nodes ({c.gpus:,} GPUs, "
-                  f"{c.replicas:,} replicas of {c.node.gpus_per_replica} GPU), "
-                  f"{config.workload.duration_s:g} s of arrivals at "
-                  f"{config.workload.rate_per_s:.2f}/s")
+    console.print(
+        f"scenario {name}: {config.model.name}, {c.nodes:,} nodes ({c.gpus:,} GPUs, "
+        f"{c.replicas:,} replicas of {c.node.gpus_per_replica} GPU), "
+        f"{config.workload.duration_s:g} s of arrivals at "
+        f"{config.workload.rate_per_s:.2f}/s"
+    )
     results = []
     for s in names:
         console.log(f"running {s}")
@@ -70,8 +124,78 @@ def simulate_command(
     write_json(json_path, config, results)
     png = out / f"simulate-{name}.png"
     plotted = write_plots(png, results, title)
-    console.print(f"wrote {json_path}" + (f", {png}" if plotted else
-                                          " (plots skipped: pip install 'cmx-ray[bench]')"))
+    console.print(
+        f"wrote {json_path}"
+        + (f", {png}" if plotted else " (plots skipped: pip install 'cmx-ray[bench]')")
+    )
+
+
+def _strategies(names: list[str] | None) -> list[str]:
+    from cmx.simulate.strategy import STRATEGIES
+
+    chosen = names or ["cmx", "lmcache-like"]
+    unknown = [s for s in chosen if s not in STRATEGIES]
+    if unknown:
+        console.print(f"[red]error:[/] unknown strategy {unknown}; known: {sorted(STRATEGIES)}")
+        raise typer.Exit(code=2)
+    return chosen
+
+
+def _capacity(
+    name: str,
+    *,
+    nodes: int | None,
+    duration: float | None,
+    model: str,
+    strategy: list[str] | None,
+    seed: int,
+    out: Path,
+    target: float,
+    seeds: int,
+    resolution: float,
+) -> None:
+    import time
+
+    from cmx.simulate.capacity import find_capacity, scenario_builder
+    from cmx.simulate.report import capacity_seed_table, capacity_table, write_capacity_json
+    from cmx.simulate.strategy import STRATEGIES
+
+    names = _strategies(strategy)
+    duration = duration or 600.0  # scale's hour, times every search step, is not bounded
+    builds = [
+        scenario_builder(name, STRATEGIES[s], nodes=nodes, duration_s=duration, model=model)
+        for s in names
+    ]
+    try:
+        config = builds[0](1.0, seed)
+        t0 = time.perf_counter()
+        found = [
+            find_capacity(
+                b,
+                target_p99_s=target,
+                seeds=seeds,
+                first_seed=seed,
+                resolution=resolution,
+                log=lambda m: console.log(m),
+            )
+            for b in builds
+        ]
+    except ValueError as exc:
+        console.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(code=2) from exc
+    wall_s = time.perf_counter() - t0
+    c = config.cluster
+    title = (
+        f"cmx simulate {name} --capacity: {config.model.name}, {c.gpus:,} GPUs, "
+        f"TTFT p99 <= {target:g} s, {duration:g} s runs, seeds {seed}-{seed + seeds - 1}"
+    )
+    console.print(capacity_table(found, title))
+    console.print(capacity_seed_table(found))
+    json_path = out / f"simulate-{name}-capacity.json"
+    write_capacity_json(
+        json_path, config, found, {"duration_s": duration, "first_seed": seed, "wall_s": wall_s}
+    )
+    console.print(f"{wall_s:.1f} s wall; wrote {json_path}")
 
 
 def _calibrate(out: Path, docs: Path | None) -> None:

@@ -1,4 +1,5 @@
-"""What ``cmx simulate`` shows: a table of the strategies side by side, JSON, PNG plots.
+"""What ``cmx simulate`` shows: a table of the strategies side by side, JSON, PNG plots; with
+``--capacity``, a table of each strategy's capacity and its JSON.
 
 Plots need matplotlib (the ``bench`` extra); without it the table and the JSON are still
 written and the command says the plots were skipped.
@@ -15,10 +16,18 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from cmx.simulate.capacity import Capacity, Outcome
 from cmx.simulate.engine import SimConfig
 from cmx.simulate.probe import SimResult
 
-__all__ = ["comparison_table", "write_json", "write_plots"]
+__all__ = [
+    "capacity_seed_table",
+    "capacity_table",
+    "comparison_table",
+    "write_capacity_json",
+    "write_json",
+    "write_plots",
+]
 
 TB = 1e12
 
@@ -42,14 +51,20 @@ def _rows(r: SimResult) -> list[tuple[str, str]]:
     for cls, nbytes in r.loaded_bytes.items():
         rows.append((f"loaded from {cls} TB", f"{nbytes / TB:.2f}"))
     rows += [
-        ("stored to DRAM / NVMe / pool TB",
-         f"{r.stored_bytes / TB:.2f} / {r.demoted_bytes / TB:.2f} / {r.pooled_bytes / TB:.2f}"),
+        (
+            "stored to DRAM / NVMe / pool TB",
+            f"{r.stored_bytes / TB:.2f} / {r.demoted_bytes / TB:.2f} / {r.pooled_bytes / TB:.2f}",
+        ),
         ("network TB", f"{r.network_bytes / TB:.2f}"),
     ]
     for t in r.tiers:
-        rows.append((f"{t.tier} peak / capacity",
-                     f"{_pct(t.peak_bytes / t.capacity_bytes) if t.capacity_bytes else '-'}"
-                     f" of {t.capacity_bytes / TB:.1f} TB"))
+        rows.append(
+            (
+                f"{t.tier} peak / capacity",
+                f"{_pct(t.peak_bytes / t.capacity_bytes) if t.capacity_bytes else '-'}"
+                f" of {t.capacity_bytes / TB:.1f} TB",
+            )
+        )
     rows += [
         ("agent queue depth max / mean", f"{r.queue_depth_max} / {r.queue_depth_mean:.2f}"),
         ("jobs dropped (queue full)", f"{r.dropped_jobs:,}"),
@@ -76,10 +91,69 @@ def print_results(console: Console, results: Sequence[SimResult], title: str) ->
     console.print(comparison_table(results, title))
 
 
-def write_json(path: Path, config: SimConfig, results: Sequence[SimResult],
-               extra: dict[str, Any] | None = None) -> None:
+def write_json(
+    path: Path, config: SimConfig, results: Sequence[SimResult], extra: dict[str, Any] | None = None
+) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"config": asdict(config), "results": [r.to_dict() for r in results], **(extra or {})}
+    path.write_text(json.dumps(doc, indent=1, default=str))
+
+
+def capacity_table(capacities: Sequence[Capacity], title: str) -> Table:
+    """One row per strategy: median capacity over seeds, its interval, the p99 there."""
+    table = Table(title=title)
+    for name in (
+        "strategy",
+        "capacity req/s",
+        "offered load",
+        "interval req/s (load)",
+        "p99 at capacity s",
+        "seeds at a bound",
+        "simulations",
+    ):
+        table.add_column(name, justify="left" if name == "strategy" else "right")
+    for c in capacities:
+        (rlo, rhi), (llo, lhi) = c.rate_interval, c.load_interval
+        bounded = [s for s in c.seeds if s.outcome is not Outcome.RESOLVED]
+        table.add_row(
+            c.strategy,
+            f"{c.rate_per_s:.2f}",
+            f"{c.load:.2f}",
+            f"{rlo:.2f}-{rhi:.2f} ({llo:.2f}-{lhi:.2f}) {c.interval.value}",
+            "-" if c.p99_s is None else f"{c.p99_s:.2f}",
+            ", ".join(f"{s.seed}: {s.outcome.value}" for s in bounded) or "none",
+            f"{c.simulations:,}",
+        )
+    return table
+
+
+def capacity_seed_table(capacities: Sequence[Capacity]) -> Table:
+    """Each seed's answer: the load that met the target and the step above that missed."""
+    table = Table(title="per seed: highest load meeting the target, and the next step")
+    for name in ("strategy", "seed", "load (p99 s)", "next load (p99 s)", "outcome", "runs"):
+        table.add_column(name, justify="left" if name in ("strategy", "outcome") else "right")
+    for c in capacities:
+        for s in c.seeds:
+            table.add_row(
+                c.strategy,
+                str(s.seed),
+                f"{s.met.load:.2f} ({s.met.p99_s:.2f})" if s.met else "-",
+                f"{s.missed.load:.2f} ({s.missed.p99_s:.2f})" if s.missed else "-",
+                s.outcome.value,
+                str(s.simulations),
+            )
+    return table
+
+
+def write_capacity_json(
+    path: Path,
+    config: SimConfig,
+    capacities: Sequence[Capacity],
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """``config``: the scenario at load 1 (a capacity's rate is its load times that rate)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"config": asdict(config), "capacity": [c.to_dict() for c in capacities], **(extra or {})}
     path.write_text(json.dumps(doc, indent=1, default=str))
 
 
@@ -104,11 +178,13 @@ def write_plots(path: Path, results: Sequence[SimResult], title: str) -> bool:
                 used = np.asarray(r.series[f"{tier}_bytes"]) / cap
                 axes[1].plot(t, 100 * used, label=f"{r.strategy} {tier}")
         axes[2].plot(t, r.series["queued"], label=f"{r.strategy} queued")
-    axes[0].set(xlabel="time to first token (s)", ylabel="share of requests",
-                title="TTFT distribution")
+    axes[0].set(
+        xlabel="time to first token (s)", ylabel="share of requests", title="TTFT distribution"
+    )
     axes[1].set(xlabel="simulated time (s)", ylabel="% of capacity", title="tier occupancy")
-    axes[2].set(xlabel="simulated time (s)", ylabel="jobs queued, all agents",
-                title="agent queue depth")
+    axes[2].set(
+        xlabel="simulated time (s)", ylabel="jobs queued, all agents", title="agent queue depth"
+    )
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)

@@ -151,9 +151,9 @@ def quiet_driver() -> bool:
     flag they loop on set, their subscribers closed. True if there were any.
 
     An engine process prints neither, and in vLLM's worker processes under an OpenAI server
-    the error subscriber's poll went round inside Ray without returning: each worker polled
-    the GCS about 2,700 times a second, and the GCS spent half a core answering (2 servers,
-    2 cores). Ray clears the flag when it is joined again."""
+    the error subscriber's poll went round inside Ray without returning: the GCS answered
+    about 2,900 polls a second and spent half a core on them (2 servers, 2 cores). Ray clears
+    the flag when it is joined again."""
     from ray._private import worker as ray_worker
 
     driver = ray_worker.global_worker

@@ -5,17 +5,20 @@
     strategy   how a system moves KV: ours, and an LMCache-like one
     links      shared resources and the time of one transfer over a path
     cache      one tier of one node, ordered by the service's eviction policy
-    agent      a node's offload agent: prioritized, bounded queues, lanes
+    agent      a node's offload agent: the service's queue discipline (policies.queueing)
     cluster    nodes, replicas, the directory, pool owners
     movement   loads, stores, demotions, pool writes
-    engine     the event loop and a request's life
+    engine     the event loop and a request's life (collector: the GC's pace while it runs)
     probe      what a run measures, and the typed result
     scenarios  the named workloads of the command
     report     the table, JSON and plots
+    capacity   the highest request rate a strategy sustains at a TTFT p99 target, per seed
     cli        the ``cmx simulate`` command
-    calibrate  this machine's tier speeds, the service's load times, and the prediction
-               (calibrate_service: the loads on an embedded cluster; calibrate_nixl: NIXL
-               between two processes; calibrate_docs: its section of docs/BENCHMARKS.md)
+    calibrate  this machine's tier speeds, the service's load times under 1-16 clients, and
+               the prediction, medians against medians (calibrate_service: the loads on an
+               embedded cluster; calibrate_predict: concurrent loads in the simulator;
+               calibrate_nixl: NIXL between two processes; calibrate_docs: its section of
+               docs/BENCHMARKS.md)
 """
 
 from __future__ import annotations

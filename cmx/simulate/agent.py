@@ -1,96 +1,153 @@
-"""The offload agent of one simulated node: prioritized, bounded queues in front of its lanes.
+"""The offload agent of one simulated node: the service's scheduler, in simulated time.
 
-As in the service: loads a request waits on go first, then prefetches, then background work
-(stores, demotions, pool writes). Each class holds at most ``bound`` queued jobs: a prefetch
-or a demotion that finds its class full is dropped (counted), a load is never dropped. A
-prefetch whose request is scheduled while it still waits is promoted to a load.
+Its queues are the service's discipline itself, ``cmx.policies.queueing.WorkQueues``, with the
+service's defaults from ``ServiceConfig()``: ``agent_workers`` lanes, ``agent_queue_bound`` jobs
+per class, a ``staging_bytes`` budget, and the submit timeout of ``Scheduler.submit``. Loads a
+request waits on go first, then prefetches, then demotions and other background writes
+(stores, NVMe and pool writes); first come, first served within a class
+(``tests/unit/simulate/test_agent_trace.py`` drives this agent and the service's scheduler with
+one trace and finds the same starts and refusals).
+
+- A full class: the job waits for a place, as the service's ``submit`` blocks; a job still
+  waiting ``timeout_s`` simulated seconds after it was submitted is refused (its ``refused``
+  hooks run, and the agent counts it), as a ``BusyError`` ends the service's wait. No caller
+  of the service's scheduler catches ``BusyError`` to drop work instead: every one waits.
+  Where several jobs wait on one class, places go in submission order (the service's threads
+  queue in ``WorkQueues`` the same way).
+- Staging: a job taken off its queue holds a lane, then asks for its ``staging_bytes``; one
+  that does not fit waits for them on its lane, as the service's worker does inside
+  ``Scheduler.staging``, and is refused ``timeout_s`` later. The simulated movements ask for
+  none (``staging_bytes`` 0): the service's moves copy straight into granted slots and take no
+  staging bytes (its one ``staging`` call, a peer transfer's, holds 0).
+- No promotion: a prefetch stays a prefetch when its request is scheduled, as in the service,
+  where the request's load is a separate call at load priority (``engine.Simulator._start``).
+
+The engine drives it: ``submit``, then ``next_job`` until None (start each job returned),
+``finish`` when a job's time is up, and an ``expire`` at every time ``alarms`` hands out.
 """
 
 from __future__ import annotations
 
-import enum
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from cmx.config import ServiceConfig
+from cmx.policies.queueing import SUBMIT_TIMEOUT_S, Hold, State, WorkQueues
+from cmx.protocol import Priority
+
 __all__ = ["Agent", "Job", "Priority"]
 
-
-class Priority(enum.IntEnum):
-    LOAD = 0
-    PREFETCH = 1
-    BACKGROUND = 2
+_SERVICE = ServiceConfig()
+_PRIORITIES = tuple(Priority)  # iterating the enum itself costs a generator per event
 
 
 @dataclass(eq=False)
 class Job:
     """Work for one lane. ``run(now)`` reserves the links and returns the end time;
-    ``done(now)`` is called at that time."""
+    ``done(now)`` and then each of ``waiters`` is called at that time; each of ``refused``
+    instead, if the agent refuses the job."""
 
     priority: Priority
     run: Callable[[float], float]
     done: Callable[[float], None]
+    staging_bytes: int = 0
     started: bool = False
     finished: bool = False
     waiters: list[Callable[[float], None]] = field(default_factory=list)
+    refused: list[Callable[[float], None]] = field(default_factory=list)
+    hold: Hold[Job] | None = None
 
 
 class Agent:
-    def __init__(self, lanes: int, bound: int) -> None:
+    def __init__(self, lanes: int = _SERVICE.agent_workers,
+                 bound: int = _SERVICE.agent_queue_bound,
+                 staging_bytes: int = _SERVICE.staging_bytes,
+                 timeout_s: float = SUBMIT_TIMEOUT_S) -> None:
         self.lanes = lanes
         self.bound = bound
-        self.queues: tuple[deque[Job], ...] = tuple(deque() for _ in Priority)
-        self.running = 0
-        self.queued = 0  # live queued jobs (a promoted prefetch counts once)
+        self.timeout_s = timeout_s
+        self.queues: WorkQueues[Job] = WorkQueues(bound, staging_bytes)
+        self.running = 0  # lanes held: jobs moving bytes or waiting for staging bytes
+        self.queued = 0  # jobs in the queues, not those waiting for a place
         self.max_queued = 0
-        self.dropped = {p: 0 for p in Priority}
+        self.refused = dict.fromkeys(Priority, 0)  # refused a place or staging bytes in time
         self.area = 0.0  # integral of queued over time, for the time-weighted mean
         self._last = 0.0
+        self._ready: deque[Job] = deque()  # on a lane, just granted their staging bytes
+        self._alarms: list[float] = []  # deadlines of waits begun since ``alarms`` was called
 
     def advance(self, now: float) -> None:
         self.area += self.queued * (now - self._last)
         self._last = now
 
-    def submit(self, job: Job, now: float) -> bool:
-        """Queue ``job``; False if its class is full (never for a load)."""
-        q = self.queues[job.priority]
-        if job.priority is not Priority.LOAD and len(q) >= self.bound:
-            self.dropped[job.priority] += 1
-            return False
+    def submit(self, job: Job, now: float) -> None:
+        """Queue ``job``, or have it wait for a place in its class until ``timeout_s``."""
         self.advance(now)
-        q.append(job)
-        self.queued += 1
-        self.max_queued = max(self.max_queued, self.queued)
-        return True
-
-    def promote(self, job: Job) -> None:
-        """A queued prefetch becomes a load; its old queue entry is skipped when reached."""
-        if not job.started and job.priority is not Priority.LOAD:
-            job.priority = Priority.LOAD
-            self.queues[Priority.LOAD].append(job)
+        sub = self.queues.submit(job.priority, job, now + self.timeout_s)
+        if sub.state is State.WAITING:
+            self._alarms.append(sub.deadline)
+        self._count()
 
     def next_job(self, now: float) -> Job | None:
-        """The next job to start on a free lane, or None."""
-        if self.running >= self.lanes:
+        """The next job to start moving bytes now, or None."""
+        self.advance(now)
+        while not self._ready and self.running < self.lanes:
+            sub = self.queues.take()
+            if sub is None:
+                break
+            job = sub.item
+            self.running += 1
+            job.hold = self.queues.stage(job.staging_bytes, now + self.timeout_s, job)
+            if job.hold.state is State.GRANTED:
+                self._ready.append(job)
+            else:
+                self._alarms.append(job.hold.deadline)
+        self._count()
+        if not self._ready:
             return None
-        for p, q in enumerate(self.queues):
-            while q:
-                job = q.popleft()
-                if job.started or job.priority != p:
-                    continue  # a promoted prefetch's old entry
-                self.advance(now)
-                self.queued -= 1
-                job.started = True
-                self.running += 1
-                return job
-        return None
+        job = self._ready.popleft()
+        job.started = True
+        return job
 
-    def finish(self) -> None:
+    def finish(self, job: Job) -> None:
+        """``job``'s time is up: its lane and its staging bytes are free."""
         self.running -= 1
+        hold, job.hold = job.hold, None  # no job <-> hold cycle left for the collector
+        assert hold is not None, "finish of a job that never started"
+        self._ready.extend(h.item for h in self.queues.unstage(hold) if h.item is not None)
+
+    def expire(self, now: float) -> None:
+        """Refuse every wait past its deadline; a job refused its staging bytes frees its lane."""
+        self.advance(now)
+        refused = self.queues.expire(now)
+        jobs = []
+        for ticket in refused:
+            if isinstance(ticket, Hold):
+                self.running -= 1
+            assert ticket.item is not None
+            jobs.append(ticket.item)
+            self.refused[ticket.item.priority] += 1
+        self._count()
+        for job in jobs:
+            for hook in job.refused:
+                hook(now)
+
+    def alarms(self) -> list[float]:
+        """The deadlines of the waits begun since the last call: call ``expire`` at each."""
+        out, self._alarms = self._alarms, []
+        return out
+
+    def _count(self) -> None:
+        queued = self.queues.queued
+        self.queued = sum([queued(p) for p in _PRIORITIES])
+        self.max_queued = max(self.max_queued, self.queued)
 
     def check_integrity(self) -> None:
-        live = {id(j) for q in self.queues for j in q if not j.started}
-        if len(live) != self.queued:
-            raise AssertionError(f"agent counts {self.queued} queued, queues hold {len(live)}")
+        self.queues.check_integrity()
         if not 0 <= self.running <= self.lanes:
             raise AssertionError(f"{self.running} running on {self.lanes} lanes")
+        holding = self.running - len(self._ready)
+        if holding < self.queues.holds_waiting():
+            raise AssertionError(f"{self.queues.holds_waiting()} jobs wait for staging bytes, "
+                                 f"{holding} lanes hold jobs")

@@ -15,6 +15,9 @@ __all__ = ["TierCache"]
 
 
 class TierCache:
+    __slots__ = ("name", "capacity", "used", "sizes", "pins", "policy", "bytes_in", "bytes_out",
+                 "hits", "evictions", "_evictable")
+
     def __init__(self, name: str, capacity_bytes: int, eviction: str = "lru") -> None:
         if capacity_bytes < 0:
             raise ValueError(f"{name}: capacity must be >= 0, got {capacity_bytes}")
@@ -28,6 +31,8 @@ class TierCache:
         self.bytes_out = 0  # left it: evicted or removed
         self.hits = 0
         self.evictions = 0
+        pins = self.pins
+        self._evictable = lambda key: key not in pins  # what the policy may offer
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.sizes
@@ -49,8 +54,9 @@ class TierCache:
     def insert(self, key: bytes, parent: bytes | None, size: int) -> list[bytes] | None:
         """Commit ``key``; returns the keys evicted to make room, or None (and changes nothing)
         if it cannot fit because what is resident is pinned."""
-        if key in self.sizes:
-            self.policy.touch(key)
+        sizes, policy = self.sizes, self.policy
+        if key in sizes:
+            policy.touch(key)
             return []
         if size > self.capacity:
             return None
@@ -58,20 +64,22 @@ class TierCache:
         victims: list[bytes] = []
         if need > 0:
             freed = 0
-            for victim in self.policy.victims(lambda k: k not in self.pins):
+            for victim in policy.victims(self._evictable):
                 victims.append(victim)
-                freed += self.sizes[victim]
+                freed += sizes[victim]
                 if freed >= need:
                     break
             if freed < need:
                 return None
             for victim in victims:
-                self.remove(victim)
+                self.used -= sizes.pop(victim)
+                policy.remove(victim)
+            self.bytes_out += freed
             self.evictions += len(victims)
-        self.sizes[key] = size
+        sizes[key] = size
         self.used += size
         self.bytes_in += size
-        self.policy.insert(key, parent)
+        policy.insert(key, parent)
         return victims
 
     def remove(self, key: bytes) -> None:

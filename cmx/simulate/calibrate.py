@@ -1,18 +1,21 @@
 """``cmx simulate --calibrate``: does the simulator predict the service on this machine?
 
-1. This machine's tier speeds, measured without the service, in each repetition right
-   before the service's loads (the machine is shared; its speeds drift): the agent's copy between
-   arenas (``cmx.buffers.copy_bytes``), the client's copy of a block into its output tensor,
-   O_DIRECT reads of a file in the NVMe directory (4 MiB, 8 in flight), XXH3 checksums, and
-   NIXL (UCX) between two processes (``calibrate_nixl``).
+1. This machine's tier speeds, measured without the service at the start of each repetition
+   (the machine is shared; its speeds drift): the agent's copy between arenas
+   (``cmx.buffers.copy_bytes``), the client's copy of a block into its output tensor, O_DIRECT
+   reads of a file in the NVMe directory (4 MiB, 8 in flight), XXH3 checksums (each on one
+   thread), and NIXL (UCX) between two processes (``calibrate_nixl``).
 2. The service's own load times through the public client API (``ContextMemory`` and
-   ``NamespaceClient.load``) on an embedded two-node Ray cluster (``calibrate_service``): a
-   prefix in this node's DRAM, in this node's NVMe, and in the other node's DRAM; and the
-   same for prefixes of one and of eight tiny blocks, which measure the control path alone
-   (a fixed cost per load and one per block).
-3. The simulator, given only (1) and the control costs of the tiny loads, predicts the large
-   loads: a two-node cluster whose tiers have the measured speeds runs one load job through
-   the same ``Mover`` and links as every simulation. The goal: within 25% of the service.
+   ``NamespaceClient.load``) on an embedded two-node Ray cluster (``calibrate_service``):
+   prefixes in this node's DRAM, in this node's NVMe and in the other node's DRAM, loaded by
+   1, 4 and 16 clients at once (``clients``), each its own prefix; and prefixes of one and of
+   eight tiny blocks, loaded alone, which measure the control path (a fixed cost per load and
+   one per block).
+3. The simulator, given only (1) and the control costs of the tiny loads of the same
+   repetition, predicts the same N loads (``calibrate_predict``): N load jobs through the
+   ``Mover``, agent lanes and links of a two-node cluster with the measured speeds, then their
+   CPU work on ``min(cores, N)`` threads. Each cell (source, N) compares the median of every
+   load measured with the median of every load predicted; the goal: within 25%.
 """
 
 from __future__ import annotations
@@ -29,8 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from cmx.simulate.hardware import GpuSpec, NetworkSpec, NodeSpec, TierSpec
 
 __all__ = ["CalibrationResult", "MachineSpeeds", "measure_machine", "predict_load",
            "run_calibration", "write_calibration"]
@@ -64,58 +65,68 @@ class ControlCosts:
 
 @dataclass(frozen=True)
 class Row:
-    """One source's loads against the prediction.
+    """One cell: ``clients`` loads at once from ``source``, measured and predicted.
 
-    Both sides are the least contended of the run: the fastest load, against the prediction
-    from the fastest of each speed and control cost. The machine is shared; other work only
-    ever adds time, and by different amounts to a microbenchmark and to a load a second
-    apart, so medians compare two samples of the neighbours' load, not the model."""
+    Both sides are medians over every load of every repetition: each repetition's loads
+    against the simulator's durations of the same loads from that repetition's own speeds and
+    control costs. The machine is shared; its neighbours slow both sides, and a median keeps
+    them in the comparison rather than choosing a machine state that never existed."""
 
     source: str
-    blocks: int
-    nbytes: int
-    measured_s: tuple[float, ...]  # the service, one per repetition
-    predicted_s: float  # the simulator, from the run's least contended figures
-    predicted_each_s: tuple[float, ...]  # the simulator, from each repetition's own figures
+    clients: int
+    blocks: int  # per load
+    nbytes: int  # per load
+    measured_s: tuple[float, ...]  # the service: every load's wall time
+    predicted_s: tuple[float, ...]  # the simulator: every load's duration
 
     @property
     def measured(self) -> float:
-        return min(self.measured_s)
+        return statistics.median(self.measured_s)
+
+    @property
+    def predicted(self) -> float:
+        return statistics.median(self.predicted_s)
 
     @property
     def error(self) -> float:
-        return self.predicted_s / self.measured - 1.0
+        """Signed: the prediction's median over the measured median, less one."""
+        return self.predicted / self.measured - 1.0
+
+    @property
+    def ok(self) -> bool:
+        return abs(self.error) <= GOAL
 
 
 @dataclass(frozen=True)
 class CalibrationResult:
-    speeds: MachineSpeeds
-    control: dict[str, ControlCosts]
+    speeds: MachineSpeeds  # the median of each speed over the repetitions
+    control: dict[str, ControlCosts]  # the median of each cost over the repetitions
     rows: tuple[Row, ...]
     notes: tuple[str, ...] = field(default_factory=tuple)
     raw: dict[str, Any] = field(default_factory=dict)  # every measurement, for the JSON
 
     @property
     def ok(self) -> bool:
-        return all(abs(r.error) <= GOAL for r in self.rows)
+        return all(r.ok for r in self.rows)
 
     def table(self) -> Any:
         from rich.table import Table
 
         t = Table(title="cmx simulate --calibrate: the service's loads, measured and predicted")
-        for col in ("source", "bytes", "measured s (fastest)", "predicted s", "error", "goal"):
+        for col in ("source", "clients", "bytes/load", "loads", "measured s (median)",
+                    "predicted s (median)", "error", "goal"):
             t.add_column(col, justify="left" if col == "source" else "right")
         for r in self.rows:
-            t.add_row(r.source, f"{r.nbytes / MiB:.0f} MiB", f"{r.measured:.3f}",
-                      f"{r.predicted_s:.3f}", f"{100 * r.error:+.1f}%",
-                      "PASS" if abs(r.error) <= GOAL else "MISS")
+            t.add_row(r.source, str(r.clients), f"{r.nbytes / MiB:.0f} MiB",
+                      str(len(r.measured_s)), f"{r.measured:.3f}", f"{r.predicted:.3f}",
+                      f"{100 * r.error:+.1f}%", "PASS" if r.ok else "MISS")
         return t
 
     def to_dict(self) -> dict[str, Any]:
         return {"speeds": asdict(self.speeds),
                 "control": {k: asdict(v) for k, v in self.control.items()},
                 "rows": [{**asdict(r), "measured_median_s": r.measured,
-                          "predicted_median_s": r.predicted_s, "error": r.error}
+                          "predicted_median_s": r.predicted, "error": r.error, "ok": r.ok}
                          for r in self.rows],
                 "ok": self.ok, "goal": GOAL, "notes": list(self.notes), "command": COMMAND,
                 "raw": self.raw}
@@ -208,45 +219,15 @@ def _describe(s: MachineSpeeds) -> str:
             f"{s.odirect_read / GB:.2f}, XXH3 {s.checksum / GB:.2f}, NIXL {s.nixl / GB:.2f} GB/s")
 
 
-# -- 3. the prediction ---------------------------------------------------------------------------
+# -- 3. the prediction (``calibrate_predict``) -------------------------------------------------
 
 
 def predict_load(speeds: MachineSpeeds, control: ControlCosts, source: str, blocks: int,
                  block_bytes: int) -> float:
-    """Seconds the simulator gives one load of ``blocks`` blocks from ``source``.
+    """Seconds the simulator gives one load of ``blocks`` blocks from ``source``, alone."""
+    from cmx.simulate.calibrate_predict import predict_loads
 
-    The cluster: two nodes of one replica each; every link at the measured speed; the
-    strategy's control cost per load and per block (one I/O per block) from the tiny loads;
-    the agent's checksums of NVMe and peer reads, the client's checksum of every block and its
-    copy into the client's tensor, as the service does them on a host without a GPU.
-    """
-    from cmx.simulate.cluster import DRAM, NVME, ClusterSpec
-    from cmx.simulate.engine import SimConfig, Simulator
-    from cmx.simulate.hardware import LLAMA3_8B
-    from cmx.simulate.strategy import CMX
-    from cmx.simulate.workload import TenantSpec, WorkloadSpec
-
-    big = 1 << 50
-    node = NodeSpec(gpu=GpuSpec("host", big, speeds.copy, 1e12), gpus=1,
-                    dram=TierSpec(big, speeds.copy, 0.0), nvme=TierSpec(big, speeds.odirect_read,
-                                                                        0.0),
-                    dram_bus_bandwidth=speeds.copy, nvme_write_bandwidth=speeds.odirect_read)
-    tokens = block_bytes // LLAMA3_8B.kv_bytes_per_token
-    strategy = CMX.with_(control_s=control.fixed_s, per_io_cpu_s=control.per_block_s,
-                         io_bytes=block_bytes, io_depth=16, lanes=1,
-                         verify_bandwidth=speeds.checksum, consumer_verifies=True,
-                         copy_out_bandwidth=speeds.copy_out)
-    workload = WorkloadSpec((TenantSpec("calibration", context_tokens=(tokens, tokens)),),
-                            rate_per_s=1e-3, duration_s=1.0)
-    config = SimConfig(workload, ClusterSpec(2, node, NetworkSpec(speeds.nixl, 0.0), 0),
-                       LLAMA3_8B, strategy, unit_tokens=tokens)
-    sim = Simulator(config)
-    here, there = sim.cluster.nodes
-    holder, tier = {"dram": (here, DRAM), "nvme": (here, NVME), "dram@peer": (there, DRAM)}[source]
-    keys = [b"calibration-%d" % i for i in range(blocks)]
-    for key in keys:
-        sim.cluster.add_copy(key, holder, tier, block_bytes)
-    return sim.time_load(here.replicas[0], [holder.index * 4 + tier] * blocks, keys)
+    return predict_loads(speeds, control, source, blocks, block_bytes)[0]
 
 
 def _control(tiny: dict[int, list[float]], rep: int, slot_s: float = 0.0) -> ControlCosts:
@@ -261,22 +242,22 @@ def _control(tiny: dict[int, list[float]], rep: int, slot_s: float = 0.0) -> Con
     return ControlCosts(max(0.0, one - per_block - slot_s), per_block)
 
 
-def _best_speeds(all_speeds: list[MachineSpeeds]) -> MachineSpeeds:
-    """The fastest of each speed measured in the run: the machine at its least contended."""
-    def best(name: str) -> float:
-        return float(max(getattr(s, name) for s in all_speeds))
+def _median_speeds(all_speeds: list[MachineSpeeds]) -> MachineSpeeds:
+    """The median of each speed measured in the run, for the record (each repetition's
+    prediction uses its own)."""
+    def mid(name: str) -> float:
+        return float(statistics.median(getattr(s, name) for s in all_speeds))
 
-    return MachineSpeeds(best("copy"), best("copy_out"), best("odirect_read"), best("checksum"),
-                         best("nixl"), all_speeds[0].nixl_note)
+    return MachineSpeeds(mid("copy"), mid("copy_out"), mid("odirect_read"), mid("checksum"),
+                         mid("nixl"), all_speeds[0].nixl_note)
 
 
 def _in_round_trips(control: dict[str, ControlCosts], round_trips: list[float]) -> list[str]:
     if not round_trips:
         return []
-    rtt = float(np.percentile(round_trips, 10))  # the uncontended hop, as the costs are
+    rtt = float(np.median(round_trips))
     fixed = ", ".join(f"{k} {v.fixed_s / rtt:.0f}" for k, v in control.items())
-    return [f"a bare Ray actor round trip: {rtt * 1e3:.2f} ms (10th percentile of "
-            f"{len(round_trips)}, median {float(np.median(round_trips)) * 1e3:.2f} ms); "
+    return [f"a bare Ray actor round trip: {rtt * 1e3:.2f} ms (median of {len(round_trips)}); "
             f"each load's fixed control cost in round trips: {fixed}"]
 
 
@@ -287,37 +268,45 @@ def _slot_s(source: str, speeds: MachineSpeeds) -> float:
     return BLOCK_BYTES / speeds.nixl if source.endswith("@peer") else 0.0
 
 
-def run_calibration(log: Callable[[str], None] = print, reps: int = 5, blocks: int = 16,
-                    directory: Path = Path("/var/tmp")) -> CalibrationResult:
+def run_calibration(log: Callable[[str], None] = print, reps: int = 3, blocks: int = 6,
+                    clients: tuple[int, ...] = (1, 4, 16), sources: tuple[str, ...] = SOURCES,
+                    directory: Path = Path("/var/tmp"),
+                    measure_bytes: int = 256 * MiB) -> CalibrationResult:
     """Each repetition measures this machine's speeds right before the service's loads (the
-    machine is shared and its speeds drift), and the tiny loads right before the large ones;
-    each repetition's prediction uses its own figures."""
+    machine is shared and its speeds drift), then the tiny loads, then for each number of
+    clients that many loads at once, each of its own prefix; each repetition's predictions
+    use its own figures. Every cell compares medians."""
     from cmx.simulate.calibrate_nixl import nixl_read_rate
+    from cmx.simulate.calibrate_predict import predict_loads
     from cmx.simulate.calibrate_service import BLOCK_BYTES, measure_service
 
-    log("calibration: this machine's speeds are measured before each repetition's loads")
+    cores = os.cpu_count() or 1
+    log(f"calibration: {', '.join(sources)} with {', '.join(map(str, clients))} clients, "
+        f"{reps} repetitions, on {cores} cores")
 
     def baseline() -> MachineSpeeds:
-        speeds = measure_machine(directory, block_bytes=BLOCK_BYTES, nixl=nixl_read_rate(
-            256 * MiB))
+        speeds = measure_machine(directory, nbytes=measure_bytes, block_bytes=BLOCK_BYTES,
+                                 nixl=nixl_read_rate(measure_bytes))
         log(_describe(speeds))
         return speeds
 
-    loads = measure_service(directory, reps=reps, blocks=blocks, log=log, baseline=baseline)
-    speeds = _best_speeds([b for v in loads.baselines.values() for b in v])
+    loads = measure_service(directory, reps=reps, blocks=blocks, clients=clients,
+                            sources=sources, log=log, baseline=baseline)
     rows, control = [], {}
-    for s in SOURCES:
-        predicted = []
-        for rep in range(reps):
-            each = loads.baselines[s][rep]
-            costs = _control(loads.tiny[s], rep, _slot_s(s, each))
-            predicted.append(predict_load(each, costs, s, blocks, BLOCK_BYTES))
-        control[s] = _control({n: [min(v)] for n, v in loads.tiny[s].items()}, 0,
-                              _slot_s(s, speeds))
-        rows.append(Row(s, blocks, blocks * BLOCK_BYTES, tuple(loads.large[s]),
-                        predict_load(speeds, control[s], s, blocks, BLOCK_BYTES),
-                        tuple(predicted)))
-    notes = (f"load average {os.getloadavg()[0]:.1f} at the end, on {os.cpu_count()} cores",
+    for s in sources:
+        costs = [_control(loads.tiny[s], rep, _slot_s(s, loads.baselines[s][rep]))
+                 for rep in range(reps)]
+        control[s] = ControlCosts(statistics.median(c.fixed_s for c in costs),
+                                  statistics.median(c.per_block_s for c in costs))
+        for n in clients:
+            predicted = [t for rep in range(reps)
+                         for t in predict_loads(loads.baselines[s][rep], costs[rep], s, blocks,
+                                                BLOCK_BYTES, n, cores)]
+            measured = [t for each in loads.large[s][n] for t in each]
+            rows.append(Row(s, n, blocks, blocks * BLOCK_BYTES, tuple(measured),
+                            tuple(predicted)))
+    speeds = _median_speeds([b for v in loads.baselines.values() for b in v])
+    notes = (f"load average {os.getloadavg()[0]:.1f} at the end, on {cores} cores",
              *loads.notes, *_in_round_trips(control, loads.round_trip_s))
     raw = {"tiny_s": loads.tiny, "large_s": loads.large,
            "speeds": {k: [asdict(b) for b in v] for k, v in loads.baselines.items()}}

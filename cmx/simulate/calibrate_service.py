@@ -11,13 +11,18 @@ node "b" is another node), one after the other:
 
 Each repetition stores new prefixes: a load leaves the blocks in the loader's HBM tier, so a
 second load of the same prefix would measure HBM. Prefixes of one and of eight tiny blocks
-(4 KiB each, in 16 MiB slots) are measured the same way: their time is the control path alone.
+(4 KiB each, in 16 MiB slots) are loaded alone: their time is the control path. The large
+prefixes are loaded by 1, 4, 16 (``clients``) client threads at once, each its own prefix,
+started together at a barrier (threads of the driver on node a; threads of one actor on node
+b for the peer loads); every load's wall time is kept.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,7 +48,8 @@ CALL_TIMEOUT_S = 60.0
 @dataclass
 class ServiceLoads:
     tiny: dict[str, dict[int, list[float]]] = field(default_factory=dict)  # source -> n -> s
-    large: dict[str, list[float]] = field(default_factory=dict)  # source -> s
+    # source -> clients -> per repetition, every load's seconds
+    large: dict[str, dict[int, list[list[float]]]] = field(default_factory=dict)
     baselines: dict[str, list[Any]] = field(default_factory=dict)  # source -> speeds, per rep
     notes: list[str] = field(default_factory=list)
     round_trip_s: list[float] = field(default_factory=list)  # bare Ray actor calls, node a
@@ -51,9 +57,12 @@ class ServiceLoads:
     def add_tiny(self, source: str, n: int, seconds: float) -> None:
         self.tiny.setdefault(source, {}).setdefault(n, []).append(seconds)
 
-    def add_large(self, source: str, seconds: float, baseline: Any) -> None:
-        self.large.setdefault(source, []).append(seconds)
-        self.baselines.setdefault(source, []).append(baseline)
+    def add_large(self, source: str, seconds: list[float]) -> None:
+        self.large.setdefault(source, {}).setdefault(len(seconds), []).append(list(seconds))
+
+    def add_baseline(self, sources: tuple[str, ...], speeds: Any) -> None:
+        for source in sources:
+            self.baselines.setdefault(source, []).append(speeds)
 
 
 def _tokens(layout: KVLayout, blocks: int, seed: int) -> np.ndarray:
@@ -99,6 +108,22 @@ def _wait_tier(ns: Any, toks: np.ndarray, blocks: int, tier: str, timeout_s: flo
     raise TimeoutError(f"the prefix did not settle in {tier} within {timeout_s} s")
 
 
+def _timed_loads(loads: list[tuple[Any, np.ndarray, Any]], blocks: int) -> list[float]:
+    """Each of ``loads`` (ns, tokens, check) on a thread of its own, all started at once:
+    every load's wall time."""
+    if len(loads) == 1:
+        ns, toks, check = loads[0]
+        return [_timed_load(ns, toks, blocks, check)]
+    start = threading.Barrier(len(loads))
+
+    def one(load: tuple[Any, np.ndarray, Any]) -> float:
+        start.wait()
+        return _timed_load(load[0], load[1], blocks, load[2])
+
+    with ThreadPoolExecutor(len(loads)) as pool:
+        return list(pool.map(one, loads))
+
+
 def _loader_class() -> Any:
     import ray
 
@@ -111,9 +136,12 @@ def _loader_class() -> Any:
 
             self.cm = ContextMemory.connect(config=config)
 
-        def load(self, layout: KVLayout, seed: int, blocks: int, check: Any) -> float:
-            ns = self.cm.namespace("calibration", layout, f"s{seed}")
-            return _timed_load(ns, _tokens(layout, blocks, seed), blocks, check)
+        def load(self, layout: KVLayout, seeds: list[int], blocks: int,
+                 checks: list[Any]) -> list[float]:
+            """The prefixes stored under ``seeds``, one client thread each, all at once."""
+            loads = [(self.cm.namespace("calibration", layout, f"s{seed}"),
+                      _tokens(layout, blocks, seed), check) for seed, check in zip(seeds, checks)]
+            return _timed_loads(loads, blocks)
 
     return Loader
 
@@ -142,83 +170,108 @@ def _round_trips(node: str, n: int = 100) -> list[float]:
     return times
 
 
-def _memory(directory: Path, reps: int, blocks: int, out: ServiceLoads,
-            log: Callable[[str], None], baseline: Callable[[], Any]) -> None:
+def _slots(clients: tuple[int, ...], blocks: int) -> int:
+    """Slots one repetition stores: the tiny prefixes and each cell's prefixes."""
+    return sum(TINY_SIZES) + sum(clients) * blocks
+
+
+def _memory(directory: Path, reps: int, blocks: int, clients: tuple[int, ...],
+            sources: tuple[str, ...], out: ServiceLoads, log: Callable[[str], None],
+            baseline: Callable[[], Any]) -> None:
+    import ray
+
     from cmx.bench.cluster import bench_cluster, on_node
 
-    # DRAM holds every prefix of the run: nothing is evicted, so no disk traffic here.
-    config = ServiceConfig(block_bytes=BLOCK_BYTES, hbm_bytes=(2 * blocks + 2) * BLOCK_BYTES,
-                           dram_bytes=(reps + 1) * (blocks + sum(TINY_SIZES)) * BLOCK_BYTES,
+    peer, local = "dram@peer" in sources, "dram" in sources
+    # DRAM holds every prefix of a cell (each cell's are dropped after its loads): nothing is
+    # evicted by a store, so no disk traffic here.
+    config = ServiceConfig(block_bytes=BLOCK_BYTES,
+                           hbm_bytes=(max(clients) * blocks + sum(TINY_SIZES) + 2) * BLOCK_BYTES,
+                           dram_bytes=(max(clients) * blocks + sum(TINY_SIZES) + 4) * BLOCK_BYTES,
                            nvme_bytes=4 * BLOCK_BYTES, nvme_dir=str(directory),
                            load_timeout_s=300, call_timeout_s=CALL_TIMEOUT_S)
     with bench_cluster(config) as bc:
         loader = _loader_class().options(scheduling_strategy=on_node(bc.node_b)).remote(
             bc.config)
-        import ray
-
         seed = 100
-        ns, toks, check = _store(bc.cm, TINY, 1, seed)  # untimed: NIXL connects, code warms
-        ray.get(loader.load.remote(TINY, seed, 1, check))
-        _timed_load(ns, toks, 1, check)
+        # Untimed: NIXL connects, code warms, and so do the threads of the most clients.
+        warm = [_store(bc.cm, TINY, 1, seed + i) for i in range(max(clients))]
+        ray.get(loader.load.remote(TINY, list(range(seed, seed + len(warm))), 1,
+                                   [check for _, _, check in warm]))
+        _timed_loads(warm, 1)
+        for ns, _, _ in warm:
+            bc.cm.drop_namespace(ns.namespace)
+        seed += len(warm)
         out.round_trip_s = _round_trips(bc.node_a)
         for rep in range(reps):
             log(f"calibration: memory, repetition {rep + 1}/{reps}")
-            for n in (*TINY_SIZES, blocks):
-                seed += 1
-                layout = TINY if n in TINY_SIZES and n != blocks else LARGE
-                ns, toks, check = _store(bc.cm, layout, n, seed)
-                speeds = baseline() if layout is LARGE else None
-                peer = ray.get(loader.load.remote(layout, seed, n, check))
-                local = _timed_load(ns, toks, n, check)
-                if layout is LARGE:
-                    out.add_large("dram@peer", peer, speeds)
-                    out.add_large("dram", local, speeds)
-                else:
-                    out.add_tiny("dram@peer", n, peer)
-                    out.add_tiny("dram", n, local)
+            out.add_baseline(tuple(s for s in ("dram", "dram@peer") if s in sources), baseline())
+            cells = [(TINY, n, 1) for n in TINY_SIZES] + [(LARGE, blocks, c) for c in clients]
+            for layout, n, c in cells:
+                stored = [_store(bc.cm, layout, n, seed + 1 + i) for i in range(c)]
+                seeds = list(range(seed + 1, seed + 1 + c))
+                seed += c
+                checks = [check for _, _, check in stored]
+                far = ray.get(loader.load.remote(layout, seeds, n, checks)) if peer else []
+                near = _timed_loads(stored, n) if local else []
+                for source, times in (("dram@peer", far), ("dram", near)):
+                    if times and layout is LARGE:
+                        out.add_large(source, times)
+                    elif times:
+                        out.add_tiny(source, n, times[0])
+                for ns, _, _ in stored:  # bounded memory: the arenas hold one cell
+                    bc.cm.drop_namespace(ns.namespace)
         via = transport_of(bc.cm.stats(), bc.node_b)
         out.notes.append(f"peer loads through node b's agent, transport {via}")
 
 
-def _disk(directory: Path, reps: int, blocks: int, out: ServiceLoads,
-          log: Callable[[str], None], baseline: Callable[[], Any]) -> None:
+def _disk(directory: Path, reps: int, blocks: int, clients: tuple[int, ...],
+          out: ServiceLoads, log: Callable[[str], None], baseline: Callable[[], Any]) -> None:
     from cmx.bench.cluster import bench_cluster
 
-    per_rep = blocks + sum(TINY_SIZES) + 4
-    config = ServiceConfig(block_bytes=BLOCK_BYTES, hbm_bytes=(2 * blocks + 2) * BLOCK_BYTES,
+    per_rep = _slots(clients, blocks) + 4
+    config = ServiceConfig(block_bytes=BLOCK_BYTES,
+                           hbm_bytes=(max(clients) * blocks + sum(TINY_SIZES) + 2) * BLOCK_BYTES,
                            dram_bytes=4 * BLOCK_BYTES, placement="write_back",
                            nvme_bytes=(reps + 1) * per_rep * BLOCK_BYTES + 64 * BLOCK_BYTES,
                            nvme_dir=str(directory), load_timeout_s=300,
                            call_timeout_s=CALL_TIMEOUT_S)
     with bench_cluster(config) as bc:
         seed = 500
-        for rep in range(reps + 1):  # the first is a warm-up
+        for rep in range(reps + 1):  # the first is a warm-up, of one client
             log(f"calibration: disk, repetition {rep}/{reps}" + (" (warm-up)" if not rep else ""))
+            cells = [(TINY, n, 1) for n in TINY_SIZES]
+            cells += [(LARGE, blocks, c) for c in (clients if rep else clients[:1])]
             stored = []
-            for n in (*TINY_SIZES, blocks):
-                seed += 1
-                layout = TINY if n in TINY_SIZES and n != blocks else LARGE
-                stored.append((n, layout, *_store(bc.cm, layout, n, seed)))
+            for layout, n, c in cells:
+                stored.append((layout, n, [_store(bc.cm, layout, n, seed + 1 + i)
+                                           for i in range(c)]))
+                seed += c
             seed += 1
             _store(bc.cm, TINY, 4, seed)  # four more: the DRAM's four slots turn over
-            for n, _, ns, toks, _ in stored:
-                _wait_tier(ns, toks, n, "nvme")
-            speeds = baseline() if rep else None
-            for n, layout, ns, toks, check in stored:
-                seconds = _timed_load(ns, toks, n, check)
+            for _, n, prefixes in stored:
+                for ns, toks, _ in prefixes:
+                    _wait_tier(ns, toks, n, "nvme")
+            if rep:
+                out.add_baseline(("nvme",), baseline())
+            for layout, n, prefixes in stored:
+                times = _timed_loads(prefixes, n)
                 if rep and layout is LARGE:
-                    out.add_large("nvme", seconds, speeds)
+                    out.add_large("nvme", times)
                 elif rep:
-                    out.add_tiny("nvme", n, seconds)
+                    out.add_tiny("nvme", n, times[0])
 
 
-def measure_service(directory: Path, reps: int, blocks: int, log: Callable[[str], None],
+def measure_service(directory: Path, reps: int, blocks: int, clients: tuple[int, ...],
+                    sources: tuple[str, ...], log: Callable[[str], None],
                     baseline: Callable[[], Any]) -> ServiceLoads:
-    """Load times of ``blocks`` 16 MiB blocks and of tiny prefixes, per source;
-    ``baseline()`` is called right before each repetition's large loads."""
+    """Load times of ``blocks`` 16 MiB blocks per load, by ``clients`` clients at once, and
+    of tiny prefixes, per source; ``baseline()`` is called at the start of each repetition."""
     if blocks in TINY_SIZES:
         raise ValueError(f"blocks must differ from the tiny sizes {TINY_SIZES}")
     out = ServiceLoads()
-    _memory(directory, reps, blocks, out, log, baseline)
-    _disk(directory, reps, blocks, out, log, baseline)
+    if {"dram", "dram@peer"} & set(sources):
+        _memory(directory, reps, blocks, clients, sources, out, log, baseline)
+    if "nvme" in sources:
+        _disk(directory, reps, blocks, clients, out, log, baseline)
     return out

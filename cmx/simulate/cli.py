@@ -55,6 +55,10 @@ def simulate_command(
             help="With --calibrate: markdown page whose calibration section is rewritten.",
         ),
     ] = None,
+    clients: Annotated[
+        str,
+        typer.Option(help="With --calibrate: numbers of concurrent clients, comma-separated."),
+    ] = "1,4,16",
     capacity: Annotated[
         bool,
         typer.Option(
@@ -80,7 +84,7 @@ def simulate_command(
 ) -> None:
     """Simulate a cluster serving long contexts through the service's own policies."""
     if calibrate:
-        _calibrate(out, docs)
+        _calibrate(out, docs, _client_counts(clients))
         return
     if capacity:
         _capacity(
@@ -198,10 +202,21 @@ def _capacity(
     console.print(f"{wall_s:.1f} s wall; wrote {json_path}")
 
 
-def _calibrate(out: Path, docs: Path | None) -> None:
+def _client_counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(c) for c in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise typer.BadParameter(f"--clients takes positive whole numbers, comma-separated: "
+                                 f"got {text!r}")
+    return counts
+
+
+def _calibrate(out: Path, docs: Path | None, clients: tuple[int, ...]) -> None:
     from cmx.simulate.calibrate import run_calibration, write_calibration
 
-    result = run_calibration(log=lambda m: console.log(m))
+    result = run_calibration(log=lambda m: console.log(m), clients=clients)
     console.print(result.table())
     write_calibration(result, out / "calibration.json", docs)
     console.print(f"wrote {out / 'calibration.json'}" + (f", {docs}" if docs else ""))

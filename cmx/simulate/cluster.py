@@ -50,35 +50,30 @@ class ClusterSpec:
         return self.nodes * self.node.replicas
 
 
-class Holders:
+class Holders(dict[int, int]):
     """The nodes holding copies of one block in one tier: O(1) add, remove, membership and a
-    uniform pick (a thousand nodes may hold a hot prefix)."""
+    uniform pick (a thousand nodes may hold a hot prefix). As a dict, node -> its place in
+    ``nodes``: membership and size are the dict's own."""
 
-    __slots__ = ("nodes", "pos")
+    __slots__ = ("nodes",)
 
     def __init__(self) -> None:
+        super().__init__()
         self.nodes: list[int] = []
-        self.pos: dict[int, int] = {}
-
-    def __contains__(self, node: int) -> bool:
-        return node in self.pos
-
-    def __len__(self) -> int:
-        return len(self.nodes)
 
     def add(self, node: int) -> None:
-        if node not in self.pos:
-            self.pos[node] = len(self.nodes)
+        if node not in self:
+            self[node] = len(self.nodes)
             self.nodes.append(node)
 
     def discard(self, node: int) -> None:
-        i = self.pos.pop(node, None)
+        i = self.pop(node, None)
         if i is None:
             return
         last = self.nodes.pop()
         if last != node:
             self.nodes[i] = last
-            self.pos[last] = i
+            self[last] = i
 
     def pick(self, u: float) -> int:
         """The holder at ``u`` in [0, 1): a caller's random draw spreads readers."""

@@ -25,10 +25,11 @@ from typing import Any
 
 import numpy as np
 
-from cmx.policies.breakeven import BreakEven
+from cmx.policies.breakeven import BreakEven, Plan
 from cmx.policies.prefetch import make_prefetch
 from cmx.simulate.agent import Agent, Job, Priority
 from cmx.simulate.cluster import DRAM, HBM, NVME, POOL, Cluster, ClusterSpec, Node, Replica
+from cmx.simulate.collector import collect_in_batches
 from cmx.simulate.hardware import LLAMA3_8B, ModelSpec, prefill_cost
 from cmx.simulate.movement import Mover
 from cmx.simulate.probe import Probe
@@ -112,6 +113,14 @@ class Simulator:
         self.now = 0.0
         self._events: list[tuple[float, int, Callable[[Any], None], Any]] = []
         self._seq = 0
+        self._kv_bytes = config.model.kv_bytes_per_token
+        tr = self.trace
+        self._rows = list(zip(tr.prefix.tolist(), tr.shared_tokens.tolist(),
+                              tr.context_tokens.tolist()))
+        self._prefix_keys: dict[int, list[bytes]] = {}
+        # The break-even models are the priors throughout a run (nothing refits them), so a
+        # plan is a function of its blocks' classes and the context alone.
+        self._plans: dict[tuple[tuple[str, ...], int], Plan] = {}
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -121,15 +130,26 @@ class Simulator:
 
     def run(self) -> Any:
         t0, c0 = time.perf_counter(), time.process_time()
-        for i, t in enumerate(self.trace.arrival_s.tolist()):
-            self.at(t, self._arrive, i)
+        # One arrival at a time in the heap, each with the sequence number it would have had
+        # with all of them queued up front: the same order, a heap a fraction of the size.
+        self._arrivals = self.trace.arrival_s.tolist()
+        self._first_seq = self._seq + 1
+        if self._arrivals:
+            heapq.heappush(self._events, (self._arrivals[0], self._first_seq, self._arrive_next, 0))
+        self._seq += len(self._arrivals)
+        # Each arrival's two replicas, drawn in one call: the same numbers, in the same order,
+        # as one draw of two per arrival.
+        self._pairs = self.rng.integers(0, len(self.cluster.replicas),
+                                        (len(self.trace), 2)).tolist()
         self._step = self.config.workload.duration_s / (self.config.samples - 1)
         self.at(0.0, self._sample)
         events = 0
-        while self._events:
-            self.now, _, handler, arg = heapq.heappop(self._events)
-            handler(arg)
-            events += 1
+        queue, pop = self._events, heapq.heappop
+        with collect_in_batches():
+            while queue:
+                self.now, _, handler, arg = pop(queue)
+                handler(arg)
+                events += 1
         return self.probe.result(self, events, time.perf_counter() - t0,
                                  time.process_time() - c0)
 
@@ -137,8 +157,12 @@ class Simulator:
         """Seconds one load job takes from now, alone on the cluster (for calibration)."""
         job = self.mover.load_job(replica, sources, keys, Priority.LOAD)
         start = self.now
+        refused: list[float] = []
+        job.refused.append(refused.append)
         self._submit(replica.node.agent, job)
         while not job.finished:
+            if refused or not self._events:
+                raise RuntimeError("the agent refused the load, or it never finished")
             self.now, _, handler, arg = heapq.heappop(self._events)
             handler(arg)
         return self.now - start
@@ -149,15 +173,19 @@ class Simulator:
         if self._events:
             self.at(self.now + self._step, self._sample)
 
-    def _submit(self, agent: Agent, job: Job) -> bool:
-        if not agent.submit(job, self.now):
-            return False
+    def _submit(self, agent: Agent, job: Job) -> None:
+        agent.submit(job, self.now)
         self._pump(agent)
-        return True
 
     def _pump(self, agent: Agent) -> None:
         while (job := agent.next_job(self.now)) is not None:
             self.at(job.run(self.now), self._job_done, (agent, job))
+        for t in agent.alarms():
+            self.at(t, self._expire, agent)
+
+    def _expire(self, agent: Agent) -> None:
+        agent.expire(self.now)
+        self._pump(agent)
 
     def _job_done(self, arg: tuple[Agent, Job]) -> None:
         agent, job = arg
@@ -165,48 +193,62 @@ class Simulator:
         job.done(self.now)
         for waiter in job.waiters:
             waiter(self.now)
-        agent.finish()
+        agent.finish(job)
         self._pump(agent)
 
     # -- a request's life ----------------------------------------------------------------------
 
+    def _arrive_next(self, i: int) -> None:
+        if i + 1 < len(self._arrivals):
+            heapq.heappush(self._events, (self._arrivals[i + 1], self._first_seq + i + 1,
+                                          self._arrive_next, i + 1))
+        self._arrive(i)
+
     def _arrive(self, i: int) -> None:
-        tr = self.trace
-        a, b = self.rng.integers(0, len(self.cluster.replicas), 2).tolist()
+        a, b = self._pairs[i]
         ra, rb = self.cluster.replicas[a], self.cluster.replicas[b]
         replica = ra if _load(ra) <= _load(rb) else rb
-        r = Req(i, replica, int(tr.context_tokens[i]))
+        _, shared, context = self._rows[i]
+        r = Req(i, replica, context)
         r.keys = self._keys(i)
-        n_shared = int(tr.shared_tokens[i]) // self.unit
-        found = self._lookup(r.keys[:n_shared], replica.node)
-        blocks = [(self.mover.source_class(c, replica.node), self.mover.unit_bytes)
-                  for c in found]
-        plan = self.breakeven.plan(blocks, self.unit, r.context)
+        found = self._lookup(r.keys[:shared // self.unit], replica.node)
+        plan = self._plan(found, replica.node, context)
         n_load = plan.load_tokens // self.unit
         r.sources, r.load_keys = found[:n_load], r.keys[:n_load]
         self.probe.planned(i, len(found) * self.unit, n_load * self.unit, plan.patience_s)
         if n_load and self.strategy.prefetch:
-            job = self.mover.load_job(replica, r.sources, r.load_keys, Priority.PREFETCH)
-            if self._submit(replica.node.agent, job):
-                r.job = job
-            else:
-                self.mover.release(r.load_keys, r.sources, hit=False)
+            r.job = self.mover.load_job(replica, r.sources, r.load_keys, Priority.PREFETCH)
+            r.job.refused.append(lambda now: self._prefetch_refused(r))
+            self._submit(replica.node.agent, r.job)
         replica.queue.append(r)
         if replica.busy is None:
             self._start(replica)
 
     def _keys(self, i: int) -> list[bytes]:
-        tr = self.trace
-        n_shared = int(tr.shared_tokens[i]) // self.unit
-        n_all = int(tr.context_tokens[i]) // self.unit
-        prefix = int(tr.prefix[i])
-        keys = [_KEY.pack(prefix, j) for j in range(n_shared)]
+        prefix, shared, context = self._rows[i]
+        n_shared, n_all = shared // self.unit, context // self.unit
+        known = self._prefix_keys.get(prefix)
+        if known is None or len(known) < n_shared:
+            known = self._prefix_keys[prefix] = [_KEY.pack(prefix, j) for j in range(n_shared)]
+        keys = known[:n_shared]
         keys += [_KEY.pack(_SUFFIX + i, j) for j in range(n_all - n_shared)]
         parent = self.cluster.parent
         for j, key in enumerate(keys):
             if key not in parent:
                 parent[key] = keys[j - 1] if j else None
         return keys
+
+    def _plan(self, found: list[int], here: Node, context: int) -> Plan:
+        """The break-even policy's plan for the copies ``found``, seen from ``here``."""
+        classes = tuple([self.mover.source_class(c, here) for c in found])
+        plan = self._plans.get((classes, context))
+        if plan is None:
+            unit_bytes = self.mover.unit_bytes
+            plan = self.breakeven.plan([(c, unit_bytes) for c in classes], self.unit, context)
+            if len(self._plans) >= 1 << 16:
+                self._plans.clear()
+            self._plans[(classes, context)] = plan
+        return plan
 
     def _lookup(self, keys: list[bytes], here: Node) -> list[int]:
         """Each key's best copy, for the longest prefix that has one.
@@ -217,6 +259,8 @@ class Simulator:
         """
         out: list[int] = []
         directory = self.cluster.directory
+        nodes, sighted, draw = self.cluster.all_nodes, self.mover.sighted, self._draw
+        index = here.index
         for key in keys:
             tiers = directory.get(key)
             if tiers is None:
@@ -227,15 +271,15 @@ class Simulator:
                 if holders is None:
                     continue
                 if local:
-                    if here.index in holders:
-                        best = here.index * 4 + tier
+                    if index in holders:
+                        best = index * 4 + tier
                         break
                 else:
-                    best = holders.pick(self._draw()) * 4 + tier
+                    best = holders.pick(draw()) * 4 + tier
                     break
             if best < 0:
                 break
-            self.mover.sighted(self.cluster.all_nodes[best // 4], key)
+            sighted(nodes[best >> 2], key)
             out.append(best)
         return out
 
@@ -259,20 +303,16 @@ class Simulator:
         r: Req = replica.queue.popleft()
         replica.busy = r
         r.start = self.now
-        replica.hbm_used = r.context * self.config.model.kv_bytes_per_token
+        replica.hbm_used = r.context * self._kv_bytes
         if not r.load_keys:
             self._compute(r)
             return
-        if r.job is None:  # no prefetch (or its queue was full): the load starts now
-            r.job = self.mover.load_job(replica, r.sources, r.load_keys, Priority.LOAD)
-            r.job.waiters.append(lambda now: self._loaded(r))
-            self._submit(replica.node.agent, r.job)
+        if r.job is None:  # no prefetch (or it was refused): the load starts now
+            self._load_now(r)
             return
         if r.job.finished:
             self._compute(r)
             return
-        replica.node.agent.promote(r.job)
-        self._pump(replica.node.agent)
         deadline = self.prefetch.deadline(_Pending(r.job, self.probe.arrival(r.i)), self.now,
                                           self.probe.patience(r.i))
         r.job.waiters.append(lambda now: self._loaded(r))
@@ -280,6 +320,19 @@ class Simulator:
             self._cut(r)
         else:
             self.at(deadline, self._cut, r)
+
+    def _load_now(self, r: Req) -> None:
+        r.job = self.mover.load_job(r.replica, r.sources, r.load_keys, Priority.LOAD)
+        r.job.waiters.append(lambda now: self._loaded(r))
+        r.job.refused.append(lambda now: self._cut(r))
+        self._submit(r.replica.node.agent, r.job)
+
+    def _prefetch_refused(self, r: Req) -> None:
+        """As the service's replica whose prefetch failed: it loads when it starts, or now
+        if it is waiting already."""
+        r.job = None
+        if r.replica.busy is r and r.compute_start < 0:
+            self._load_now(r)
 
     def _loaded(self, r: Req) -> None:
         if r.compute_start < 0 and r.replica.busy is r:
@@ -343,4 +396,3 @@ class Simulator:
 
 def _load(replica: Replica) -> int:
     return len(replica.queue) + (replica.busy is not None)
-

@@ -48,14 +48,16 @@ def reserve(path: Sequence[Resource], now: float, nbytes: int, latency_s: float,
     """
     if nbytes <= 0:
         return now
-    slowest = min(r.bandwidth for r in path)
-    bw = io_bandwidth(slowest, latency_s, min(io_bytes, nbytes), depth)
+    slowest = min([r.bandwidth for r in path])
+    bw = io_bandwidth(slowest, latency_s, io_bytes if io_bytes < nbytes else nbytes, depth)
     ios = math.ceil(nbytes / io_bytes)
     end = now + latency_s + nbytes / bw + ios * per_io_cpu_s
     for r in path:
         held = nbytes / r.bandwidth
-        r.free_at = max(r.free_at, now) + held
+        free_at = r.free_at
+        r.free_at = free_at = (free_at if free_at >= now else now) + held
         r.busy_s += held
         r.bytes += nbytes
-        end = max(end, r.free_at + latency_s)
+        if free_at + latency_s > end:
+            end = free_at + latency_s
     return end

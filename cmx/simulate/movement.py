@@ -3,7 +3,8 @@
 Each movement is an agent ``Job`` whose ``run`` reserves the links of its path (see
 ``links.reserve``) and whose ``done`` commits the result to the tiers and the directory. Where
 a block goes is the placement policy's answer, whether it deserves the slow tiers is the
-admission policy's; a tier that fills evicts in its eviction policy's order.
+admission policy's (a node counts sightings for NVMe and, apart, for the pool, as the
+service's agent does); a tier that fills evicts in its eviction policy's order.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from cmx.policies.admission import AdmissionPolicy, make_admission
 from cmx.policies.breakeven import source_class
 from cmx.simulate.agent import Agent, Job, Priority
 from cmx.simulate.cluster import DRAM, HBM, NVME, POOL, TIER_OF, Cluster, Node, Replica
@@ -30,13 +32,13 @@ class Traffic:
     demoted: int = 0  # DRAM -> NVMe (write-back) and write-through NVMe writes
     pooled: int = 0  # node -> pool NVMe
     network: int = 0  # bytes that crossed a NIC
-    dropped_jobs: int = 0  # prefetches and background writes refused by a full queue
+    dropped_jobs: int = 0  # background writes refused: their class full past the timeout
     unplaced: int = 0  # blocks a full (pinned) tier could not take
 
 
 class Mover:
     def __init__(self, cluster: Cluster, model: ModelSpec, unit: int,
-                 submit: Callable[[Agent, Job], bool]) -> None:
+                 submit: Callable[[Agent, Job], None]) -> None:
         self.cluster = cluster
         self.strategy = cluster.strategy
         self.spec = cluster.spec
@@ -45,22 +47,28 @@ class Mover:
         self.submit = submit
         self.traffic = Traffic()
         self._pooling: set[bytes] = set()
+        # Per node, which blocks go to the pool: a sketch of its own, as the service's agent
+        # keeps one for NVMe and one for the pool, each with its own count.
+        self._pool_admission: dict[int, AdmissionPolicy] = {}
+        n = self.spec.node
+        self._latency = (1e-6, n.dram.latency_s, n.nvme.latency_s, self.spec.pool.latency_s)
+        # Each tier's source class seen from the node that holds it, and from another.
+        names = [t.value for t in TIER_OF]
+        self._classes = ([source_class(t, "here", "here") for t in names],
+                         [source_class(t, "there", "here") for t in names])
 
     # -- where a copy is, seen from a node -----------------------------------------------------
 
     def source_class(self, code: int, here: Node) -> str:
-        node = self.cluster.all_nodes[code // 4]
-        return source_class(TIER_OF[code % 4].value, node.name, here.name)
+        return self._classes[code >> 2 != here.index][code & 3]
 
     def path(self, code: int, replica: Replica) -> tuple[list[Resource], float]:
         """The links a block at ``code`` crosses into ``replica``'s HBM, and their latency."""
-        src = self.cluster.all_nodes[code // 4]
+        src = self.cluster.all_nodes[code >> 2]
         here = replica.node
-        tier = code % 4
-        n = self.spec.node
-        first = {HBM: src.hbm, DRAM: src.dram_bus}.get(tier, src.nvme_read)
-        latency = {HBM: 1e-6, DRAM: n.dram.latency_s, NVME: n.nvme.latency_s}.get(
-            tier, self.spec.pool.latency_s)
+        tier = code & 3
+        first = src.hbm if tier == HBM else src.dram_bus if tier == DRAM else src.nvme_read
+        latency = self._latency[tier]
         if src is here:
             return ([src.hbm] if tier == HBM else [first, replica.h2d]), latency
         return ([first, src.nic_out, here.nic_in, replica.h2d],
@@ -107,7 +115,8 @@ class Mover:
                 if code // 4 != replica.node.index:
                     self.traffic.network += nbytes
 
-        return Job(priority, run, done)
+        return Job(priority, run, done,
+                   refused=[lambda now: self.release(keys, sources, hit=False)])
 
     def release(self, keys: list[bytes], sources: list[int], hit: bool) -> None:
         """Unpin what ``load_job`` pinned; a completed load counts as a hit of each copy."""
@@ -141,8 +150,10 @@ class Mover:
             for key in keys:
                 self.commit(node, key)
 
-        if not self.submit(node.agent, Job(Priority.BACKGROUND, run, done)):
-            self.traffic.dropped_jobs += 1
+        self.submit(node.agent, Job(Priority.DEMOTE, run, done, refused=[self._refused]))
+
+    def _refused(self, now: float) -> None:
+        self.traffic.dropped_jobs += 1
 
     def commit(self, node: Node, key: bytes) -> None:
         node.admission.record(key)
@@ -152,15 +163,27 @@ class Mover:
                 self._put_dram(node, key)
             elif tier is Tier.NVME:
                 self._write(node, key, NVME)
-        if admitted:
+        if self._pool_admits(node, key):
             self.maybe_pool(node, key)
 
     def sighted(self, holder: Node, key: bytes) -> None:
         """A lookup hit ``key`` on ``holder``: count it; a block that just became worth
         pooling is pooled."""
         holder.admission.record(key)
-        if self.cluster.has(key, holder, DRAM) and holder.admission.admit(key):
+        if self._pool_admits(holder, key) and self.cluster.has(key, holder, DRAM):
             self.maybe_pool(holder, key)
+
+    def _pool_admits(self, node: Node, key: bytes) -> bool:
+        """Count a sighting of ``key`` on ``node`` for the pool; whether it is worth pooling."""
+        policy = self._pool_admission.get(node.index)
+        if policy is None:
+            s = self.strategy
+            policy = self._pool_admission[node.index] = (
+                make_admission("frequency", min_count=s.pool_admission_min_count,
+                               capacity=1 << 14)
+                if s.admission == "frequency" else make_admission(s.admission))
+        policy.record(key)
+        return policy.admit(key)
 
     def _put_dram(self, node: Node, key: bytes) -> None:
         evicted = self.cluster.add_copy(key, node, DRAM, self.unit_bytes)
@@ -189,8 +212,7 @@ class Mover:
             if self.cluster.add_copy(key, node, tier, nbytes) is None:
                 self.traffic.unplaced += 1
 
-        if not self.submit(node.agent, Job(Priority.BACKGROUND, run, done)):
-            self.traffic.dropped_jobs += 1
+        self.submit(node.agent, Job(Priority.DEMOTE, run, done, refused=[self._refused]))
 
     def maybe_pool(self, node: Node, key: bytes) -> None:
         """Copy an admitted block to its pool owner, once."""
@@ -213,6 +235,8 @@ class Mover:
             if self.cluster.add_copy(key, owner, POOL, nbytes) is None:
                 self.traffic.unplaced += 1
 
-        if not self.submit(node.agent, Job(Priority.BACKGROUND, run, done)):
+        def refused(now: float) -> None:
             self._pooling.discard(key)
             self.traffic.dropped_jobs += 1
+
+        self.submit(node.agent, Job(Priority.DEMOTE, run, done, refused=[refused]))

@@ -67,7 +67,7 @@ def _rows(r: SimResult) -> list[tuple[str, str]]:
         )
     rows += [
         ("agent queue depth max / mean", f"{r.queue_depth_max} / {r.queue_depth_mean:.2f}"),
-        ("jobs dropped (queue full)", f"{r.dropped_jobs:,}"),
+        ("jobs refused (class full past the submit timeout)", f"{r.dropped_jobs:,}"),
         ("events / wall s / CPU s", f"{r.events:,} / {r.wall_s:.1f} / {r.cpu_s:.1f}"),
     ]
     return rows

@@ -5,11 +5,16 @@ of ``cmx.policies``) and the shape of the data path. Two are built in:
 
 - ``CMX``: the offload agent moves bytes in 2 MiB pieces, 16 in flight, off the serving CPU;
   a request's prefix starts moving when it arrives (prefetch); loads come from any node's
-  DRAM or NVMe and from the pool; NVMe and the pool admit blocks seen twice; break-even gating.
+  DRAM or NVMe and from the pool; break-even gating. What the service configures, the
+  strategy reads from ``ServiceConfig()``'s defaults, never a copy of them: the agent's lanes
+  (``agent_workers``) and queue bound (``agent_queue_bound``), the sightings NVMe admission
+  asks for (``nvme_admission_min_count``) and the pool's (``pool_admission_min_count``). The
+  agent's queues are the service's (``cmx.simulate.agent``).
 - ``LMCACHE_LIKE``: the serving process's CPU orchestrates every transfer, one file per
   256-token chunk read by 4 I/O threads, each chunk paying its CPU cost on that one thread; the
   load starts when the request is scheduled (no prefetch); only this node's DRAM and disk;
-  every stored chunk written to disk (write-through, no admission); every hit loaded.
+  every stored chunk written to disk (write-through, no admission); every hit loaded. It keeps
+  8 lanes of its own: it is not the service's agent.
 """
 
 from __future__ import annotations
@@ -17,9 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from cmx.config import ServiceConfig
+
 __all__ = ["CMX", "LMCACHE_LIKE", "STRATEGIES", "Strategy"]
 
 MiB = 1 << 20
+_SERVICE = ServiceConfig()  # the service's defaults
 
 
 @dataclass(frozen=True)
@@ -31,12 +39,14 @@ class Strategy:
     io_tokens: int | None  # one I/O per this many tokens (a file per chunk), overrides io_bytes
     io_depth: int  # I/Os in flight per transfer
     per_io_cpu_s: float  # orchestrator time to issue and complete one I/O, serialized
-    lanes: int  # transfers one node's mover runs at once
-    queue_bound: int = 256  # queued jobs per priority class; a full class drops (not loads)
+    lanes: int = _SERVICE.agent_workers  # transfers one node's mover runs at once
+    # queued jobs per priority class; a job finding its class full waits for a place
+    queue_bound: int = _SERVICE.agent_queue_bound
     control_s: float = 200e-6  # fixed control cost per load: lookup, pins, slot grants
     eviction: str = "lru"  # cmx.policies.eviction registry name
     admission: str = "frequency"  # cmx.policies.admission registry name
-    admission_min_count: int = 2
+    admission_min_count: int = _SERVICE.nvme_admission_min_count  # sightings before NVMe
+    pool_admission_min_count: int = _SERVICE.pool_admission_min_count  # before the pool
     placement: str = "write_back"  # cmx.policies.placement: write_back or write_through
     prefetch_policy: str = "wait_complete"  # cmx.policies.prefetch registry name
     gating: bool = True  # break-even: recompute where a load would be slower
@@ -63,7 +73,7 @@ class Strategy:
 
 
 CMX = Strategy("cmx", prefetch=True, peers=True, io_bytes=2 * MiB, io_tokens=None,
-               io_depth=16, per_io_cpu_s=5e-6, lanes=8)
+               io_depth=16, per_io_cpu_s=5e-6)
 
 LMCACHE_LIKE = Strategy(
     "lmcache-like", prefetch=False, peers=False, io_bytes=32 * MiB, io_tokens=256, io_depth=4,

@@ -8,6 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from cmx.protocol import Priority
 from cmx.simulate import CMX, LMCACHE_LIKE, SimConfig, Simulator
 from cmx.simulate.cluster import HBM
 from cmx.simulate.hardware import H100
@@ -71,14 +72,23 @@ def test_every_request_pays_at_least_its_own_prefill_and_nothing_is_negative(
 def test_blocks_seen_once_never_reach_nvme_with_frequency_admission_and_write_back(
     make_config: Configs,
 ) -> None:
-    no_reuse = make_config(shared=0.0, dram_gib=16)
-    _, r = _run(no_reuse)
+    twice = replace(CMX, admission_min_count=2)
+    _, r = _run(make_config(twice, shared=0.0, dram_gib=16))
     assert r.cached_fraction == 0
     # A count-min sketch may over-count a key that collides in every row: rare, never zero.
     assert r.demoted_bytes + r.pooled_bytes <= 0.01 * r.stored_bytes
     everything = replace(CMX, admission="always")
     _, r2 = _run(make_config(everything, shared=0.0, dram_gib=16))
     assert r2.demoted_bytes > 0.25 * r2.stored_bytes and r2.pooled_bytes > 0
+
+
+def test_the_services_admission_counts_send_blocks_seen_once_to_nvme_not_the_pool(
+    make_config: Configs,
+) -> None:
+    _, r = _run(make_config(shared=0.0, dram_gib=16))  # NVMe at 1 sighting, the pool at 2
+    assert r.cached_fraction == 0
+    assert r.demoted_bytes > 0.25 * r.stored_bytes
+    assert r.pooled_bytes <= 0.01 * r.stored_bytes
 
 
 def test_break_even_recomputes_rather_than_load_from_a_link_slower_than_the_gpu(
@@ -129,3 +139,18 @@ def test_bad_configs_raise_typed_errors(
         replace(make_config(), unit_tokens=0)
     with pytest.raises(ValueError, match="replicas"):
         make_config(gpus_per_replica=3)
+
+
+def test_an_overwhelmed_agent_refuses_after_the_submit_timeout_and_every_request_completes(
+    make_config: Configs,
+) -> None:
+    # One lane, one place per class, loads at 100 MB/s: the queues stay full for minutes.
+    slow = replace(CMX, lanes=1, queue_bound=1, gating=False, verify_bandwidth=1e8)
+    sim, r = _run(make_config(slow, dram_gib=8))
+    refused = {p: sum(n.agent.refused[p] for n in sim.cluster.all_nodes) for p in Priority}
+    assert refused[Priority.PREFETCH] > 0 and refused[Priority.LOAD] > 0
+    assert r.dropped_jobs == refused[Priority.DEMOTE] > 0
+    assert r.completed == r.requests
+    assert r.cut >= refused[Priority.LOAD]  # a request whose load was refused recomputes
+    assert all(not c.pins for n in sim.cluster.all_nodes for c in n.caches if c)
+    sim.cluster.check_integrity()

@@ -29,50 +29,70 @@ def test_two_transfers_over_one_link_take_twice_as_long_and_a_slow_drive_holds_n
     assert nic.bytes == 3 * 10**9 and drive.busy_s == pytest.approx(1.0)
 
 
-def _job(priority: Priority, log: list[str], name: str) -> Job:
-    return Job(priority, run=lambda now: now + 1.0, done=lambda now: log.append(name))
+def _job(priority: Priority, log: list[str], name: str, nbytes: int = 0) -> Job:
+    return Job(priority, run=lambda now: now + 1.0, done=lambda now: log.append(name),
+               staging_bytes=nbytes, refused=[lambda now: log.append(f"refused {name}")])
 
 
-def test_agent_runs_loads_then_prefetches_then_background_and_drops_only_below_loads() -> None:
-    agent = Agent(lanes=1, bound=2)
+def test_agent_runs_loads_then_prefetches_then_demotions_and_a_full_class_waits() -> None:
+    agent = Agent(lanes=1, bound=2, timeout_s=30.0)
     log: list[str] = []
-    jobs = [_job(Priority.BACKGROUND, log, "bg1"), _job(Priority.BACKGROUND, log, "bg2"),
-            _job(Priority.PREFETCH, log, "pf"), _job(Priority.LOAD, log, "ld")]
+    jobs = [_job(Priority.DEMOTE, log, "bg1"), _job(Priority.DEMOTE, log, "bg2"),
+            _job(Priority.PREFETCH, log, "pf"), _job(Priority.LOAD, log, "ld"),
+            _job(Priority.DEMOTE, log, "bg3")]  # its class is full: it waits for a place
     for j in jobs:
-        assert agent.submit(j, 0.0)
-    assert not agent.submit(_job(Priority.BACKGROUND, log, "bg3"), 0.0)
-    assert agent.dropped[Priority.BACKGROUND] == 1
-    for _ in range(5):
-        assert agent.submit(_job(Priority.LOAD, log, "more"), 0.0)  # loads are never dropped
+        agent.submit(j, 0.0)
+    assert agent.alarms() == [30.0] and agent.queued == 4
     order = []
-    while (j := agent.next_job(0.0)) is not None:
-        j.done(0.0)
+    while (ready := agent.next_job(0.0)) is not None:
+        ready.done(0.0)
         order.append(log[-1])
-        agent.finish()
+        agent.finish(ready)
         agent.check_integrity()
-    assert order == ["ld"] + ["more"] * 5 + ["pf", "bg1", "bg2"]
-    assert agent.queued == 0
+    assert order == ["ld", "pf", "bg1", "bg2", "bg3"]
+    agent.expire(30.0)  # bg3 got a place before its deadline
+    assert agent.queued == 0 and agent.refused[Priority.DEMOTE] == 0
 
 
-def test_a_promoted_prefetch_runs_with_the_loads_and_is_counted_once() -> None:
-    agent = Agent(lanes=1, bound=8)
+def test_a_job_still_waiting_for_a_place_at_its_deadline_is_refused() -> None:
+    agent = Agent(lanes=1, bound=1, timeout_s=30.0)
     log: list[str] = []
-    bg, pf = _job(Priority.BACKGROUND, log, "bg"), _job(Priority.PREFETCH, log, "pf")
-    running = _job(Priority.LOAD, log, "running")
+    running, queued = _job(Priority.LOAD, log, "running"), _job(Priority.LOAD, log, "queued")
+    late = _job(Priority.LOAD, log, "late")
     agent.submit(running, 0.0)
     assert agent.next_job(0.0) is running
-    agent.submit(pf, 0.0)
-    agent.submit(bg, 0.0)
-    agent.promote(pf)
+    agent.submit(queued, 0.0)
+    agent.submit(late, 10.0)
+    assert agent.alarms() == [40.0]
+    agent.expire(39.0)
+    assert log == []
+    agent.expire(40.0)
+    assert log == ["refused late"] and agent.refused[Priority.LOAD] == 1
+    agent.finish(running)
+    assert agent.next_job(41.0) is queued and agent.next_job(41.0) is None
     agent.check_integrity()
-    assert agent.queued == 2
-    assert agent.next_job(0.0) is None  # the one lane is busy
-    agent.finish()
-    assert agent.next_job(1.0) is pf and pf.priority is Priority.LOAD
-    agent.finish()
-    assert agent.next_job(2.0) is bg
-    agent.finish()
-    assert agent.next_job(3.0) is None and agent.queued == 0
+
+
+def test_a_job_waits_on_its_lane_for_staging_bytes_and_is_refused_them_at_its_deadline() -> None:
+    agent = Agent(lanes=2, bound=4, staging_bytes=100, timeout_s=30.0)
+    log: list[str] = []
+    a, b, c = (_job(Priority.DEMOTE, log, n, nbytes) for n, nbytes in
+               (("a", 80), ("b", 40), ("c", 50)))
+    for j in (a, b, c):
+        agent.submit(j, 0.0)
+    assert agent.next_job(0.0) is a
+    assert agent.next_job(0.0) is None  # b holds the second lane, waiting for its bytes
+    assert agent.running == 2 and agent.queued == 1 and agent.alarms() == [30.0]
+    agent.finish(a)
+    assert agent.next_job(1.0) is b  # then c takes a's lane: 40 + 50 fit
+    assert agent.next_job(1.0) is c
+    agent.finish(b)
+    d = _job(Priority.DEMOTE, log, "d", 60)
+    agent.submit(d, 2.0)
+    assert agent.next_job(2.0) is None and agent.alarms() == [32.0]
+    agent.expire(32.0)
+    assert log == ["refused d"] and agent.running == 1
+    agent.check_integrity()
 
 
 def test_a_tier_evicts_in_its_policys_order_skips_pins_and_refuses_what_cannot_fit() -> None:

@@ -100,3 +100,10 @@ def test_the_command_prints_both_strategies_and_writes_json(tmp_path: Path) -> N
     assert (tmp_path / "simulate-seed.png").stat().st_size > 10_000
     bad = CliRunner().invoke(app, ["simulate", "seed", "--strategy", "nope"])
     assert bad.exit_code == 2 and "unknown strategy" in bad.output
+
+
+@pytest.mark.parametrize("clients", ["0", "1,x", "", "4,-1"])
+def test_calibration_refuses_client_counts_that_are_not_positive_numbers(clients: str) -> None:
+    result = CliRunner().invoke(app, ["simulate", "--calibrate", "--clients", clients])
+    assert result.exit_code == 2
+    assert "--clients takes positive whole numbers" in result.output

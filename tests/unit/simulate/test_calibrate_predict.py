@@ -1,0 +1,55 @@
+"""The calibration's prediction of N loads at once: links through the simulator, CPU work
+shared by the cores."""
+
+from __future__ import annotations
+
+import pytest
+
+from cmx.simulate.calibrate import ControlCosts, MachineSpeeds
+from cmx.simulate.calibrate_predict import cpu_seconds, predict_loads, share_cpu
+
+MiB = 1 << 20
+SPEEDS = MachineSpeeds(copy=4e9, copy_out=2e9, odirect_read=1e9, checksum=8e9, nixl=3e9,
+                       nixl_note="test")
+COSTS = ControlCosts(fixed_s=0.01, per_block_s=0.002)
+
+
+def test_one_job_alone_takes_its_work() -> None:
+    assert share_cpu([0.5], [2.0], threads=2) == [2.5]
+
+
+def test_four_equal_jobs_on_two_threads_share_them_and_end_together() -> None:
+    assert share_cpu([0.0] * 4, [1.0] * 4, threads=2) == pytest.approx([2.0] * 4)
+
+
+def test_a_late_job_slows_the_ones_running() -> None:
+    # Two jobs on one thread: the first runs alone for 1 s (1 of its 2 s done), then both at
+    # half speed: the first's last second takes 2 s, the second's last second runs alone.
+    assert share_cpu([0.0, 1.0], [2.0, 2.0], threads=1) == pytest.approx([3.0, 4.0])
+
+
+def test_share_cpu_refuses_no_threads() -> None:
+    with pytest.raises(ValueError):
+        share_cpu([0.0], [1.0], threads=0)
+
+
+def test_four_dram_loads_on_two_cores_share_the_cpu_work() -> None:
+    blocks, block = 4, 16 * MiB
+    work = cpu_seconds(SPEEDS, "dram", blocks * block)
+    control = COSTS.fixed_s + blocks * COSTS.per_block_s  # the DRAM link is CPU work here
+    # Four agent lanes: every load's control ends at once; then two threads for four loads.
+    times = predict_loads(SPEEDS, COSTS, "dram", blocks, block, clients=4, cores=2)
+    assert times == pytest.approx([control + 2 * work] * 4)
+    alone = predict_loads(SPEEDS, COSTS, "dram", blocks, block, clients=1, cores=2)
+    assert alone == pytest.approx([control + work])
+
+
+def test_peer_loads_queue_on_the_network_link() -> None:
+    blocks, block = 4, 16 * MiB
+    nic_s = blocks * block / SPEEDS.nixl
+    no_io_cost = ControlCosts(fixed_s=0.01, per_block_s=0.0)
+    # As many cores as loads: the CPU is not shared, the NIC serves one prefix after another.
+    times = sorted(predict_loads(SPEEDS, no_io_cost, "dram@peer", blocks, block, clients=4,
+                                 cores=4))
+    work = cpu_seconds(SPEEDS, "dram@peer", blocks * block)
+    assert times == pytest.approx([0.01 + k * nic_s + work for k in (1, 2, 3, 4)])

@@ -24,7 +24,8 @@ here. Every figure is a ratio to a baseline measured in the same run (see ``core
     e2e      "e2e": time to first token through the Serve application, cached against recompute
     e2e_miss "e2e-miss": a miss's cost, engines with and without CMXConnector paired (e2e_engine,
              e2e_pairs)
-    vllm_serve "e2e-serve": vLLM's OpenAI servers driven by ``vllm bench serve`` (vllm_results)
+    vllm_serve "e2e-serve": vLLM's OpenAI servers driven by ``vllm bench serve`` (vllm_results,
+             serve_report; proc_cpu: the CPU-seconds each process tree took)
     report   JSON, markdown, plots, docs/BENCHMARKS.md
     summary  the counts of PASS, MISS and inconclusive atop docs/BENCHMARKS.md, from its sections
     runner   runs suites in order and collects a BenchReport

@@ -5,7 +5,8 @@ Each client writes one JSON file (``--save-result``); with ``--save-detailed`` i
 request's TTFT (``ttfts``, seconds) and error (``errors``, "" when it succeeded). Two clients,
 each driving one of two servers, are one run: requests and tokens add up, the run lasts as long
 as the longer client, and TTFT percentiles are taken over both clients' requests together (a
-percentile of two percentiles is not one).
+percentile of two percentiles is not one). Repeated runs of the same settings pool the same
+way (``pool``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ClientResult", "ServeRun", "merge", "parse_result", "percentile", "read_result"]
+__all__ = ["ClientResult", "ServeRun", "merge", "parse_result", "percentile", "pool",
+           "prompt_tokens", "read_result"]
+
+PROMPT_TOKENS = "vllm:prompt_tokens_by_source_total"  # vLLM's counter, labelled by source
 
 
 @dataclass(frozen=True)
@@ -84,14 +88,39 @@ class ServeRun:
 
 def merge(results: Sequence[ClientResult]) -> ServeRun:
     """One run of clients that ran at the same time."""
-    if not results:
-        raise ValueError("merge of no results")
-    duration = max(r.duration_s for r in results)
-    completed = sum(r.completed for r in results)
-    tokens = sum(r.input_tokens + r.output_tokens for r in results)
-    ttfts = [t for r in results for t in r.ttfts_s]
+    return pool([results])
+
+
+def pool(runs: Sequence[Sequence[ClientResult]]) -> ServeRun:
+    """Runs one after the other, each of clients that ran at the same time, as one: a run
+    lasts as long as its longest client, the runs' durations add up, and the percentiles
+    are taken over every request of every run."""
+    if not runs or not all(runs):
+        raise ValueError("pool of no results")
+    duration = sum(max(r.duration_s for r in results) for results in runs)
+    every = [r for results in runs for r in results]
+    completed = sum(r.completed for r in every)
+    tokens = sum(r.input_tokens + r.output_tokens for r in every)
+    ttfts = [t for r in every for t in r.ttfts_s]
     return ServeRun(
-        completed=completed, failed=sum(r.failed for r in results), duration_s=duration,
+        completed=completed, failed=sum(r.failed for r in every), duration_s=duration,
         request_throughput=completed / duration if duration else math.nan,
         token_throughput=tokens / duration if duration else math.nan,
         ttft_p50_ms=percentile(ttfts, 50) * 1000, ttft_p99_ms=percentile(ttfts, 99) * 1000)
+
+
+def prompt_tokens(metrics: str) -> dict[str, float]:
+    """Prompt tokens by where they came from, summed over engines, from a server's
+    Prometheus text (``/metrics``): ``local_compute`` (prefilled), ``local_cache_hit``
+    (vLLM's own prefix cache), ``external_kv_transfer`` (loaded by the connector)."""
+    got: dict[str, float] = {}
+    for line in metrics.splitlines():
+        if not line.startswith(PROMPT_TOKENS + "{"):
+            continue
+        labels, _, value = line[len(PROMPT_TOKENS) + 1:].rpartition("}")
+        for label in labels.split(","):
+            name, _, quoted = label.partition("=")
+            if name.strip() == "source":
+                source = quoted.strip().strip('"')
+                got[source] = got.get(source, 0.0) + float(value)
+    return got

@@ -18,6 +18,11 @@ prefix reaches the two servers in different orders: without a connector each ser
 every prefix once, with one the server that comes second can find it computed by the other.
 The other workload is ``random`` with one prefix shared by all (``--random-prefix-len``).
 Throughput and TTFT p50/p99 come from the clients' result files, merged (``vllm_results``).
+With ``rounds`` above 1 the setups alternate (cmx, none, cmx, none, ...), every round with
+prompts of its own, and a rate's runs are pooled: the p99 of every request of every round.
+Every run counts the CPU-seconds of the two servers' process trees (the API servers, their
+engine cores, the connector inside them), of the clients and of the rest (the local Ray
+cluster and the service's actors), beside the machine's busy time (``proc_cpu``).
 The judged figure: requests/s at a TTFT p99 of at most 10 s with the connector,
 over vLLM's alone (``sustained``). A setup whose servers do not start is recorded with its
 error and the others run.
@@ -31,19 +36,20 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from cmx.bench.core import BenchContext, Figure, Goal, SuiteResult, Table
-from cmx.bench.vllm_results import ServeRun, merge, read_result
+from cmx.bench.core import BenchContext, SuiteResult
+from cmx.bench.proc_cpu import CpuMeter, CpuUse
+from cmx.bench.serve_report import per_rate, report, sustained
+from cmx.bench.vllm_results import ClientResult, pool, prompt_tokens, read_result
 
 __all__ = ["SETUPS", "ServeSettings", "client_args", "run_e2e_serve", "sustained"]
 
 SETUPS = ("cmx", "none", "offloading")
 MiB = 1 << 20
-P99_TARGET_MS = 10_000.0  # the TTFT p99 at which throughput is compared
-THROUGHPUT_GOAL = Goal(">=", 1.5)  # requests/s with the connector over without, at that p99
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,7 @@ class ServeSettings:
     num_prompts: int = 32  # per run, both clients together
     rates: tuple[float, ...] = (0.2, 0.4, 0.8, 1.6)  # requests/s, both clients together
     lag_s: float = 5.0  # the second client starts this much after the first
+    rounds: int = 1  # the setups run this many times, alternating, each round its own prompts
     datasets: tuple[str, ...] = ("prefix_repetition", "random")
     start_timeout_s: float = 900.0  # one server's start
     run_timeout_s: float = 1800.0  # one run of the clients
@@ -69,6 +76,8 @@ class ServeSettings:
                              f"num_prompts must be at least {2 * self.num_prefixes}")
         if not self.rates or min(self.rates) <= 0:
             raise ValueError(f"rates must be positive, got {self.rates}")
+        if self.rounds < 1:
+            raise ValueError(f"rounds must be at least 1, got {self.rounds}")
 
     @property
     def max_model_len(self) -> int:
@@ -150,6 +159,12 @@ class _Server:
             time.sleep(2)
         raise TimeoutError(f"server not ready in {timeout_s:.0f} s: {_tail(self.log)}")
 
+    def prompt_tokens(self) -> dict[str, float]:
+        """The server's prompt tokens so far, by source (``vllm_results.prompt_tokens``)."""
+        import httpx
+
+        return prompt_tokens(httpx.get(f"{self.url}/metrics", timeout=30).text)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -169,17 +184,30 @@ def _tail(log: Path, lines: int = 3) -> str:
     return " | ".join((errors or text)[-lines:])[-600:]
 
 
-def _run(ctx: BenchContext, servers: list[_Server], model: str, dataset: str,
-         s: ServeSettings, rate: float, out: Path, seed: int) -> ServeRun:
+def _run(servers: list[_Server], model: str, dataset: str, s: ServeSettings, rate: float,
+         out: Path, seed: int) -> Run:
     """One run: a client per server, together, with prompts of their own (``seed``): no
     prefix of an earlier run is cached anywhere, in the servers or in the service. Their
-    results merged."""
+    results, the CPU-seconds taken while they ran, and the servers' prompt tokens by source."""
+    before = [srv.prompt_tokens() for srv in servers]
+    with CpuMeter({"servers": [srv.proc.pid for srv in servers]}) as meter:
+        results = _clients(meter, servers, model, dataset, s, rate, out, seed)
+    assert meter.use is not None
+    tokens: dict[str, float] = {}
+    for srv, was in zip(servers, before, strict=True):
+        for source, n in srv.prompt_tokens().items():
+            tokens[source] = tokens.get(source, 0.0) + n - was.get(source, 0.0)
+    return results, meter.use, tokens
+
+
+def _clients(meter: CpuMeter, servers: list[_Server], model: str, dataset: str,
+             s: ServeSettings, rate: float, out: Path, seed: int) -> list[ClientResult]:
     n = len(servers)
     procs, paths = [], []
     for i, server in enumerate(servers):
         if i:
             time.sleep(s.lag_s)
-        path = out / f"{dataset}-{rate:g}-{i}.json"
+        path = out / f"{dataset}-{rate:g}-{seed}-{i}.json"
         args = client_args(dataset, s, server.url, model, rate / n, s.num_prompts // n, path,
                            seed)
         if i and dataset == "prefix_repetition":
@@ -187,8 +215,10 @@ def _run(ctx: BenchContext, servers: list[_Server], model: str, dataset: str,
             # servers in different orders, and either may be the first to compute it.
             args.append("--disable-shuffle")
         log = open(out / f"{path.stem}.log", "w")  # noqa: SIM115 - closed when it ends
-        procs.append((subprocess.Popen([sys.executable, "-m", "cmx.bench.vllm_client", *args],
-                                       stdout=log, stderr=subprocess.STDOUT), log))
+        proc = subprocess.Popen([sys.executable, "-m", "cmx.bench.vllm_client", *args],
+                                stdout=log, stderr=subprocess.STDOUT)
+        meter.add("clients", proc.pid)
+        procs.append((proc, log))
         paths.append(path)
     for proc, log in procs:
         try:
@@ -200,85 +230,42 @@ def _run(ctx: BenchContext, servers: list[_Server], model: str, dataset: str,
         if code:
             raise RuntimeError(f"vllm bench serve exited with {code}: "
                                f"{_tail(Path(log.name))}")
-    return merge([read_result(p) for p in paths])
+    return [read_result(p) for p in paths]
+
+
+Run = tuple[list[ClientResult], CpuUse, dict[str, float]]
+Runs = dict[tuple[str, float], list[Run]]
 
 
 def _setup(ctx: BenchContext, setup: str, s: ServeSettings, address: str,
-           service: dict[str, Any]) -> dict[tuple[str, float], ServeRun]:
+           service: dict[str, Any], round_: int, runs: Runs) -> None:
+    """One round of a setup: its two servers started, every dataset and rate run once, each
+    run added to ``runs``."""
     from cmx.models import smollm2_path
 
     model = smollm2_path()
-    out = ctx.scratch(f"e2e-serve-{setup}")
+    out = ctx.scratch(f"e2e-serve-{setup}-{round_}")
     kv = _kv_config(setup, address, service)
     servers = [_Server(model, kv, s.max_model_len, out / f"server-{i}.log") for i in range(2)]
-    runs: dict[tuple[str, float], ServeRun] = {}
     try:
         for server in servers:
             server.wait_ready(s.start_timeout_s)
         ctx.log(f"e2e-serve {setup}: servers on {servers[0].port}, {servers[1].port}")
         for d, dataset in enumerate(s.datasets):
             for r, rate in enumerate(s.rates):
-                seed = 1 + 100 * d + r  # the same in every setup
-                run = runs[(dataset, rate)] = _run(ctx, servers, model, dataset, s, rate, out,
-                                                   seed)
-                ctx.log(f"e2e-serve {setup} {dataset} {rate:g} req/s: "
+                seed = 1 + 1000 * round_ + 100 * d + r  # the same in every setup
+                results, cpu, tokens = _run(servers, model, dataset, s, rate, out, seed)
+                runs.setdefault((dataset, rate), []).append((results, cpu, tokens))
+                run = pool([results])
+                ctx.log(f"e2e-serve {setup} round {round_} {dataset} {rate:g} req/s: "
                         f"{run.request_throughput:.2f} req/s, TTFT p50 {run.ttft_p50_ms:.0f} ms,"
-                        f" p99 {run.ttft_p99_ms:.0f} ms, {run.failed} failed")
+                        f" p99 {run.ttft_p99_ms:.0f} ms, {run.failed} failed; CPU-s "
+                        + ", ".join(f"{g} {v:.0f}" for g, v in cpu.groups.items())
+                        + f", machine {cpu.machine_busy_s:.0f} of {cpu.wall_s * cpu.cores:.0f}; "
+                        + ", ".join(f"{k} {v:.0f}" for k, v in tokens.items()) + " tokens")
     finally:
         for server in servers:
             server.stop()
-    return runs
-
-
-def sustained(runs: dict[tuple[str, float], ServeRun], dataset: str) -> ServeRun | None:
-    """Of a setup's runs of ``dataset``, the one with the most requests per second among those
-    whose TTFT p99 stayed within ``P99_TARGET_MS`` with no request failed; None if none did."""
-    held = [r for (ds, _), r in runs.items()
-            if ds == dataset and r.failed == 0 and r.ttft_p99_ms <= P99_TARGET_MS]
-    return max(held, key=lambda r: r.request_throughput, default=None)
-
-
-def _throughput_figure(result: SuiteResult, got: dict[str, dict[tuple[str, float], ServeRun]],
-                       dataset: str = "prefix_repetition") -> None:
-    """The goal: requests/s with the connector at TTFT p99 <= 10 s over vLLM's alone."""
-    if "cmx" not in got or "none" not in got:
-        return
-    base, ours = sustained(got["none"], dataset), sustained(got["cmx"], dataset)
-    if base is None:
-        result.notes.append(f"{dataset}: vLLM without a connector held TTFT p99 within "
-                            f"{P99_TARGET_MS / 1000:g} s at no rate tried, so the throughput "
-                            f"goal has no baseline; lower rates are needed")
-        return
-    result.figures.append(Figure(
-        "e2e-serve", f"requests/s at TTFT p99 <= {P99_TARGET_MS / 1000:g} s, {dataset}, cmx",
-        "req/s", (ours.request_throughput if ours is not None else 0.0,),
-        "vLLM without a connector, the best rate it held within the same p99",
-        (base.request_throughput,), THROUGHPUT_GOAL,
-        "the fastest run of the rates tried whose p99 held (none failed), one run per rate; "
-        + ("the connector held it at no rate tried" if ours is None else
-           f"p99 {ours.ttft_p99_ms:.0f} ms against {base.ttft_p99_ms:.0f} ms")))
-
-
-def _report(result: SuiteResult, got: dict[str, dict[tuple[str, float], ServeRun]]) -> None:
-    rows = [(setup, ds, f"{rate:g}", f"{r.completed}/{r.failed}", f"{r.request_throughput:.3f}",
-             f"{r.token_throughput:.0f}", f"{r.ttft_p50_ms:.0f}", f"{r.ttft_p99_ms:.0f}")
-            for setup, runs in got.items() for (ds, rate), r in runs.items()]
-    result.tables.append(Table(
-        "vllm bench serve, two servers, one client each (merged)",
-        ("setup", "dataset", "rate (req/s)", "completed/failed", "req/s", "tokens/s",
-         "TTFT p50 (ms)", "TTFT p99 (ms)"), tuple(rows)))
-    base = got.get("none", {})
-    for setup in ("cmx", "offloading"):
-        for key, r in got.get(setup, {}).items():
-            if key not in base:
-                continue
-            ds, rate = key
-            result.figures.append(Figure(
-                "e2e-serve", f"TTFT p50, {ds} at {rate:g} req/s, {setup}", "ms",
-                (r.ttft_p50_ms,), "vLLM without a connector, same run settings",
-                (base[key].ttft_p50_ms,), None, f"p99 {r.ttft_p99_ms:.0f} ms against "
-                f"{base[key].ttft_p99_ms:.0f} ms; one run per rate"))
-    _throughput_figure(result, got)
 
 
 def run_e2e_serve(ctx: BenchContext, settings: ServeSettings | None = None,
@@ -288,24 +275,47 @@ def run_e2e_serve(ctx: BenchContext, settings: ServeSettings | None = None,
 
     s = settings or ServeSettings()
     result = SuiteResult("e2e-serve", command="")
-    got: dict[str, dict[tuple[str, float], ServeRun]] = {}
-    for setup in setups:
-        try:
-            if setup == "cmx":
-                config = ServiceConfig(block_bytes=2 * MiB, hbm_bytes=128 * MiB,
-                                       dram_bytes=1024 * MiB, nvme_bytes=4096 * MiB,
-                                       nvme_dir=str(ctx.scratch("e2e-serve-nvme")))
-                with bench_cluster(config) as bc:
-                    got[setup] = _setup(ctx, setup, s, bc.cluster.address, asdict(bc.config))
-            else:
-                got[setup] = _setup(ctx, setup, s, "", {})
-        except Exception as exc:  # noqa: BLE001 - one setup that fails must not cost the others
-            result.notes.append(f"setup {setup!r}: no figures ({type(exc).__name__}: {exc})")
-            ctx.log(f"e2e-serve {setup} failed: {exc}")
-    _report(result, got)
+    every: dict[str, Runs] = {}
+    failed: set[str] = set()
+    for round_ in range(s.rounds):
+        for setup in setups:
+            if setup in failed:
+                continue
+            runs = every.setdefault(setup, {})
+            try:
+                if setup == "cmx":
+                    config = ServiceConfig(block_bytes=2 * MiB, hbm_bytes=128 * MiB,
+                                           dram_bytes=1024 * MiB, nvme_bytes=4096 * MiB,
+                                           nvme_dir=str(ctx.scratch("e2e-serve-nvme")))
+                    with bench_cluster(config) as bc:
+                        _setup(ctx, setup, s, bc.cluster.address, asdict(bc.config), round_,
+                               runs)
+                else:
+                    _setup(ctx, setup, s, "", {}, round_, runs)
+            except Exception as exc:  # noqa: BLE001 - one setup that fails must not cost the others
+                failed.add(setup)
+                every.pop(setup, None)
+                result.notes.append(f"setup {setup!r}: no figures ({type(exc).__name__}: {exc})")
+                ctx.log(f"e2e-serve {setup} failed: {exc}")
+    got = {setup: {key: pool([r for r, _, _ in rs]) for key, rs in runs.items()}
+           for setup, runs in every.items()}
+    cpu = {setup: {key: sum((c for _, c, _ in rs[1:]), rs[0][1]) for key, rs in runs.items()}
+           for setup, runs in every.items()}
+    tokens = {setup: {key: _add(t for _, _, t in rs) for key, rs in runs.items()}
+              for setup, runs in every.items()}
+    report(result, got, cpu, s.rounds, tokens)
     result.notes.append(
         f"SmolLM2-135M-Instruct, vLLM OpenAI server (CPU, bfloat16, blocks of 32 tokens), two "
         f"servers per setup; {s.num_prompts} requests per run ({s.prefix_len}-token prefixes, "
         f"{s.suffix_len}-token tails, {s.output_len} output tokens), the second client "
-        f"{s.lag_s:g} s after the first with the same requests; one run per rate")
+        f"{s.lag_s:g} s after the first with the same requests; {per_rate(s.rounds)}"
+        + ("" if s.rounds == 1 else ", the setups alternating round by round"))
     return result
+
+
+def _add(counts: Iterable[dict[str, float]]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for c in counts:
+        for k, v in c.items():
+            total[k] = total.get(k, 0.0) + v
+    return total

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from cmx.bench.serve_report import sustained
 from cmx.bench.vllm_results import (
     ClientResult,
     ServeRun,
@@ -16,7 +17,7 @@ from cmx.bench.vllm_results import (
     percentile,
     read_result,
 )
-from cmx.bench.vllm_serve import ServeSettings, client_args, sustained
+from cmx.bench.vllm_serve import ServeSettings, client_args
 
 
 def _result(ttfts: list[float], errors: list[str] | None = None, duration: float = 10.0,
@@ -123,7 +124,7 @@ def test_the_throughput_judged_is_the_fastest_run_whose_p99_held() -> None:
 
 def test_the_throughput_goal_compares_the_connector_with_vllm_alone_at_the_same_p99() -> None:
     from cmx.bench.core import SuiteResult, Verdict
-    from cmx.bench.vllm_serve import _report
+    from cmx.bench.serve_report import report as _report
 
     none = {("prefix_repetition", r): _run(r, p) for r, p in ((0.2, 6_000), (0.4, 20_000))}
     cmx = {("prefix_repetition", r): _run(r, p) for r, p in ((0.2, 2_000), (0.4, 7_000))}
@@ -140,3 +141,53 @@ def test_the_throughput_goal_compares_the_connector_with_vllm_alone_at_the_same_
     _report(result, {"cmx": cmx, "none": {("prefix_repetition", 0.4): _run(0.4, 20_000)}})
     assert not [f for f in result.figures if f.goal is not None]
     assert any("no baseline" in n for n in result.notes)
+
+
+def test_rounds_pool_every_request_and_add_their_durations() -> None:
+    from cmx.bench.vllm_results import ClientResult, pool
+
+    def client(duration: float, ttfts: tuple[float, ...]) -> ClientResult:
+        return ClientResult(len(ttfts), 0, duration, 100 * len(ttfts), len(ttfts), ttfts)
+
+    one = [client(10.0, (1.0,) * 9), client(12.0, (1.0,) * 9)]  # a run lasts 12 s
+    two = [client(8.0, (1.0,) * 9 + (50.0,)), client(6.0, (1.0,) * 9)]  # and this one 8 s
+    pooled = pool([one, two])
+    assert (pooled.completed, pooled.duration_s) == (37, 20.0)
+    assert pooled.request_throughput == 37 / 20.0
+    assert pooled.ttft_p50_ms == 1000.0 and pooled.ttft_p99_ms > 10_000  # the slow one shows
+    assert merge(one) == pool([one])
+
+
+def test_the_cpu_table_gives_seconds_per_completed_request() -> None:
+    from cmx.bench.core import SuiteResult
+    from cmx.bench.proc_cpu import REST, CpuUse
+    from cmx.bench.serve_report import report as _report
+
+    key = ("prefix_repetition", 1.0)
+    got = {"cmx": {key: _run(1.0, 4_000)}, "none": {key: _run(1.0, 5_000)}}
+    cpu = {"cmx": {key: CpuUse(10.0, {"servers": 15.0, REST: 5.0, "clients": 1.0}, 20.0, 2)},
+           "none": {key: CpuUse(10.0, {"servers": 18.0, REST: 0.0, "clients": 1.0}, 19.0, 2)}}
+    result = SuiteResult("e2e-serve", command="")
+    tokens = {"cmx": {key: {"local_compute": 5000.0, "local_cache_hit": 2000.0,
+                            "external_kv_transfer": 3000.0}}}
+    _report(result, got, cpu, 2, tokens)
+    table = result.tables[-1]
+    assert table.rows == (("cmx", "prefix_repetition", "1", "1.50", "0.50", "0.10", "2.00",
+                           "100%", "500", "200", "300"),
+                          ("none", "prefix_repetition", "1", "1.80", "0.00", "0.10", "1.90",
+                           "95%", "-", "-", "-"))
+    assert "2 runs per rate, pooled" in result.tables[0].title
+
+
+def test_prompt_tokens_are_read_by_source_from_the_servers_metrics() -> None:
+    from cmx.bench.vllm_results import prompt_tokens
+
+    text = """# HELP vllm:prompt_tokens_by_source_total Number of prompt tokens by source.
+# TYPE vllm:prompt_tokens_by_source_total counter
+vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_compute"} 2048.0
+vllm:prompt_tokens_by_source_total{engine="1",model_name="m",source="local_compute"} 1024.0
+vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="external_kv_transfer"} 992.0
+vllm:prompt_tokens_total{engine="0",model_name="m"} 4064.0
+"""
+    assert prompt_tokens(text) == {"local_compute": 3072.0, "external_kv_transfer": 992.0}
+    assert prompt_tokens("") == {}

@@ -76,32 +76,44 @@ class FrequencyAdmission(AdmissionPolicy):
         self.capacity = capacity
         self.depth = depth
         self._table = np.zeros((depth, capacity), dtype=np.uint8)
-        self._rows = np.arange(depth)
+        self._flat = self._table.reshape(-1).data  # cell ``row * capacity + column``
         self._records = 0  # since the last halving
         self._reset_every = 10 * capacity
         self.halvings = 0
 
-    def _columns(self, key: bytes) -> np.ndarray:
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        del state["_flat"]  # a view of ``_table``, made again on arrival
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._flat = self._table.reshape(-1).data
+
+    def _cells(self, key: bytes) -> list[int]:
         # Two 64-bit hashes make ``depth`` (Kirsch-Mitzenmacher). h2 is odd, so with a
-        # power-of-two capacity no two rows of one key share a column.
-        digest = xxhash.xxh3_128_intdigest(bytes(key))
-        h1, h2 = digest & (2**64 - 1), (digest >> 64) | 1
-        return np.array([(h1 + i * h2) % self.capacity for i in range(self.depth)])
+        # power-of-two capacity no two rows of one key share a column. Plain ints: one key's
+        # few cells cost less in Python than in numpy's indexing.
+        digest = xxhash.xxh3_128_intdigest(key if type(key) is bytes else bytes(key))
+        h1, h2, cap = digest & (2**64 - 1), (digest >> 64) | 1, self.capacity
+        return [row * cap + (h1 + row * h2) % cap for row in range(self.depth)]
 
     def count(self, key: bytes) -> int:
         """Estimated sightings of ``key`` (never fewer than the true count since a halving)."""
-        return int(self._table[self._rows, self._columns(key)].min())
+        flat = self._flat
+        return min([flat[i] for i in self._cells(key)])
 
     def record(self, key: bytes) -> None:
-        cols = self._columns(key)
-        cells = self._table[self._rows, cols]
-        low = cells.min()
+        flat, cells = self._flat, self._cells(key)
+        values = [flat[i] for i in cells]
+        low = min(values)
         if low < 255:
-            at_min = cells == low
-            self._table[self._rows[at_min], cols[at_min]] = low + 1
+            for i, v in zip(cells, values, strict=True):
+                if v == low:  # conservative update: only the rows at the minimum
+                    flat[i] = low + 1
         self._records += 1
         if self._records >= self._reset_every:
-            self._table >>= 1
+            self._table >>= 1  # in place: ``_flat`` still views it
             self._records = 0
             self.halvings += 1
 

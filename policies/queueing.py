@@ -107,6 +107,10 @@ class WorkQueues(Generic[T]):
     def queued(self, priority: Priority) -> int:
         return len(self._classes[priority])
 
+    def queued_total(self) -> int:
+        """Items queued in every class together."""
+        return sum(map(len, self._classes.values()))
+
     def waiting(self, priority: Priority) -> int:
         """Submitters waiting for a place in ``priority``'s class."""
         return len(self._waiting[priority])

@@ -39,7 +39,6 @@ from cmx.protocol import Priority
 __all__ = ["Agent", "Job", "Priority"]
 
 _SERVICE = ServiceConfig()
-_PRIORITIES = tuple(Priority)  # iterating the enum itself costs a generator per event
 
 
 @dataclass(eq=False)
@@ -139,8 +138,7 @@ class Agent:
         return out
 
     def _count(self) -> None:
-        queued = self.queues.queued
-        self.queued = sum([queued(p) for p in _PRIORITIES])
+        self.queued = self.queues.queued_total()
         self.max_queued = max(self.max_queued, self.queued)
 
     def check_integrity(self) -> None:

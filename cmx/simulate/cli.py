@@ -3,8 +3,10 @@ with ``--capacity``, each one's highest load within a TTFT p99 target."""
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -100,10 +102,8 @@ def simulate_command(
             resolution=resolution,
         )
         return
-    from cmx.simulate.engine import Simulator
     from cmx.simulate.report import print_results, write_json, write_plots
-    from cmx.simulate.scenarios import scenario, with_strategy
-    from cmx.simulate.strategy import STRATEGIES
+    from cmx.simulate.scenarios import scenario
 
     names = _strategies(strategy)
     try:
@@ -118,10 +118,14 @@ def simulate_command(
         f"{config.workload.duration_s:g} s of arrivals at "
         f"{config.workload.rate_per_s:.2f}/s"
     )
-    results = []
-    for s in names:
-        console.log(f"running {s}")
-        results.append(Simulator(with_strategy(config, STRATEGIES[s])).run())
+    # The strategies are independent runs: one process each, as many at once as there are cores.
+    console.log(f"running {', '.join(names)}")
+    workers = min(len(names), os.cpu_count() or 1)
+    if workers > 1:
+        with ProcessPoolExecutor(workers) as pool:
+            results = list(pool.map(_run_strategy, [config] * len(names), names))
+    else:
+        results = [_run_strategy(config, s) for s in names]
     title = f"cmx simulate {name}: {config.model.name}, {c.gpus:,} GPUs"
     print_results(console, results, title)
     json_path = out / f"simulate-{name}.json"
@@ -132,6 +136,15 @@ def simulate_command(
         f"wrote {json_path}"
         + (f", {png}" if plotted else " (plots skipped: pip install 'cmx-ray[bench]')")
     )
+
+
+def _run_strategy(config: Any, name: str) -> Any:
+    """One strategy's whole run of ``config`` (in a worker process of its own)."""
+    from cmx.simulate.engine import Simulator
+    from cmx.simulate.scenarios import with_strategy
+    from cmx.simulate.strategy import STRATEGIES
+
+    return Simulator(with_strategy(config, STRATEGIES[name])).run()
 
 
 def _strategies(names: list[str] | None) -> list[str]:

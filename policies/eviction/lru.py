@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator
+from itertools import islice
 
 from cmx.policies.eviction.base import EvictionPolicy, Key
 
@@ -27,7 +28,20 @@ class LRUPolicy(EvictionPolicy):
         self._recency.pop(key, None)
 
     def _order(self) -> Iterator[Key]:
-        return iter(list(self._recency))
+        # Oldest first, read in growing chunks rather than copied whole: a store wants a victim
+        # or a few, and the caller may evict (or touch) keys between two of them. A key
+        # touched meanwhile has moved to the end and is not given twice.
+        given: set[Key] = set()
+        size = 32
+        while True:
+            chunk = list(islice(self._recency, size))
+            for key in chunk:
+                if key not in given:
+                    given.add(key)
+                    yield key
+            if len(chunk) < size:
+                return
+            size *= 4
 
     def _check_policy(self) -> None:
         if len(self._recency) != len(self._parent):

@@ -102,3 +102,16 @@ def test_a_sketch_never_undercounts(seen: list[int]) -> None:
         assert policy.count(key(i)) >= seen.count(i)
         assert policy.admit(key(i)) is (policy.count(key(i)) >= 2)
     policy.check_integrity()
+
+
+def test_a_sketch_sent_to_another_process_keeps_its_counts() -> None:
+    import pickle
+
+    from cmx.policies.admission import FrequencyAdmission
+
+    sketch = FrequencyAdmission(min_count=2, capacity=64)
+    sketch.record(b"a")
+    copy = pickle.loads(pickle.dumps(sketch))
+    assert copy.count(b"a") == 1 and not copy.admit(b"a")
+    copy.record(b"a")  # the copy counts on in its own table
+    assert copy.admit(b"a") and not sketch.admit(b"a")

@@ -1,0 +1,33 @@
+"""LRU's victim order, read in chunks while the caller evicts and touches."""
+
+from __future__ import annotations
+
+from cmx.policies.eviction.lru import LRUPolicy
+
+
+def _keys(n: int) -> list[bytes]:
+    return [b"k%04d" % i for i in range(n)]
+
+
+def test_victims_come_oldest_first_past_every_chunk() -> None:
+    lru = LRUPolicy()
+    keys = _keys(1000)
+    for k in keys:
+        lru.insert(k, None)
+    assert list(lru.victims(lambda k: True)) == keys
+
+
+def test_a_caller_may_evict_and_touch_while_it_reads() -> None:
+    lru = LRUPolicy()
+    keys = _keys(200)
+    for k in keys:
+        lru.insert(k, None)
+    got = []
+    for k in lru.victims(lambda k: k != keys[0]):  # the oldest is pinned
+        got.append(k)
+        lru.remove(k)  # evicted as it is read
+        if k == keys[40]:
+            lru.touch(keys[180])  # not yet read, now the newest: it comes last
+    assert got == keys[1:180] + keys[181:] + [keys[180]]
+    lru.check_integrity()
+    assert list(lru.victims(lambda k: True)) == [keys[0]]

@@ -14,8 +14,10 @@
 3. The simulator, given only (1) and the control costs of the tiny loads of the same
    repetition, predicts the same N loads (``calibrate_predict``): N load jobs through the
    ``Mover``, agent lanes and links of a two-node cluster with the measured speeds, then their
-   CPU work on ``min(cores, N)`` threads. Each cell (source, N) compares the median of every
-   load measured with the median of every load predicted; the goal: within 25%.
+   CPU work on ``min(cores, N)`` threads; no load ends before the cores could supply N times
+   the machine's CPU-seconds of one load alone (measured in step 2 with one client). Each
+   cell (source, N) compares the median of every load measured with the median of every load
+   predicted; the goal: within 25%.
 """
 
 from __future__ import annotations
@@ -277,7 +279,7 @@ def run_calibration(log: Callable[[str], None] = print, reps: int = 3, blocks: i
     clients that many loads at once, each of its own prefix; each repetition's predictions
     use its own figures. Every cell compares medians."""
     from cmx.simulate.calibrate_nixl import nixl_read_rate
-    from cmx.simulate.calibrate_predict import predict_loads
+    from cmx.simulate.calibrate_predict import machine_bound, predict_loads
     from cmx.simulate.calibrate_service import BLOCK_BYTES, measure_service
 
     cores = os.cpu_count() or 1
@@ -299,16 +301,23 @@ def run_calibration(log: Callable[[str], None] = print, reps: int = 3, blocks: i
         control[s] = ControlCosts(statistics.median(c.fixed_s for c in costs),
                                   statistics.median(c.per_block_s for c in costs))
         for n in clients:
+            alone = loads.cpu.get(s, {}).get(1, [])
             predicted = [t for rep in range(reps)
-                         for t in predict_loads(loads.baselines[s][rep], costs[rep], s, blocks,
-                                                BLOCK_BYTES, n, cores)]
+                         for t in machine_bound(
+                             predict_loads(loads.baselines[s][rep], costs[rep], s, blocks,
+                                           BLOCK_BYTES, n, cores),
+                             alone[rep] if rep < len(alone) else None, cores)]
             measured = [t for each in loads.large[s][n] for t in each]
             rows.append(Row(s, n, blocks, blocks * BLOCK_BYTES, tuple(measured),
                             tuple(predicted)))
     speeds = _median_speeds([b for v in loads.baselines.values() for b in v])
+    cpu = "; ".join(f"{src} " + ", ".join(f"{n} clients {statistics.median(v):.3f}"
+                                          for n, v in sorted(per.items()))
+                    for src, per in loads.cpu.items())
     notes = (f"load average {os.getloadavg()[0]:.1f} at the end, on {cores} cores",
-             *loads.notes, *_in_round_trips(control, loads.round_trip_s))
-    raw = {"tiny_s": loads.tiny, "large_s": loads.large,
+             *loads.notes, *_in_round_trips(control, loads.round_trip_s),
+             f"the machine's busy CPU-seconds per load (median over repetitions): {cpu}")
+    raw = {"tiny_s": loads.tiny, "large_s": loads.large, "cpu_per_load_s": loads.cpu,
            "speeds": {k: [asdict(b) for b in v] for k, v in loads.baselines.items()}}
     return CalibrationResult(speeds, control, tuple(rows), notes, raw)
 

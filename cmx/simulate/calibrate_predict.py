@@ -8,6 +8,11 @@ each block's copy into the client's tensor, the agent's and the client's XXH3 ch
 after a job's links, on a CPU shared by every load in flight: ``min(cores, N)`` threads, each at
 the single-thread speeds measured, shared equally among the loads that have CPU work left
 (processor sharing, as the kernel shares cores among threads).
+
+Those moves are not all the CPU a load takes: the control path (Ray calls, actor hops, the
+directory) runs on the same cores. So the machine's busy CPU-seconds per load, measured with
+one client, bound the rest (``machine_bound``): N loads started together end no earlier than
+the cores could have given them N times that.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from cmx.simulate.calibrate import ControlCosts, MachineSpeeds
 
-__all__ = ["cpu_seconds", "predict_loads", "share_cpu"]
+__all__ = ["cpu_seconds", "machine_bound", "predict_loads", "share_cpu"]
 
 UNBOUNDED = 1e18  # bytes/s of a link whose move is counted as CPU work instead
 
@@ -114,3 +119,16 @@ def predict_loads(speeds: MachineSpeeds, control: ControlCosts, source: str, blo
     work = cpu_seconds(speeds, source, blocks * block_bytes)
     return share_cpu(linked, [work] * clients, min(cores, clients))
 
+
+
+def machine_bound(predicted_s: Sequence[float], cpu_per_load_s: float | None,
+                  cores: int) -> list[float]:
+    """``predicted_s``, each no less than the time ``cores`` take to supply every load's
+    ``cpu_per_load_s`` (the machine's busy CPU-seconds per load, measured alone); unchanged
+    where that was not measured."""
+    if cores < 1:
+        raise ValueError(f"cores {cores} < 1")
+    if cpu_per_load_s is None:
+        return list(predicted_s)
+    floor = len(predicted_s) * cpu_per_load_s / cores
+    return [max(t, floor) for t in predicted_s]

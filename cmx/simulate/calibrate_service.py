@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from cmx.bench.proc_cpu import machine_busy_s
 from cmx.config import ServiceConfig
 from cmx.layout import KVLayout
 from cmx.stats import transport_of
@@ -53,12 +54,18 @@ class ServiceLoads:
     baselines: dict[str, list[Any]] = field(default_factory=dict)  # source -> speeds, per rep
     notes: list[str] = field(default_factory=list)
     round_trip_s: list[float] = field(default_factory=list)  # bare Ray actor calls, node a
+    # source -> clients -> per repetition, the machine's busy CPU-seconds per load while the
+    # loads ran (every process: the clients, the agents, Ray)
+    cpu: dict[str, dict[int, list[float]]] = field(default_factory=dict)
 
     def add_tiny(self, source: str, n: int, seconds: float) -> None:
         self.tiny.setdefault(source, {}).setdefault(n, []).append(seconds)
 
     def add_large(self, source: str, seconds: list[float]) -> None:
         self.large.setdefault(source, {}).setdefault(len(seconds), []).append(list(seconds))
+
+    def add_cpu(self, source: str, clients: int, busy_s: float) -> None:
+        self.cpu.setdefault(source, {}).setdefault(clients, []).append(busy_s / clients)
 
     def add_baseline(self, sources: tuple[str, ...], speeds: Any) -> None:
         for source in sources:
@@ -212,11 +219,16 @@ def _memory(directory: Path, reps: int, blocks: int, clients: tuple[int, ...],
                 seeds = list(range(seed + 1, seed + 1 + c))
                 seed += c
                 checks = [check for _, _, check in stored]
+                busy = machine_busy_s()[0]
                 far = ray.get(loader.load.remote(layout, seeds, n, checks)) if peer else []
+                busy_far, busy = machine_busy_s()[0] - busy, machine_busy_s()[0]
                 near = _timed_loads(stored, n) if local else []
-                for source, times in (("dram@peer", far), ("dram", near)):
+                busy_near = machine_busy_s()[0] - busy
+                for source, times, cpu in (("dram@peer", far, busy_far),
+                                           ("dram", near, busy_near)):
                     if times and layout is LARGE:
                         out.add_large(source, times)
+                        out.add_cpu(source, c, cpu)
                     elif times:
                         out.add_tiny(source, n, times[0])
                 for ns, _, _ in stored:  # bounded memory: the arenas hold one cell
@@ -255,9 +267,11 @@ def _disk(directory: Path, reps: int, blocks: int, clients: tuple[int, ...],
             if rep:
                 out.add_baseline(("nvme",), baseline())
             for layout, n, prefixes in stored:
+                busy = machine_busy_s()[0]
                 times = _timed_loads(prefixes, n)
                 if rep and layout is LARGE:
                     out.add_large("nvme", times)
+                    out.add_cpu("nvme", len(prefixes), machine_busy_s()[0] - busy)
                 elif rep:
                     out.add_tiny("nvme", n, times[0])
 

@@ -53,3 +53,8 @@ def test_a_small_calibration_judges_each_cell_by_the_medians_of_its_loads(
     assert set(result["control"]) == set(SOURCES)
     assert {k: len(v) for k, v in result["raw"]["large_s"].items()} == {
         s: len(CLIENTS) for s in SOURCES}
+    # The machine's CPU per load, per source and number of clients, every repetition.
+    cpu = result["raw"]["cpu_per_load_s"]
+    assert {s: sorted(int(c) for c in v) for s, v in cpu.items()} == {
+        s: sorted(CLIENTS) for s in SOURCES}
+    assert all(len(v) == REPS and min(v) > 0 for per in cpu.values() for v in per.values())

@@ -53,3 +53,16 @@ def test_peer_loads_queue_on_the_network_link() -> None:
                                  cores=4))
     work = cpu_seconds(SPEEDS, "dram@peer", blocks * block)
     assert times == pytest.approx([0.01 + k * nic_s + work for k in (1, 2, 3, 4)])
+
+
+def test_loads_together_end_no_sooner_than_the_cores_supply_their_cpu() -> None:
+    from cmx.simulate.calibrate_predict import machine_bound
+
+    # 16 loads of 0.1 CPU-s each on 2 cores: none ends before 0.8 s.
+    assert machine_bound([0.3] * 16, 0.1, 2) == [0.8] * 16
+    # One load alone: its own prediction, unless the cores could not give its CPU sooner.
+    assert machine_bound([0.3], 0.1, 2) == [0.3]
+    assert machine_bound([0.03], 0.1, 2) == [0.05]
+    assert machine_bound([0.3, 0.9], None, 2) == [0.3, 0.9]  # not measured: unchanged
+    with pytest.raises(ValueError):
+        machine_bound([0.3], 0.1, 0)

@@ -47,11 +47,12 @@ def process_table(proc: Path = Path("/proc")) -> dict[int, _Proc]:
 
 
 def machine_busy_s(proc: Path = Path("/proc")) -> tuple[float, float]:
-    """(busy, total) CPU-seconds of every core since boot; idle and iowait are not busy."""
+    """(busy, total) CPU-seconds of every core since boot. Idle, iowait and steal (time the
+    hypervisor gave another guest) are not busy; guest time is already counted in user."""
     fields = [int(f) for f in (proc / "stat").read_text().splitlines()[0].split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    total = sum(fields[:8])  # guest time is already counted in user
-    return (total - idle) / _TICK, total / _TICK
+    fields += [0] * (8 - len(fields))
+    total = sum(fields[:8])
+    return (total - fields[3] - fields[4] - fields[7]) / _TICK, total / _TICK
 
 
 @dataclass(frozen=True)
@@ -137,14 +138,12 @@ class CpuMeter:
         group_of = {pid: REST for pid in _tree([os.getpid()], children)}
         for name, pids in roots.items():
             group_of.update(dict.fromkeys(_tree(pids, children), name))
+        if first:  # every process, so that one added to a group later counts from now
+            self._first.update({(pid, p.start): p.cpu_s for pid, p in table.items()})
         for pid, group in group_of.items():
             p = table.get(pid)
-            if p is None:
-                continue
-            key = (pid, p.start)
-            if first:
-                self._first[key] = p.cpu_s
-            self._last[key] = (group, p.cpu_s)
+            if p is not None:
+                self._last[(pid, p.start)] = (group, p.cpu_s)
 
 
 def _tree(roots: Iterable[int], children: dict[int, list[int]]) -> set[int]:

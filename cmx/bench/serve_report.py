@@ -91,7 +91,8 @@ def _cpu_table(got: dict[str, dict[tuple[str, float], ServeRun]],
     return Table(
         "CPU-seconds per completed request while the clients ran: the two servers' process "
         "trees (API server, engine core, the connector in it), the rest of the bench's "
-        "processes (the Ray cluster and the service's actors; vLLM alone has none), the "
+        "processes (the Ray cluster and the service's actors; for vLLM alone only the bench "
+        "process and this meter), the "
         "clients, and the whole machine; and prompt tokens per request by source "
         "(vLLM's vllm:prompt_tokens_by_source)",
         ("setup", "dataset", "rate (req/s)", "servers", "Ray and service", "clients",

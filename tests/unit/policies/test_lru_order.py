@@ -31,3 +31,30 @@ def test_a_caller_may_evict_and_touch_while_it_reads() -> None:
     assert got == keys[1:180] + keys[181:] + [keys[180]]
     lru.check_integrity()
     assert list(lru.victims(lambda k: True)) == [keys[0]]
+
+
+def test_victims_under_random_evictions_and_touches_keep_their_promises() -> None:
+    import random
+
+    for seed in range(20):
+        rng = random.Random(seed)
+        lru = LRUPolicy()
+        keys = _keys(rng.randrange(1, 600))
+        for k in keys:
+            lru.insert(k, None)
+        pinned = frozenset(rng.sample(keys, len(keys) // 3))
+        offered: list[bytes] = []
+        for k in lru.victims(lambda k, p=pinned: k not in p):
+            assert k not in pinned and k in lru
+            offered.append(k)
+            roll = rng.random()
+            if roll < 0.5:
+                lru.remove(k)  # evicted
+            elif roll < 0.7:
+                touched = rng.choice(keys)
+                if touched in lru:
+                    lru.touch(touched)
+        assert len(offered) == len(set(offered))  # never twice
+        # Every key still resident and evictable was offered.
+        assert {k for k in keys if k in lru and k not in pinned} <= set(offered)
+        lru.check_integrity()

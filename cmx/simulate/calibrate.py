@@ -15,7 +15,9 @@
    repetition, predicts the same N loads (``calibrate_predict``): N load jobs through the
    ``Mover``, agent lanes and links of a two-node cluster with the measured speeds, then their
    CPU work on ``min(cores, N)`` threads; no load ends before the cores could supply N times
-   the machine's CPU-seconds of one load alone (measured in step 2 with one client). Each
+   one load's own CPU-seconds (measured in step 2 with one client: the machine's busy
+   CPU-seconds over the load, less what it keeps busy with no load running; its copy out at
+   the speed of ``min(cores, N)`` threads copying at once). Each
    cell (source, N) compares the median of every load measured with the median of every load
    predicted; the goal: within 25%.
 """
@@ -50,11 +52,18 @@ class MachineSpeeds:
     """Bytes/s of this machine's moves, each the median of a few runs."""
 
     copy: float  # copy_bytes between two faulted-in buffers: the agent's arena-to-arena copy
-    copy_out: float  # a block's payload into its slice of the client's output tensor
+    copy_out: float  # the client's checked copy of blocks into a new tensor, on a thread
     odirect_read: float  # O_DIRECT, 4 MiB reads, 8 in flight, page cache bypassed
     checksum: float  # XXH3-64 over a buffer
     nixl: float  # NIXL UCX reads between two processes; ``copy`` where NIXL cannot run
     nixl_note: str  # how ``nixl`` was measured
+    # ``copy_out`` of each thread while every core runs one (they share the memory's
+    # bandwidth and the kernel's page faults); ``copy_out`` where not measured
+    copy_out_shared: float | None = None
+
+    def copy_out_at(self, threads: int) -> float:
+        """The copy out's speed per thread with ``threads`` copying at once."""
+        return self.copy_out if threads < 2 or not self.copy_out_shared else self.copy_out_shared
 
 
 @dataclass(frozen=True)
@@ -147,23 +156,34 @@ def _median_rate(nbytes: int, fn: Callable[[], object], reps: int = 3) -> float:
     return nbytes / statistics.median(times)
 
 
-def _copy_out_rate(block_bytes: int, blocks: int) -> float:
-    import torch
-
+def _copy_out_rate(block_bytes: int, blocks: int, threads: int = 1) -> float:
+    """The client's copy out (``cmx.client.copy_out.copy_payloads``: each block copied into
+    its place in a new tensor, checked as it is copied), on a thread of its own, as every
+    load of the calibration runs. The tensor is new each time, as a load makes it: its pages
+    fault in as the blocks land, and that is part of the cost (a thread's large allocation
+    gets fresh pages; the calling thread's can reuse the heap's, and then runs at several
+    times the speed: a load's speed that depends on what ran before it in the process).
+    With ``threads`` > 1, that many copy at once, each its own tensor: each one's speed."""
+    from cmx.checksum import checksum
+    from cmx.client.copy_out import copy_payloads, empty_kv
+    from cmx.keys import BlockHash
     from cmx.simulate.hardware import LLAMA3_8B
 
     layout = LLAMA3_8B.layout(block_bytes // LLAMA3_8B.kv_bytes_per_token)
     payload = np.random.default_rng(0).integers(0, 256, layout.block_bytes, dtype=np.uint8)
-    T = layout.block_tokens
+    payloads = [(BlockHash(b"calibration"), payload, int(checksum(payload)))] * blocks
 
-    def run() -> None:
-        # A new tensor each time, as the client makes for each load: its pages fault in
-        # as the blocks land, and that is part of the cost.
-        out = torch.empty(layout.shape(blocks * T), dtype=layout.torch_dtype())
-        for i in range(blocks):
-            out[:, :, :, i * T:(i + 1) * T].copy_(layout.from_payload(payload))
+    def copy_out() -> None:
+        out = empty_kv(layout, blocks * layout.block_tokens)
+        if copy_payloads(layout, payloads, out, 0) != blocks:
+            raise AssertionError("a block failed its checksum in the copy-out measurement")
 
-    return _median_rate(blocks * layout.block_bytes, run)
+    def together() -> None:
+        for done in [pool.submit(copy_out) for _ in range(threads)]:
+            done.result()
+
+    with ThreadPoolExecutor(threads) as pool:  # threads reused: as a load's client threads
+        return _median_rate(blocks * layout.block_bytes, together)
 
 
 def _odirect_read_rate(directory: Path, nbytes: int, io: int = 4 * MiB, depth: int = 8) -> float:
@@ -209,15 +229,18 @@ def measure_machine(directory: Path, nbytes: int = 256 * MiB, block_bytes: int =
 
     copy, checksum = _memory_rates(nbytes)
     copy_out = _copy_out_rate(block_bytes, nbytes // block_bytes)
+    cores = os.cpu_count() or 1
+    shared = _copy_out_rate(block_bytes, nbytes // block_bytes, cores) if cores > 1 else None
     odirect = _odirect_read_rate(directory, nbytes)
     rate, note = nixl or nixl_read_rate(nbytes)
     if rate is None:
         rate = copy
-    return MachineSpeeds(copy, copy_out, odirect, checksum, rate, note)
+    return MachineSpeeds(copy, copy_out, odirect, checksum, rate, note, shared)
 
 
 def _describe(s: MachineSpeeds) -> str:
-    return (f"copy {s.copy / GB:.2f}, copy-out {s.copy_out / GB:.2f}, O_DIRECT read "
+    return (f"copy {s.copy / GB:.2f}, copy-out {s.copy_out / GB:.2f} "
+            f"({s.copy_out_at(2) / GB:.2f} a thread on every core), O_DIRECT read "
             f"{s.odirect_read / GB:.2f}, XXH3 {s.checksum / GB:.2f}, NIXL {s.nixl / GB:.2f} GB/s")
 
 
@@ -250,8 +273,10 @@ def _median_speeds(all_speeds: list[MachineSpeeds]) -> MachineSpeeds:
     def mid(name: str) -> float:
         return float(statistics.median(getattr(s, name) for s in all_speeds))
 
+    shared = [s.copy_out_shared for s in all_speeds if s.copy_out_shared]
     return MachineSpeeds(mid("copy"), mid("copy_out"), mid("odirect_read"), mid("checksum"),
-                         mid("nixl"), all_speeds[0].nixl_note)
+                         mid("nixl"), all_speeds[0].nixl_note,
+                         float(statistics.median(shared)) if shared else None)
 
 
 def _in_round_trips(control: dict[str, ControlCosts], round_trips: list[float]) -> list[str]:
@@ -268,6 +293,19 @@ def _slot_s(source: str, speeds: MachineSpeeds) -> float:
     from cmx.simulate.calibrate_service import BLOCK_BYTES
 
     return BLOCK_BYTES / speeds.nixl if source.endswith("@peer") else 0.0
+
+
+def _own_cpu(loads: Any, source: str, rep: int, nbytes: int, threads: int) -> float | None:
+    """One load's own CPU-seconds, measured alone in repetition ``rep``, with its copy out at
+    the speed of ``threads`` threads copying at once."""
+    from cmx.simulate.calibrate_predict import cpu_seconds
+
+    alone = loads.load_cpu_alone(source, rep)
+    if alone is None:
+        return None
+    speeds = loads.baselines[source][rep]
+    return alone + (cpu_seconds(speeds, source, nbytes, threads)
+                    - cpu_seconds(speeds, source, nbytes, 1))
 
 
 def run_calibration(log: Callable[[str], None] = print, reps: int = 3, blocks: int = 6,
@@ -301,23 +339,31 @@ def run_calibration(log: Callable[[str], None] = print, reps: int = 3, blocks: i
         control[s] = ControlCosts(statistics.median(c.fixed_s for c in costs),
                                   statistics.median(c.per_block_s for c in costs))
         for n in clients:
-            alone = loads.cpu.get(s, {}).get(1, [])
             predicted = [t for rep in range(reps)
                          for t in machine_bound(
                              predict_loads(loads.baselines[s][rep], costs[rep], s, blocks,
                                            BLOCK_BYTES, n, cores),
-                             alone[rep] if rep < len(alone) else None, cores)]
+                             _own_cpu(loads, s, rep, blocks * BLOCK_BYTES, min(cores, n)),
+                             cores)]
             measured = [t for each in loads.large[s][n] for t in each]
             rows.append(Row(s, n, blocks, blocks * BLOCK_BYTES, tuple(measured),
                             tuple(predicted)))
     speeds = _median_speeds([b for v in loads.baselines.values() for b in v])
+    own = {src: [c for rep in range(reps) if (c := loads.load_cpu_alone(src, rep)) is not None]
+           for src in sources}
+    own = {src: v for src, v in own.items() if v}
     cpu = "; ".join(f"{src} " + ", ".join(f"{n} clients {statistics.median(v):.3f}"
                                           for n, v in sorted(per.items()))
                     for src, per in loads.cpu.items())
     notes = (f"load average {os.getloadavg()[0]:.1f} at the end, on {cores} cores",
              *loads.notes, *_in_round_trips(control, loads.round_trip_s),
-             f"the machine's busy CPU-seconds per load (median over repetitions): {cpu}")
+             f"the machine's busy CPU-seconds per load (median over repetitions): {cpu}",
+             "its busy cores with no load running: " + ", ".join(
+                 f"{src} {statistics.median(v):.2f}" for src, v in loads.idle.items()),
+             "one load's own CPU-seconds alone (less those): " + ", ".join(
+                 f"{src} {statistics.median(own[src]):.3f}" for src in own))
     raw = {"tiny_s": loads.tiny, "large_s": loads.large, "cpu_per_load_s": loads.cpu,
+           "idle_busy_cores": loads.idle, "load_cpu_alone_s": own,
            "speeds": {k: [asdict(b) for b in v] for k, v in loads.baselines.items()}}
     return CalibrationResult(speeds, control, tuple(rows), notes, raw)
 

@@ -35,8 +35,11 @@ def render(result: CalibrationResult) -> str:
         "",
         "| move | GB/s |",
         "| --- | --- |",
-        f"| copy between arenas (`copy_bytes`) | {s.copy / GB:.2f} |",
-        f"| a block into the client's tensor | {s.copy_out / GB:.2f} |",
+        f"| copy between arenas (`copy_bytes`; NIXL's stand-in where NIXL cannot run) | "
+        f"{s.copy / GB:.2f} |",
+        f"| blocks into a new tensor, each checked as copied (`copy_payloads`, on a thread) | "
+        f"{s.copy_out / GB:.2f} |",
+        f"| the same, each thread's, with a thread on every core | {s.copy_out_at(2) / GB:.2f} |",
         f"| O_DIRECT read, 4 MiB x 8 in flight | {s.odirect_read / GB:.2f} |",
         f"| XXH3 checksum | {s.checksum / GB:.2f} |",
         f"| NIXL read between processes ({s.nixl_note}) | {s.nixl / GB:.2f} |",

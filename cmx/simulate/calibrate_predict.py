@@ -1,18 +1,20 @@
 """The calibration's prediction: N loads at once, through the simulator, on a few cores.
 
-The links (the arena copy's stand-in for HBM, the drive, the NIC) are the simulator's: a
-two-node cluster whose tiers have the measured speeds runs N load jobs, submitted together on
-one node, through the same ``Mover``, agent lanes and links as every simulation. The moves
-that are a CPU thread's work on a host without a GPU (the arena-to-arena copy of a DRAM load,
-each block's copy into the client's tensor, the agent's and the client's XXH3 checksums) run
-after a job's links, on a CPU shared by every load in flight: ``min(cores, N)`` threads, each at
-the single-thread speeds measured, shared equally among the loads that have CPU work left
-(processor sharing, as the kernel shares cores among threads).
+The links (the drive, the NIC) are the simulator's: a two-node cluster whose tiers have the
+measured speeds runs N load jobs, submitted together on one node, through the same ``Mover``,
+agent lanes and links as every simulation. The moves that are a CPU thread's work on a host
+without a GPU (each block's checked copy into the client's fresh tensor, the agent's XXH3
+checksum of what it read) run after a job's links, on a CPU shared by every load in flight:
+``min(cores, N)`` threads, shared equally among the loads that have CPU work left (processor
+sharing, as the kernel shares cores among threads), each at the speed measured with that many
+threads copying out at once (they share the memory's bandwidth).
 
 Those moves are not all the CPU a load takes: the control path (Ray calls, actor hops, the
-directory) runs on the same cores. So the machine's busy CPU-seconds per load, measured with
-one client, bound the rest (``machine_bound``): N loads started together end no earlier than
-the cores could have given them N times that.
+directory) runs on the same cores. So one load's own CPU-seconds, measured with one client
+(the machine's busy CPU-seconds over the load, less what the machine keeps busy with no load
+running: Ray, transfer threads that poll, neighbours, all of which yield to work), bound the
+rest (``machine_bound``): N loads started together end no earlier than the cores could have
+given them N times that.
 """
 
 from __future__ import annotations
@@ -30,13 +32,14 @@ __all__ = ["cpu_seconds", "machine_bound", "predict_loads", "share_cpu"]
 UNBOUNDED = 1e18  # bytes/s of a link whose move is counted as CPU work instead
 
 
-def cpu_seconds(speeds: MachineSpeeds, source: str, nbytes: int) -> float:
-    """One thread's seconds of CPU work in a load of ``nbytes`` from ``source``: a DRAM
-    load's copy between arenas; the copy into the client's tensor; the client's checksum of
-    every block and the agent's of NVMe and peer reads."""
-    checksums = 1 if source == "dram" else 2
-    copy = nbytes / speeds.copy if source == "dram" else 0.0
-    return copy + nbytes / speeds.copy_out + checksums * nbytes / speeds.checksum
+def cpu_seconds(speeds: MachineSpeeds, source: str, nbytes: int, threads: int = 1) -> float:
+    """One thread's seconds of CPU work in a load of ``nbytes`` from ``source``, with
+    ``threads`` threads at work at once: the client's copy into its tensor, each block
+    checked as it is copied (``cmx.client.copy_out``); for NVMe and peer reads, the agent's
+    checksum of every block as it lands. A DRAM block is read where it lies, in the tier's
+    shared-memory arena: no copy between arenas."""
+    checksums = 0 if source == "dram" else 1
+    return nbytes / speeds.copy_out_at(threads) + checksums * nbytes / speeds.checksum
 
 
 def share_cpu(ready_s: Sequence[float], work_s: Sequence[float], threads: int) -> list[float]:
@@ -116,16 +119,17 @@ def predict_loads(speeds: MachineSpeeds, control: ControlCosts, source: str, blo
     while not all(job.finished for job in jobs):
         sim.now, _, handler, arg = heapq.heappop(sim._events)
         handler(arg)
-    work = cpu_seconds(speeds, source, blocks * block_bytes)
-    return share_cpu(linked, [work] * clients, min(cores, clients))
+    threads = min(cores, clients)
+    work = cpu_seconds(speeds, source, blocks * block_bytes, threads)
+    return share_cpu(linked, [work] * clients, threads)
 
 
 
 def machine_bound(predicted_s: Sequence[float], cpu_per_load_s: float | None,
                   cores: int) -> list[float]:
     """``predicted_s``, each no less than the time ``cores`` take to supply every load's
-    ``cpu_per_load_s`` (the machine's busy CPU-seconds per load, measured alone); unchanged
-    where that was not measured."""
+    ``cpu_per_load_s`` (one load's own CPU-seconds, measured alone); unchanged where that was
+    not measured."""
     if cores < 1:
         raise ValueError(f"cores {cores} < 1")
     if cpu_per_load_s is None:

@@ -14,7 +14,11 @@ second load of the same prefix would measure HBM. Prefixes of one and of eight t
 (4 KiB each, in 16 MiB slots) are loaded alone: their time is the control path. The large
 prefixes are loaded by 1, 4, 16 (``clients``) client threads at once, each its own prefix,
 started together at a barrier (threads of the driver on node a; threads of one actor on node
-b for the peer loads); every load's wall time is kept.
+b for the peer loads); one client loads ``ALONE`` prefixes, one after another. Every load runs
+on a thread of its own, never the caller's: a thread's new tensor gets fresh pages, where the
+calling thread's can reuse its heap's and copy several times faster, which would make a
+load's speed depend on what ran before it. Every load's wall time is kept, and the
+machine's busy CPU-seconds over the loads of each cell, measured on the loads' own side.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ LARGE = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16",
 TINY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", block_tokens=16)
 BLOCK_BYTES = LARGE.block_bytes  # 16 MiB: two clusters' arenas must fit a shared machine
 TINY_SIZES = (1, 8)
+TINY_LOADS = 3  # tiny loads of each size, one after another, per repetition: the median kept
+ALONE = 3  # loads of one client, one after another, per repetition
 # A control call that takes longer is a miss; a machine shared with other work can take that
 # long, and a miss would end the calibration.
 CALL_TIMEOUT_S = 60.0
@@ -57,19 +63,44 @@ class ServiceLoads:
     # source -> clients -> per repetition, the machine's busy CPU-seconds per load while the
     # loads ran (every process: the clients, the agents, Ray)
     cpu: dict[str, dict[int, list[float]]] = field(default_factory=dict)
+    # source -> per repetition, the cores the machine keeps busy with the cluster up and no
+    # load running (Ray, the agents' transfer threads polling, the neighbours)
+    idle: dict[str, list[float]] = field(default_factory=dict)
 
-    def add_tiny(self, source: str, n: int, seconds: float) -> None:
-        self.tiny.setdefault(source, {}).setdefault(n, []).append(seconds)
+    def add_tiny(self, source: str, n: int, seconds: list[float]) -> None:
+        """A repetition's tiny loads of ``n`` blocks: their median."""
+        self.tiny.setdefault(source, {}).setdefault(n, []).append(float(np.median(seconds)))
 
-    def add_large(self, source: str, seconds: list[float]) -> None:
-        self.large.setdefault(source, {}).setdefault(len(seconds), []).append(list(seconds))
-
-    def add_cpu(self, source: str, clients: int, busy_s: float) -> None:
-        self.cpu.setdefault(source, {}).setdefault(clients, []).append(busy_s / clients)
+    def add_large(self, source: str, clients: int, seconds: list[float], busy_s: float) -> None:
+        """One repetition's cell: every load's seconds, and the machine's busy CPU-seconds
+        over them."""
+        self.large.setdefault(source, {}).setdefault(clients, []).append(list(seconds))
+        self.cpu.setdefault(source, {}).setdefault(clients, []).append(busy_s / len(seconds))
 
     def add_baseline(self, sources: tuple[str, ...], speeds: Any) -> None:
+        """A repetition's machine speeds, and the machine's busy cores with no load running,
+        measured right after them."""
+        busy = _idle_busy()
         for source in sources:
             self.baselines.setdefault(source, []).append(speeds)
+            self.idle.setdefault(source, []).append(busy)
+
+    def load_cpu_alone(self, source: str, rep: int) -> float | None:
+        """The machine's busy CPU-seconds of one load alone in repetition ``rep``, less what it
+        keeps busy without a load over the load's time: the load's own CPU."""
+        cpu = self.cpu.get(source, {}).get(1, [])
+        if rep >= len(cpu):
+            return None
+        seconds = float(np.mean(self.large[source][1][rep]))
+        idle = self.idle[source][rep] if rep < len(self.idle.get(source, [])) else 0.0
+        return max(0.0, cpu[rep] - idle * seconds)
+
+
+def _idle_busy(seconds: float = 1.0) -> float:
+    """Cores the machine keeps busy over ``seconds`` with nothing asked of the service."""
+    before = machine_busy_s()[0]
+    time.sleep(seconds)
+    return (machine_busy_s()[0] - before) / seconds
 
 
 def _tokens(layout: KVLayout, blocks: int, seed: int) -> np.ndarray:
@@ -77,8 +108,8 @@ def _tokens(layout: KVLayout, blocks: int, seed: int) -> np.ndarray:
 
 
 def _store(cm: Any, layout: KVLayout, blocks: int, seed: int) -> tuple[Any, np.ndarray, Any]:
-    """Store a prefix of ``blocks`` blocks on the client's node; returns (ns, tokens, kv of
-    its first and last block) for checking what comes back."""
+    """Store a prefix of ``blocks`` blocks on the client's node; returns (ns, tokens, the
+    checksums of its first and last block) for checking what comes back."""
     ns = cm.namespace("calibration", layout, f"s{seed}")
     toks = _tokens(layout, blocks, seed)
     T = layout.block_tokens
@@ -87,22 +118,35 @@ def _store(cm: Any, layout: KVLayout, blocks: int, seed: int) -> tuple[Any, np.n
         n = min(4, blocks - start)
         kv = layout.random_kv(n * T, seed=seed * 1000 + start)
         ns.store(toks[: (start + n) * T], kv, start=start * T).wait()
-        first = kv[:, :, :, :T].clone() if start == 0 else first
-        last = kv[:, :, :, -T:].clone()
+        first = _block_sum(kv[:, :, :, :T]) if start == 0 else first
+        last = _block_sum(kv[:, :, :, -T:])
     return ns, toks, (first, last)
 
 
-def _timed_load(ns: Any, toks: np.ndarray, blocks: int, check: Any) -> float:
+def _block_sum(kv: Any) -> int:
+    """The checksum of one block's KV: what a loader compares, in place of the block (a few
+    bytes through Ray's object store, where the blocks would be 32 MiB a prefix)."""
+    from cmx.checksum import checksum
+    from cmx.client.copy_out import kv_array
+
+    return int(checksum(kv_array(kv.contiguous()).reshape(-1).view(np.uint8)))
+
+
+def _timed_load(ns: Any, toks: np.ndarray, blocks: int, check: Any) -> tuple[float, float]:
+    """A load's wall time, and the machine's busy CPU-seconds over it (the check of what came
+    back and the tensor's release are outside both)."""
+    busy = machine_busy_s()[0]
     t0 = time.perf_counter()
     kv = ns.load(toks)
     seconds = time.perf_counter() - t0
+    busy = machine_busy_s()[0] - busy
     T = ns.layout.block_tokens
     if kv.shape[3] != blocks * T:
         raise AssertionError(f"loaded {kv.shape[3] // T} of {blocks} blocks")
     first, last = check
-    if not (kv[:, :, :, :T].equal(first) and kv[:, :, :, -T:].equal(last)):
+    if (_block_sum(kv[:, :, :, :T]), _block_sum(kv[:, :, :, -T:])) != (first, last):
         raise AssertionError("a loaded block differs from the one stored")
-    return seconds
+    return seconds, busy
 
 
 def _wait_tier(ns: Any, toks: np.ndarray, blocks: int, tier: str, timeout_s: float = 120) -> None:
@@ -115,20 +159,26 @@ def _wait_tier(ns: Any, toks: np.ndarray, blocks: int, tier: str, timeout_s: flo
     raise TimeoutError(f"the prefix did not settle in {tier} within {timeout_s} s")
 
 
-def _timed_loads(loads: list[tuple[Any, np.ndarray, Any]], blocks: int) -> list[float]:
-    """Each of ``loads`` (ns, tokens, check) on a thread of its own, all started at once:
-    every load's wall time."""
-    if len(loads) == 1:
-        ns, toks, check = loads[0]
-        return [_timed_load(ns, toks, blocks, check)]
-    start = threading.Barrier(len(loads))
+def _timed_loads(loads: list[tuple[Any, np.ndarray, Any]], blocks: int,
+                 together: bool = True) -> tuple[list[float], float]:
+    """Each of ``loads`` (ns, tokens, check) on a thread of its own, all started at once (or,
+    ``together=False``, one after another on one thread): every load's wall time, and the
+    machine's busy CPU-seconds over the loads (from the first one's start to the last one's
+    end; one after another, the sum over each load)."""
+    threads = len(loads) if together else 1
+    start = threading.Barrier(threads)
 
-    def one(load: tuple[Any, np.ndarray, Any]) -> float:
-        start.wait()
+    def one(load: tuple[Any, np.ndarray, Any]) -> tuple[float, float]:
+        if together:
+            start.wait()
         return _timed_load(load[0], load[1], blocks, load[2])
 
-    with ThreadPoolExecutor(len(loads)) as pool:
-        return list(pool.map(one, loads))
+    with ThreadPoolExecutor(threads) as pool:
+        busy = machine_busy_s()[0]
+        timed = list(pool.map(one, loads))
+        busy = machine_busy_s()[0] - busy
+    times = [seconds for seconds, _ in timed]
+    return times, busy if together else sum(each for _, each in timed)
 
 
 def _loader_class() -> Any:
@@ -143,12 +193,12 @@ def _loader_class() -> Any:
 
             self.cm = ContextMemory.connect(config=config)
 
-        def load(self, layout: KVLayout, seeds: list[int], blocks: int,
-                 checks: list[Any]) -> list[float]:
-            """The prefixes stored under ``seeds``, one client thread each, all at once."""
+        def load(self, layout: KVLayout, seeds: list[int], blocks: int, checks: list[Any],
+                 together: bool) -> tuple[list[float], float]:
+            """The prefixes stored under ``seeds``, as ``_timed_loads`` loads them."""
             loads = [(self.cm.namespace("calibration", layout, f"s{seed}"),
                       _tokens(layout, blocks, seed), check) for seed, check in zip(seeds, checks)]
-            return _timed_loads(loads, blocks)
+            return _timed_loads(loads, blocks, together)
 
     return Loader
 
@@ -177,9 +227,28 @@ def _round_trips(node: str, n: int = 100) -> list[float]:
     return times
 
 
-def _slots(clients: tuple[int, ...], blocks: int) -> int:
-    """Slots one repetition stores: the tiny prefixes and each cell's prefixes."""
-    return sum(TINY_SIZES) + sum(clients) * blocks
+def _prefixes(clients: int) -> int:
+    """Prefixes a cell of ``clients`` loads: its own each, or ``ALONE`` for one client."""
+    return ALONE if clients == 1 else clients
+
+
+def _most(blocks: int, clients: tuple[int, ...]) -> int:
+    """Slots the widest cell stores, with room to spare."""
+    widest = max(max(_prefixes(c) for c in clients) * blocks, TINY_LOADS * max(TINY_SIZES))
+    return widest + sum(TINY_SIZES)
+
+
+def _cells(blocks: int, clients: tuple[int, ...]) -> list[tuple[KVLayout, int, int]]:
+    """One repetition's cells, (layout, blocks per prefix, clients): the tiny loads alone,
+    then each number of clients."""
+    return [(TINY, n, 1) for n in TINY_SIZES] + [(LARGE, blocks, c) for c in clients]
+
+
+def _stored(bc: Any, layout: KVLayout, blocks: int, clients: int,
+            seed: int) -> list[tuple[Any, np.ndarray, Any]]:
+    """A cell's prefixes, each stored under a seed from ``seed + 1`` on."""
+    count = _prefixes(clients) if layout is LARGE else TINY_LOADS
+    return [_store(bc.cm, layout, blocks, seed + 1 + i) for i in range(count)]
 
 
 def _memory(directory: Path, reps: int, blocks: int, clients: tuple[int, ...],
@@ -192,45 +261,43 @@ def _memory(directory: Path, reps: int, blocks: int, clients: tuple[int, ...],
     peer, local = "dram@peer" in sources, "dram" in sources
     # DRAM holds every prefix of a cell (each cell's are dropped after its loads): nothing is
     # evicted by a store, so no disk traffic here.
-    config = ServiceConfig(block_bytes=BLOCK_BYTES,
-                           hbm_bytes=(max(clients) * blocks + sum(TINY_SIZES) + 2) * BLOCK_BYTES,
-                           dram_bytes=(max(clients) * blocks + sum(TINY_SIZES) + 4) * BLOCK_BYTES,
+    widest, most = max(_prefixes(c) for c in clients), _most(blocks, clients)
+    config = ServiceConfig(block_bytes=BLOCK_BYTES, hbm_bytes=(most + 2) * BLOCK_BYTES,
+                           dram_bytes=(most + 4) * BLOCK_BYTES,
                            nvme_bytes=4 * BLOCK_BYTES, nvme_dir=str(directory),
                            load_timeout_s=300, call_timeout_s=CALL_TIMEOUT_S)
     with bench_cluster(config) as bc:
         loader = _loader_class().options(scheduling_strategy=on_node(bc.node_b)).remote(
             bc.config)
         seed = 100
-        # Untimed: NIXL connects, code warms, and so do the threads of the most clients.
-        warm = [_store(bc.cm, TINY, 1, seed + i) for i in range(max(clients))]
-        ray.get(loader.load.remote(TINY, list(range(seed, seed + len(warm))), 1,
-                                   [check for _, _, check in warm]))
-        _timed_loads(warm, 1)
-        for ns, _, _ in warm:
-            bc.cm.drop_namespace(ns.namespace)
-        seed += len(warm)
+        # Untimed: NIXL connects, code warms, and so do the threads of the most clients and
+        # every slot of the arenas a cell uses (each process maps a page at its first touch).
+        for layout, n in ((TINY, 1), (LARGE, blocks)):
+            warm = [_store(bc.cm, layout, n, seed + i) for i in range(widest)]
+            ray.get(loader.load.remote(layout, list(range(seed, seed + len(warm))), n,
+                                       [check for _, _, check in warm], True))
+            _timed_loads(warm, n)
+            for ns, _, _ in warm:
+                bc.cm.drop_namespace(ns.namespace)
+            seed += len(warm)
         out.round_trip_s = _round_trips(bc.node_a)
         for rep in range(reps):
             log(f"calibration: memory, repetition {rep + 1}/{reps}")
             out.add_baseline(tuple(s for s in ("dram", "dram@peer") if s in sources), baseline())
-            cells = [(TINY, n, 1) for n in TINY_SIZES] + [(LARGE, blocks, c) for c in clients]
-            for layout, n, c in cells:
-                stored = [_store(bc.cm, layout, n, seed + 1 + i) for i in range(c)]
-                seeds = list(range(seed + 1, seed + 1 + c))
-                seed += c
+            for layout, n, c in _cells(blocks, clients):
+                stored = _stored(bc, layout, n, c, seed)
+                seeds = list(range(seed + 1, seed + 1 + len(stored)))
+                seed += len(stored)
                 checks = [check for _, _, check in stored]
-                busy = machine_busy_s()[0]
-                far = ray.get(loader.load.remote(layout, seeds, n, checks)) if peer else []
-                busy_far, busy = machine_busy_s()[0] - busy, machine_busy_s()[0]
-                near = _timed_loads(stored, n) if local else []
-                busy_near = machine_busy_s()[0] - busy
-                for source, times, cpu in (("dram@peer", far, busy_far),
-                                           ("dram", near, busy_near)):
-                    if times and layout is LARGE:
-                        out.add_large(source, times)
-                        out.add_cpu(source, c, cpu)
-                    elif times:
-                        out.add_tiny(source, n, times[0])
+                together = c > 1
+                far = ray.get(loader.load.remote(layout, seeds, n, checks, together)) \
+                    if peer else None
+                near = _timed_loads(stored, n, together) if local else None
+                for source, timed in (("dram@peer", far), ("dram", near)):
+                    if timed is not None and layout is LARGE:
+                        out.add_large(source, c, *timed)
+                    elif timed is not None:
+                        out.add_tiny(source, n, timed[0])
                 for ns, _, _ in stored:  # bounded memory: the arenas hold one cell
                     bc.cm.drop_namespace(ns.namespace)
         via = transport_of(bc.cm.stats(), bc.node_b)
@@ -241,9 +308,9 @@ def _disk(directory: Path, reps: int, blocks: int, clients: tuple[int, ...],
           out: ServiceLoads, log: Callable[[str], None], baseline: Callable[[], Any]) -> None:
     from cmx.bench.cluster import bench_cluster
 
-    per_rep = _slots(clients, blocks) + 4
-    config = ServiceConfig(block_bytes=BLOCK_BYTES,
-                           hbm_bytes=(max(clients) * blocks + sum(TINY_SIZES) + 2) * BLOCK_BYTES,
+    per_rep = TINY_LOADS * sum(TINY_SIZES) + sum(_prefixes(c) for c in clients) * blocks + 4
+    most = _most(blocks, clients)
+    config = ServiceConfig(block_bytes=BLOCK_BYTES, hbm_bytes=(most + 2) * BLOCK_BYTES,
                            dram_bytes=4 * BLOCK_BYTES, placement="write_back",
                            nvme_bytes=(reps + 1) * per_rep * BLOCK_BYTES + 64 * BLOCK_BYTES,
                            nvme_dir=str(directory), load_timeout_s=300,
@@ -252,28 +319,25 @@ def _disk(directory: Path, reps: int, blocks: int, clients: tuple[int, ...],
         seed = 500
         for rep in range(reps + 1):  # the first is a warm-up, of one client
             log(f"calibration: disk, repetition {rep}/{reps}" + (" (warm-up)" if not rep else ""))
-            cells = [(TINY, n, 1) for n in TINY_SIZES]
-            cells += [(LARGE, blocks, c) for c in (clients if rep else clients[:1])]
+            cells = _cells(blocks, clients if rep else clients[:1])
             stored = []
             for layout, n, c in cells:
-                stored.append((layout, n, [_store(bc.cm, layout, n, seed + 1 + i)
-                                           for i in range(c)]))
-                seed += c
+                prefixes = _stored(bc, layout, n, c, seed)
+                stored.append((layout, n, c, prefixes))
+                seed += len(prefixes)
             seed += 1
             _store(bc.cm, TINY, 4, seed)  # four more: the DRAM's four slots turn over
-            for _, n, prefixes in stored:
+            for _, n, _, prefixes in stored:
                 for ns, toks, _ in prefixes:
                     _wait_tier(ns, toks, n, "nvme")
             if rep:
                 out.add_baseline(("nvme",), baseline())
-            for layout, n, prefixes in stored:
-                busy = machine_busy_s()[0]
-                times = _timed_loads(prefixes, n)
+            for layout, n, c, prefixes in stored:
+                timed = _timed_loads(prefixes, n, together=c > 1)
                 if rep and layout is LARGE:
-                    out.add_large("nvme", times)
-                    out.add_cpu("nvme", len(prefixes), machine_busy_s()[0] - busy)
+                    out.add_large("nvme", c, *timed)
                 elif rep:
-                    out.add_tiny("nvme", n, times[0])
+                    out.add_tiny("nvme", n, timed[0])
 
 
 def measure_service(directory: Path, reps: int, blocks: int, clients: tuple[int, ...],

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from cmx.simulate.calibrate_service import _prefixes
+
 pytestmark = pytest.mark.multinode
 
 REPS, BLOCKS, CLIENTS, SOURCES = 2, 2, (1, 4), ("dram", "dram@peer")
@@ -40,8 +42,10 @@ def test_a_small_calibration_judges_each_cell_by_the_medians_of_its_loads(
     assert [(r["source"], r["clients"]) for r in rows] == [
         (s, c) for s in SOURCES for c in CLIENTS]
     for r in rows:
-        # Every load of every repetition, on both sides.
-        assert len(r["measured_s"]) == len(r["predicted_s"]) == REPS * r["clients"]
+        # Every load of every repetition, on both sides: one client loads several prefixes,
+        # one after another, each predicted alike.
+        assert len(r["measured_s"]) == REPS * _prefixes(r["clients"])
+        assert len(r["predicted_s"]) == REPS * r["clients"]
         assert all(t > 0 for t in r["measured_s"] + r["predicted_s"])
         measured = statistics.median(r["measured_s"])
         predicted = statistics.median(r["predicted_s"])

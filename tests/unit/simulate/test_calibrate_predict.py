@@ -66,3 +66,18 @@ def test_loads_together_end_no_sooner_than_the_cores_supply_their_cpu() -> None:
     assert machine_bound([0.3, 0.9], None, 2) == [0.3, 0.9]  # not measured: unchanged
     with pytest.raises(ValueError):
         machine_bound([0.3], 0.1, 0)
+
+
+def test_loads_on_every_core_copy_out_at_the_speed_measured_so() -> None:
+    from dataclasses import replace
+
+    blocks, block = 4, 16 * MiB
+    shared = replace(SPEEDS, copy_out_shared=SPEEDS.copy_out / 2)
+    control = COSTS.fixed_s + blocks * COSTS.per_block_s
+    alone = predict_loads(shared, COSTS, "dram", blocks, block, clients=1, cores=2)
+    assert alone == pytest.approx([control + blocks * block / SPEEDS.copy_out])
+    # Two threads copying at once, each at half the speed of one alone.
+    two = predict_loads(shared, COSTS, "dram", blocks, block, clients=2, cores=2)
+    assert two == pytest.approx([control + 2 * blocks * block / SPEEDS.copy_out] * 2)
+    assert cpu_seconds(shared, "nvme", blocks * block, threads=2) == pytest.approx(
+        blocks * block / shared.copy_out_shared + blocks * block / SPEEDS.checksum)

@@ -1,0 +1,78 @@
+"""How the calibration times the service's loads, with a stand-in namespace (the loads
+themselves need a cluster; ``tests/integration/test_calibrate_small.py`` runs them)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from cmx.simulate.calibrate_service import TINY, _block_sum, _prefixes, _timed_loads
+
+
+class _Namespace:
+    """Loads a fixed tensor, recording the thread and the interval of each load."""
+
+    layout = TINY
+
+    def __init__(self, seen: list[tuple[int, float, float]]) -> None:
+        self.kv = TINY.random_kv(2 * TINY.block_tokens, seed=1)
+        self.seen = seen
+
+    def load(self, tokens: Any) -> Any:
+        start = time.monotonic()
+        time.sleep(0.02)
+        self.seen.append((threading.get_ident(), start, time.monotonic()))
+        return self.kv
+
+
+def _loads(count: int, seen: list[tuple[int, float, float]]) -> list[Any]:
+    T = TINY.block_tokens
+    out = []
+    for _ in range(count):
+        ns = _Namespace(seen)
+        out.append((ns, None, (_block_sum(ns.kv[:, :, :, :T]), _block_sum(ns.kv[:, :, :, -T:]))))
+    return out
+
+
+def test_every_load_runs_on_a_thread_other_than_the_callers() -> None:
+    # The calling thread's new tensors can reuse its heap's pages; a load there would copy
+    # several times faster than on the client threads of the other cells.
+    for count, together in ((1, True), (3, False)):
+        seen: list[tuple[int, float, float]] = []
+        times, busy = _timed_loads(_loads(count, seen), 2, together)
+        assert len(times) == count and busy >= 0.0
+        assert threading.get_ident() not in {thread for thread, _, _ in seen}
+
+
+def test_one_client_loads_one_after_another_and_clients_at_once() -> None:
+    seen: list[tuple[int, float, float]] = []
+    _timed_loads(_loads(3, seen), 2, together=False)
+    spans = sorted((start, end) for _, start, end in seen)
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))
+    seen.clear()
+    _timed_loads(_loads(3, seen), 2, together=True)
+    assert len({thread for thread, _, _ in seen}) == 3
+    assert max(start for _, start, _ in seen) < min(end for _, _, end in seen)
+
+
+def test_one_client_loads_several_prefixes_and_n_clients_one_each() -> None:
+    assert _prefixes(1) >= 3 and _prefixes(4) == 4 and _prefixes(16) == 16
+
+
+def test_a_loads_own_cpu_is_the_machines_less_what_it_keeps_busy_idle() -> None:
+    from cmx.simulate.calibrate_service import ServiceLoads
+
+    loads = ServiceLoads()
+    loads.idle["dram"] = [0.5, 0.0]
+    loads.add_large("dram", 1, [0.1, 0.1, 0.1], busy_s=0.3)  # 0.1 CPU-s a load, 0.05 idle
+    loads.add_large("dram", 1, [0.2, 0.2, 0.2], busy_s=0.3)  # nothing kept busy idle
+    loads.add_large("dram", 4, [0.3] * 4, busy_s=1.0)
+    assert loads.load_cpu_alone("dram", 0) == pytest.approx(0.1 - 0.5 * 0.1)
+    assert loads.load_cpu_alone("dram", 1) == pytest.approx(0.1)
+    assert loads.load_cpu_alone("dram", 2) is None  # no such repetition
+    assert loads.load_cpu_alone("nvme", 0) is None
+    loads.idle["dram"][0] = 5.0  # never below nothing
+    assert loads.load_cpu_alone("dram", 0) == 0.0

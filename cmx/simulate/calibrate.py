@@ -14,11 +14,11 @@
 3. The simulator, given only (1) and the control costs of the tiny loads of the same
    repetition, predicts the same N loads (``calibrate_predict``): N load jobs through the
    ``Mover``, agent lanes and links of a two-node cluster with the measured speeds, then their
-   CPU work on ``min(cores, N)`` threads; no load ends before the cores could supply N times
-   one load's own CPU-seconds (measured in step 2 with one client: the machine's busy
-   CPU-seconds over the load, less what it keeps busy with no load running; its copy out at
-   the speed of ``min(cores, N)`` threads copying at once). Each
-   cell (source, N) compares the median of every load measured with the median of every load
+   CPU work on ``min(cores, N)`` threads; for N > 1, no load ends before the cores could
+   supply N times one load's own CPU-seconds (measured in step 2 with one client: the
+   machine's busy CPU-seconds over the load, less what it keeps busy with no load running;
+   its copy out at the speed of ``min(cores, N)`` threads copying at once). Each cell
+   (source, N) compares the median of every load measured with the median of every load
    predicted; the goal: within 25%.
 """
 
@@ -343,8 +343,9 @@ def run_calibration(log: Callable[[str], None] = print, reps: int = 3, blocks: i
                          for t in machine_bound(
                              predict_loads(loads.baselines[s][rep], costs[rep], s, blocks,
                                            BLOCK_BYTES, n, cores),
-                             _own_cpu(loads, s, rep, blocks * BLOCK_BYTES, min(cores, n)),
-                             cores)]
+                             # one client's own cell is predicted without its CPU
+                             _own_cpu(loads, s, rep, blocks * BLOCK_BYTES, min(cores, n))
+                             if n > 1 else None, cores)]
             measured = [t for each in loads.large[s][n] for t in each]
             rows.append(Row(s, n, blocks, blocks * BLOCK_BYTES, tuple(measured),
                             tuple(predicted)))

@@ -39,6 +39,13 @@ def simulate_command(
     strategy: Annotated[
         list[str] | None, typer.Option(help="Strategies to run (default: cmx and lmcache-like).")
     ] = None,
+    without: Annotated[
+        str,
+        typer.Option(
+            help="Parts turned off in every strategy run, comma-separated: peers, pool, "
+            "prefetch, admission, gating (an ablation; the results are named so).",
+        ),
+    ] = "",
     seed: Annotated[int, typer.Option(help="Seed of the trace and of every random choice.")] = 0,
     out: Annotated[Path, typer.Option(help="Directory for the JSON and the plot.")] = Path(
         "sim-out"
@@ -88,9 +95,11 @@ def simulate_command(
     if calibrate:
         _calibrate(out, docs, _client_counts(clients))
         return
+    parts = _parts(without)
     if capacity:
         _capacity(
             name,
+            parts=parts,
             nodes=nodes,
             duration=duration,
             model=model,
@@ -123,9 +132,10 @@ def simulate_command(
     workers = min(len(names), os.cpu_count() or 1)
     if workers > 1:
         with ProcessPoolExecutor(workers) as pool:
-            results = list(pool.map(_run_strategy, [config] * len(names), names))
+            results = list(pool.map(_run_strategy, [config] * len(names), names,
+                                    [parts] * len(names)))
     else:
-        results = [_run_strategy(config, s) for s in names]
+        results = [_run_strategy(config, s, parts) for s in names]
     title = f"cmx simulate {name}: {config.model.name}, {c.gpus:,} GPUs"
     print_results(console, results, title)
     json_path = out / f"simulate-{name}.json"
@@ -138,13 +148,27 @@ def simulate_command(
     )
 
 
-def _run_strategy(config: Any, name: str) -> Any:
-    """One strategy's whole run of ``config`` (in a worker process of its own)."""
+def _run_strategy(config: Any, name: str, parts: tuple[str, ...] = ()) -> Any:
+    """One strategy's whole run of ``config``, ``parts`` of it turned off (in a worker process
+    of its own)."""
     from cmx.simulate.engine import Simulator
     from cmx.simulate.scenarios import with_strategy
-    from cmx.simulate.strategy import STRATEGIES
+    from cmx.simulate.strategy import STRATEGIES, without
 
-    return Simulator(with_strategy(config, STRATEGIES[name])).run()
+    return Simulator(with_strategy(config, without(STRATEGIES[name], parts))).run()
+
+
+def _parts(text: str) -> tuple[str, ...]:
+    """``--without``'s parts; exit 2 for one not known."""
+    from cmx.simulate.strategy import ABLATIONS
+
+    parts = tuple(p.strip() for p in text.split(",") if p.strip())
+    unknown = sorted(set(parts) - set(ABLATIONS))
+    if unknown:
+        console.print(f"[red]error:[/] --without: unknown parts {unknown}; known: "
+                      f"{sorted(ABLATIONS)}")
+        raise typer.Exit(code=2)
+    return parts
 
 
 def _strategies(names: list[str] | None) -> list[str]:
@@ -161,6 +185,7 @@ def _strategies(names: list[str] | None) -> list[str]:
 def _capacity(
     name: str,
     *,
+    parts: tuple[str, ...],
     nodes: int | None,
     duration: float | None,
     model: str,
@@ -175,12 +200,13 @@ def _capacity(
 
     from cmx.simulate.capacity import find_capacity, scenario_builder
     from cmx.simulate.report import capacity_seed_table, capacity_table, write_capacity_json
-    from cmx.simulate.strategy import STRATEGIES
+    from cmx.simulate.strategy import STRATEGIES, without
 
     names = _strategies(strategy)
     duration = duration or 600.0  # scale's hour, times every search step, is not bounded
     builds = [
-        scenario_builder(name, STRATEGIES[s], nodes=nodes, duration_s=duration, model=model)
+        scenario_builder(name, without(STRATEGIES[s], parts), nodes=nodes, duration_s=duration,
+                         model=model)
         for s in names
     ]
     try:

@@ -19,6 +19,7 @@ of ``cmx.policies``) and the shape of the data path. Two are built in:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -81,3 +82,24 @@ LMCACHE_LIKE = Strategy(
     gating=False, pool=False)
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (CMX, LMCACHE_LIKE)}
+
+# What ``cmx simulate --without`` turns off, each one part of a strategy.
+ABLATIONS: dict[str, dict[str, Any]] = {
+    "peers": {"peers": False},  # only this node's copies load; other nodes' and the pool's don't
+    "pool": {"pool": False},  # admitted blocks are not copied to the pool
+    "prefetch": {"prefetch": False},  # a prefix moves when its request is scheduled
+    "admission": {"admission": "always"},  # every block is admitted to NVMe at once
+    "gating": {"gating": False},  # every hit loads, even where recompute would be faster
+}
+
+
+def without(strategy: Strategy, parts: Sequence[str]) -> Strategy:
+    """``strategy`` with each of ``parts`` (names in ``ABLATIONS``) turned off, and named so;
+    unchanged for no parts. ValueError for a part not known."""
+    unknown = sorted(set(parts) - set(ABLATIONS))
+    if unknown:
+        raise ValueError(f"unknown parts {unknown}; known: {sorted(ABLATIONS)}")
+    if not parts:
+        return strategy
+    changes = {k: v for part in parts for k, v in ABLATIONS[part].items()}
+    return strategy.with_(name=f"{strategy.name} without {','.join(parts)}", **changes)

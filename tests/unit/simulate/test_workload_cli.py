@@ -107,3 +107,33 @@ def test_calibration_refuses_client_counts_that_are_not_positive_numbers(clients
     result = CliRunner().invoke(app, ["simulate", "--calibrate", "--clients", clients])
     assert result.exit_code == 2
     assert "--clients takes positive whole numbers" in result.output
+
+
+def test_an_ablation_turns_its_parts_off_and_is_named_so() -> None:
+    from cmx.simulate.strategy import CMX, without
+
+    assert without(CMX, ()) is CMX
+    off = without(CMX, ("peers", "pool", "prefetch", "admission", "gating"))
+    assert off.name == "cmx without peers,pool,prefetch,admission,gating"
+    assert (off.peers, off.pool, off.prefetch, off.gating) == (False, False, False, False)
+    assert off.admission == "always" and CMX.peers and CMX.pool and CMX.prefetch
+    with pytest.raises(ValueError, match="unknown parts"):
+        without(CMX, ("peers", "nope"))
+
+
+def test_the_command_runs_an_ablation_and_refuses_unknown_parts(tmp_path: Path) -> None:
+    args = ["simulate", "seed", "--nodes", "2", "--duration", "60", "--strategy", "cmx",
+            "--out", str(tmp_path)]
+    whole = CliRunner().invoke(app, args)
+    assert whole.exit_code == 0, whole.output
+    full = json.loads((tmp_path / "simulate-seed.json").read_text())["results"][0]
+    result = CliRunner().invoke(app, [*args, "--without", "peers,pool"])
+    assert result.exit_code == 0, result.output
+    (run,) = json.loads((tmp_path / "simulate-seed.json").read_text())["results"]
+    assert run["strategy"] == "cmx without peers,pool"
+    assert run["completed"] == run["requests"] > 0
+    # Nothing crosses the network without peers or the pool; the whole strategy's run does.
+    assert run["network_bytes"] == run["pooled_bytes"] == 0
+    assert full["network_bytes"] > 0
+    bad = CliRunner().invoke(app, [*args, "--without", "peers,nope"])
+    assert bad.exit_code == 2 and "unknown parts" in bad.output

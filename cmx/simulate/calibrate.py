@@ -1,10 +1,11 @@
 """``cmx simulate --calibrate``: does the simulator predict the service on this machine?
 
 1. This machine's tier speeds, measured without the service at the start of each repetition
-   (the machine is shared; its speeds drift): the agent's copy between arenas
-   (``cmx.buffers.copy_bytes``), the client's copy of a block into its output tensor, O_DIRECT
-   reads of a file in the NVMe directory (4 MiB, 8 in flight), XXH3 checksums (each on one
-   thread), and NIXL (UCX) between two processes (``calibrate_nixl``).
+   (the machine is shared; its speeds drift): the client's checked copy of blocks into a new
+   tensor (``cmx.client.copy_out.copy_payloads``, on a thread; and each thread's speed with a
+   thread on every core), O_DIRECT reads of a file in the NVMe directory (4 MiB, 8 in
+   flight), XXH3 checksums, the agent's copy between arenas (``cmx.buffers.copy_bytes``,
+   NIXL's stand-in), and NIXL (UCX) between two processes (``calibrate_nixl``).
 2. The service's own load times through the public client API (``ContextMemory`` and
    ``NamespaceClient.load``) on an embedded two-node Ray cluster (``calibrate_service``):
    prefixes in this node's DRAM, in this node's NVMe and in the other node's DRAM, loaded by
@@ -230,7 +231,9 @@ def measure_machine(directory: Path, nbytes: int = 256 * MiB, block_bytes: int =
     copy, checksum = _memory_rates(nbytes)
     copy_out = _copy_out_rate(block_bytes, nbytes // block_bytes)
     cores = os.cpu_count() or 1
-    shared = _copy_out_rate(block_bytes, nbytes // block_bytes, cores) if cores > 1 else None
+    threads = min(cores, 16)  # bounded memory: each thread its own tensor
+    shared = _copy_out_rate(block_bytes, max(2, nbytes // block_bytes // threads),
+                            threads) if cores > 1 else None
     odirect = _odirect_read_rate(directory, nbytes)
     rate, note = nixl or nixl_read_rate(nbytes)
     if rate is None:
@@ -332,20 +335,23 @@ def run_calibration(log: Callable[[str], None] = print, reps: int = 3, blocks: i
 
     loads = measure_service(directory, reps=reps, blocks=blocks, clients=clients,
                             sources=sources, log=log, baseline=baseline)
-    rows, control = [], {}
+    rows, control, bound = [], {}, []
     for s in sources:
         costs = [_control(loads.tiny[s], rep, _slot_s(s, loads.baselines[s][rep]))
                  for rep in range(reps)]
         control[s] = ControlCosts(statistics.median(c.fixed_s for c in costs),
                                   statistics.median(c.per_block_s for c in costs))
         for n in clients:
+            simulated = [predict_loads(loads.baselines[s][rep], costs[rep], s, blocks,
+                                       BLOCK_BYTES, n, cores) for rep in range(reps)]
+            # One client's own cell is predicted without its CPU.
             predicted = [t for rep in range(reps)
                          for t in machine_bound(
-                             predict_loads(loads.baselines[s][rep], costs[rep], s, blocks,
-                                           BLOCK_BYTES, n, cores),
-                             # one client's own cell is predicted without its CPU
+                             simulated[rep],
                              _own_cpu(loads, s, rep, blocks * BLOCK_BYTES, min(cores, n))
                              if n > 1 else None, cores)]
+            raised = sum(p > t for p, t in zip(predicted, (t for v in simulated for t in v)))
+            bound.append(f"{s} {n} clients {raised} of {len(predicted)}")
             measured = [t for each in loads.large[s][n] for t in each]
             rows.append(Row(s, n, blocks, blocks * BLOCK_BYTES, tuple(measured),
                             tuple(predicted)))
@@ -362,7 +368,9 @@ def run_calibration(log: Callable[[str], None] = print, reps: int = 3, blocks: i
              "its busy cores with no load running: " + ", ".join(
                  f"{src} {statistics.median(v):.2f}" for src, v in loads.idle.items()),
              "one load's own CPU-seconds alone (less those): " + ", ".join(
-                 f"{src} {statistics.median(own[src]):.3f}" for src in own))
+                 f"{src} {statistics.median(own[src]):.3f}" for src in own),
+             "predictions the CPU bound set, not the simulated links and lanes: "
+             + ", ".join(bound))
     raw = {"tiny_s": loads.tiny, "large_s": loads.large, "cpu_per_load_s": loads.cpu,
            "idle_busy_cores": loads.idle, "load_cpu_alone_s": own,
            "speeds": {k: [asdict(b) for b in v] for k, v in loads.baselines.items()}}

@@ -52,7 +52,8 @@ def render(result: CalibrationResult) -> str:
         *(f"| {k} | {v.fixed_s * 1e3:.2f} | {v.per_block_s * 1e3:.2f} |"
           for k, v in result.control.items()),
         "",
-        f"The service's loads (`NamespaceClient.load`), N clients at once, against the "
+        f"The service's loads (`NamespaceClient.load`), N clients at once (one client: "
+        f"loads one after another), against the "
         f"simulator's prediction of the same N loads (goal: within {GOAL:.0%}): the median of "
         "every load of every repetition on both sides:",
         "",

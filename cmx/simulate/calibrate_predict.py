@@ -6,8 +6,9 @@ agent lanes and links as every simulation. The moves that are a CPU thread's wor
 without a GPU (each block's checked copy into the client's fresh tensor, the agent's XXH3
 checksum of what it read) run after a job's links, on a CPU shared by every load in flight:
 ``min(cores, N)`` threads, shared equally among the loads that have CPU work left (processor
-sharing, as the kernel shares cores among threads), each at the speed measured with that many
-threads copying out at once (they share the memory's bandwidth).
+sharing, as the kernel shares cores among threads), each at the speed measured alone, or,
+when more than one runs, at the speed of each with a thread on every core copying out at
+once (they share the memory's bandwidth).
 
 Those moves are not all the CPU a load takes: the control path (Ray calls, actor hops, the
 directory) runs on the same cores. So one load's own CPU-seconds, measured with one client

@@ -15,7 +15,7 @@ second load of the same prefix would measure HBM. Prefixes of one and of eight t
 prefixes are loaded by 1, 4, 16 (``clients``) client threads at once, each its own prefix,
 started together at a barrier (threads of the driver on node a; threads of one actor on node
 b for the peer loads); one client loads ``ALONE`` prefixes, one after another. Every load runs
-on a thread of its own, never the caller's: a thread's new tensor gets fresh pages, where the
+on a client thread, never the caller's: a thread's new tensor gets fresh pages, where the
 calling thread's can reuse its heap's and copy several times faster, which would make a
 load's speed depend on what ran before it. Every load's wall time is kept, and the
 machine's busy CPU-seconds over the loads of each cell, measured on the loads' own side.
@@ -166,7 +166,7 @@ def _timed_loads(loads: list[tuple[Any, np.ndarray, Any]], blocks: int,
     machine's busy CPU-seconds over the loads (from the first one's start to the last one's
     end; one after another, the sum over each load)."""
     threads = len(loads) if together else 1
-    start = threading.Barrier(threads)
+    start = threading.Barrier(threads, timeout=CALL_TIMEOUT_S)
 
     def one(load: tuple[Any, np.ndarray, Any]) -> tuple[float, float]:
         if together:
@@ -317,9 +317,11 @@ def _disk(directory: Path, reps: int, blocks: int, clients: tuple[int, ...],
                            call_timeout_s=CALL_TIMEOUT_S)
     with bench_cluster(config) as bc:
         seed = 500
-        for rep in range(reps + 1):  # the first is a warm-up, of one client
+        # The first repetition is a warm-up, untimed, of the most clients: every slot of the
+        # HBM arena a cell uses is touched once.
+        for rep in range(reps + 1):
             log(f"calibration: disk, repetition {rep}/{reps}" + (" (warm-up)" if not rep else ""))
-            cells = _cells(blocks, clients if rep else clients[:1])
+            cells = _cells(blocks, clients if rep else (max(clients),))
             stored = []
             for layout, n, c in cells:
                 prefixes = _stored(bc, layout, n, c, seed)
@@ -338,6 +340,8 @@ def _disk(directory: Path, reps: int, blocks: int, clients: tuple[int, ...],
                     out.add_large("nvme", c, *timed)
                 elif rep:
                     out.add_tiny("nvme", n, timed[0])
+                for ns, _, _ in prefixes:  # the loads' copies leave HBM: the next cell's
+                    bc.cm.drop_namespace(ns.namespace)  # loads find room, nothing demoted
 
 
 def measure_service(directory: Path, reps: int, blocks: int, clients: tuple[int, ...],

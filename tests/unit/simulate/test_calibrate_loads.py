@@ -3,6 +3,7 @@ themselves need a cluster; ``tests/integration/test_calibrate_small.py`` runs th
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -43,7 +44,7 @@ def test_every_load_runs_on_a_thread_other_than_the_callers() -> None:
     for count, together in ((1, True), (3, False)):
         seen: list[tuple[int, float, float]] = []
         times, busy = _timed_loads(_loads(count, seen), 2, together)
-        assert len(times) == count and busy >= 0.0
+        assert len(times) == count
         assert threading.get_ident() not in {thread for thread, _, _ in seen}
 
 
@@ -55,11 +56,17 @@ def test_one_client_loads_one_after_another_and_clients_at_once() -> None:
     seen.clear()
     _timed_loads(_loads(3, seen), 2, together=True)
     assert len({thread for thread, _, _ in seen}) == 3
-    assert max(start for _, start, _ in seen) < min(end for _, _, end in seen)
 
 
-def test_one_client_loads_several_prefixes_and_n_clients_one_each() -> None:
+def test_the_arenas_hold_the_widest_cell() -> None:
+    from cmx.simulate.calibrate_service import TINY_LOADS, TINY_SIZES, _cells, _most
+
     assert _prefixes(1) >= 3 and _prefixes(4) == 4 and _prefixes(16) == 16
+    for blocks, clients in ((6, (1, 4, 16)), (2, (1, 4)), (1, (1,))):
+        cells = _cells(blocks, clients)
+        widest = max(n * (_prefixes(c) if n == blocks else TINY_LOADS) for _, n, c in cells)
+        assert _most(blocks, clients) >= widest
+        assert [n for _, n, _ in cells[:len(TINY_SIZES)]] == list(TINY_SIZES)
 
 
 def test_a_loads_own_cpu_is_the_machines_less_what_it_keeps_busy_idle() -> None:
@@ -76,3 +83,29 @@ def test_a_loads_own_cpu_is_the_machines_less_what_it_keeps_busy_idle() -> None:
     assert loads.load_cpu_alone("nvme", 0) is None
     loads.idle["dram"][0] = 5.0  # never below nothing
     assert loads.load_cpu_alone("dram", 0) == 0.0
+
+
+def test_only_cells_of_several_clients_are_bounded_by_one_loads_cpu(monkeypatch: Any) -> None:
+    """One client's cell is predicted without its own measured CPU; the others are bounded by
+    it (an absurd CPU per load makes the difference plain)."""
+    import cmx.simulate.calibrate_service as service
+    from cmx.simulate.calibrate import MachineSpeeds, run_calibration
+    from cmx.simulate.calibrate_service import ServiceLoads
+
+    speeds = MachineSpeeds(copy=4e9, copy_out=2e9, odirect_read=1e9, checksum=8e9, nixl=3e9,
+                           nixl_note="test")
+
+    def fake(*args: Any, **kwargs: Any) -> ServiceLoads:
+        loads = ServiceLoads()
+        loads.tiny["dram"] = {1: [0.002], 8: [0.003]}
+        loads.baselines["dram"] = [speeds]
+        loads.idle["dram"] = [0.0]
+        loads.add_large("dram", 1, [0.1, 0.1, 0.1], busy_s=30.0)  # 10 CPU-s a load
+        loads.add_large("dram", 4, [0.2] * 4, busy_s=1.0)
+        return loads
+
+    monkeypatch.setattr(service, "measure_service", fake)
+    result = run_calibration(log=lambda m: None, reps=1, clients=(1, 4), sources=("dram",))
+    alone, four = result.rows
+    assert alone.predicted < 1.0  # not 10 CPU-s over 2 cores
+    assert min(four.predicted_s) >= 4 * 10.0 / (os.cpu_count() or 1) - 1e-9

@@ -77,13 +77,11 @@ class ServiceLoads:
         self.large.setdefault(source, {}).setdefault(clients, []).append(list(seconds))
         self.cpu.setdefault(source, {}).setdefault(clients, []).append(busy_s / len(seconds))
 
-    def add_baseline(self, sources: tuple[str, ...], speeds: Any) -> None:
-        """A repetition's machine speeds, and the machine's busy cores with no load running,
-        measured right after them."""
-        busy = _idle_busy()
+    def add_baseline(self, sources: tuple[str, ...], speeds: Any, idle: float) -> None:
+        """A repetition's machine speeds, and the machine's busy cores with no load running."""
         for source in sources:
             self.baselines.setdefault(source, []).append(speeds)
-            self.idle.setdefault(source, []).append(busy)
+            self.idle.setdefault(source, []).append(idle)
 
     def load_cpu_alone(self, source: str, rep: int) -> float | None:
         """The machine's busy CPU-seconds of one load alone in repetition ``rep``, less what it
@@ -127,9 +125,8 @@ def _block_sum(kv: Any) -> int:
     """The checksum of one block's KV: what a loader compares, in place of the block (a few
     bytes through Ray's object store, where the blocks would be 32 MiB a prefix)."""
     from cmx.checksum import checksum
-    from cmx.client.copy_out import kv_array
 
-    return int(checksum(kv_array(kv.contiguous()).reshape(-1).view(np.uint8)))
+    return int(checksum(kv.contiguous()))
 
 
 def _timed_load(ns: Any, toks: np.ndarray, blocks: int, check: Any) -> tuple[float, float]:
@@ -283,7 +280,8 @@ def _memory(directory: Path, reps: int, blocks: int, clients: tuple[int, ...],
         out.round_trip_s = _round_trips(bc.node_a)
         for rep in range(reps):
             log(f"calibration: memory, repetition {rep + 1}/{reps}")
-            out.add_baseline(tuple(s for s in ("dram", "dram@peer") if s in sources), baseline())
+            out.add_baseline(tuple(s for s in ("dram", "dram@peer") if s in sources), baseline(),
+                             _idle_busy())
             for layout, n, c in _cells(blocks, clients):
                 stored = _stored(bc, layout, n, c, seed)
                 seeds = list(range(seed + 1, seed + 1 + len(stored)))
@@ -333,7 +331,7 @@ def _disk(directory: Path, reps: int, blocks: int, clients: tuple[int, ...],
                 for ns, toks, _ in prefixes:
                     _wait_tier(ns, toks, n, "nvme")
             if rep:
-                out.add_baseline(("nvme",), baseline())
+                out.add_baseline(("nvme",), baseline(), _idle_busy())
             for layout, n, c, prefixes in stored:
                 timed = _timed_loads(prefixes, n, together=c > 1)
                 if rep and layout is LARGE:

@@ -160,14 +160,14 @@ def _run_strategy(config: Any, name: str, parts: tuple[str, ...] = ()) -> Any:
 
 def _parts(text: str) -> tuple[str, ...]:
     """``--without``'s parts; exit 2 for one not known."""
-    from cmx.simulate.strategy import ABLATIONS
+    from cmx.simulate.strategy import CMX, without
 
     parts = tuple(p.strip() for p in text.split(",") if p.strip())
-    unknown = sorted(set(parts) - set(ABLATIONS))
-    if unknown:
-        console.print(f"[red]error:[/] --without: unknown parts {unknown}; known: "
-                      f"{sorted(ABLATIONS)}")
-        raise typer.Exit(code=2)
+    try:
+        without(CMX, parts)
+    except ValueError as exc:
+        console.print(f"[red]error:[/] --without: {exc}")
+        raise typer.Exit(code=2) from exc
     return parts
 
 

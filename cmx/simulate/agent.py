@@ -20,7 +20,9 @@ one trace and finds the same starts and refusals).
   none (``staging_bytes`` 0): the service's moves copy straight into granted slots and take no
   staging bytes (its one ``staging`` call, a peer transfer's, holds 0).
 - No promotion: a prefetch stays a prefetch when its request is scheduled, as in the service,
-  where the request's load is a separate call at load priority (``engine.Simulator._start``).
+  where the request's load is a separate call at load priority: made when the prefetch
+  policy's deadline passes with the prefetch still queued, which it overtakes
+  (``engine.Simulator._late``; the overtaken job is ``cancelled`` and moves nothing).
 
 The engine drives it: ``submit``, then ``next_job`` until None (start each job returned),
 ``finish`` when a job's time is up, and an ``expire`` at every time ``alarms`` hands out.
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field
 from cmx.config import ServiceConfig
 from cmx.policies.queueing import SUBMIT_TIMEOUT_S, Hold, State, WorkQueues
 from cmx.protocol import Priority
+from cmx.simulate.cores import Cores
 
 __all__ = ["Agent", "Job", "Priority"]
 
@@ -43,16 +46,20 @@ _SERVICE = ServiceConfig()
 
 @dataclass(eq=False)
 class Job:
-    """Work for one lane. ``run(now)`` reserves the links and returns the end time;
-    ``done(now)`` and then each of ``waiters`` is called at that time; each of ``refused``
-    instead, if the agent refuses the job."""
+    """Work for one lane. ``run(now)`` reserves the links and returns when they are done;
+    then ``cpu_s`` seconds of one thread's work (which ``run`` may set) run on the ``cpu``
+    cores; ``done(now)`` and then each of ``waiters`` is called at the end; each of
+    ``refused`` instead, if the agent refuses the job. The job holds its lane throughout."""
 
     priority: Priority
     run: Callable[[float], float]
     done: Callable[[float], None]
+    cpu: Cores | None = None
+    cpu_s: float = 0.0
     staging_bytes: int = 0
     started: bool = False
     finished: bool = False
+    cancelled: bool = False  # its work was done another way: ``run`` moves nothing
     waiters: list[Callable[[float], None]] = field(default_factory=list)
     refused: list[Callable[[float], None]] = field(default_factory=list)
     hold: Hold[Job] | None = None

@@ -1,14 +1,13 @@
 """The calibration's prediction: N loads at once, through the simulator, on a few cores.
 
-The links (the drive, the NIC) are the simulator's: a two-node cluster whose tiers have the
-measured speeds runs N load jobs, submitted together on one node, through the same ``Mover``,
-agent lanes and links as every simulation. The moves that are a CPU thread's work on a host
-without a GPU (each block's checked copy into the client's fresh tensor, the agent's XXH3
-checksum of what it read) run after a job's links, on a CPU shared by every load in flight:
-``min(cores, N)`` threads, shared equally among the loads that have CPU work left (processor
-sharing, as the kernel shares cores among threads), each at the speed measured alone, or,
-when more than one runs, at the speed of each with a thread on every core copying out at
-once (they share the memory's bandwidth).
+A two-node cluster whose tiers have the measured speeds runs N load jobs, submitted together
+on one node, through the same ``Mover``, agent lanes, links and host cores as every
+simulation. The moves that are a CPU thread's work on a host without a GPU (each block's
+checked copy into the client's fresh tensor, the agent's XXH3 checksum of what it read) run
+after a job's links on the node's cores (``cores.Cores``: shared equally among the loads
+that have CPU work left, as the kernel shares cores among threads), each at the speed
+measured alone, or, when more than one runs, at the speed of each with a thread on every
+core copying out at once (they share the memory's bandwidth).
 
 Those moves are not all the CPU a load takes: the control path (Ray calls, actor hops, the
 directory) runs on the same cores. So one load's own CPU-seconds, measured with one client
@@ -20,6 +19,7 @@ given them N times that.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections.abc import Sequence
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from cmx.simulate.calibrate import ControlCosts, MachineSpeeds
 
-__all__ = ["cpu_seconds", "machine_bound", "predict_loads", "share_cpu"]
+__all__ = ["cpu_seconds", "machine_bound", "predict_loads"]
 
 UNBOUNDED = 1e18  # bytes/s of a link whose move is counted as CPU work instead
 
@@ -43,43 +43,11 @@ def cpu_seconds(speeds: MachineSpeeds, source: str, nbytes: int, threads: int = 
     return nbytes / speeds.copy_out_at(threads) + checksums * nbytes / speeds.checksum
 
 
-def share_cpu(ready_s: Sequence[float], work_s: Sequence[float], threads: int) -> list[float]:
-    """When each job's CPU work ends: job ``i`` is ready at ``ready_s[i]`` with ``work_s[i]``
-    seconds of one thread's work; the ``k`` jobs with work left each run at
-    ``min(1, threads / k)`` of a thread."""
-    if threads < 1 or len(ready_s) != len(work_s):
-        raise ValueError(f"threads {threads} < 1 or {len(ready_s)} ready != {len(work_s)} work")
-    order = sorted(range(len(ready_s)), key=lambda i: ready_s[i])
-    left = [float(w) for w in work_s]
-    end = [math.nan] * len(left)
-    active: list[int] = []
-    t, nxt = 0.0, 0
-    while nxt < len(order) or active:
-        if not active:
-            t = max(t, ready_s[order[nxt]])
-        while nxt < len(order) and ready_s[order[nxt]] <= t:
-            active.append(order[nxt])
-            nxt += 1
-        rate = min(1.0, threads / len(active))
-        first = min(active, key=lambda i: left[i])
-        finish = t + left[first] / rate
-        arrival = ready_s[order[nxt]] if nxt < len(order) else math.inf
-        stop = min(finish, arrival)
-        for i in active:
-            left[i] -= (stop - t) * rate
-        left[first] = 0.0 if finish <= arrival else left[first]
-        t = stop
-        for i in [i for i in active if left[i] <= 1e-12 * max(1.0, work_s[i])]:
-            end[i] = t
-            active.remove(i)
-    return end
-
-
 def predict_loads(speeds: MachineSpeeds, control: ControlCosts, source: str, blocks: int,
                   block_bytes: int, clients: int = 1, cores: int = 1) -> list[float]:
     """Seconds each of ``clients`` loads of ``blocks`` blocks from ``source`` takes, all
-    submitted at once on node a: its control cost per load and per block (one I/O per block),
-    its links, then its CPU work on ``min(cores, clients)`` threads."""
+    submitted at once on node a: its control cost per load and per block, its links, then
+    its CPU work on the node's ``cores``."""
     from cmx.simulate.agent import Priority
     from cmx.simulate.cluster import DRAM, NVME, ClusterSpec
     from cmx.simulate.engine import SimConfig, Simulator
@@ -88,15 +56,18 @@ def predict_loads(speeds: MachineSpeeds, control: ControlCosts, source: str, blo
     from cmx.simulate.workload import TenantSpec, WorkloadSpec
 
     big = 1 << 50
+    threads = min(cores, clients)
     node = NodeSpec(gpu=GpuSpec("host", big, UNBOUNDED, 1e12), gpus=1,
                     dram=TierSpec(big, UNBOUNDED, 0.0),
                     nvme=TierSpec(big, speeds.odirect_read, 0.0),
-                    dram_bus_bandwidth=UNBOUNDED, nvme_write_bandwidth=speeds.odirect_read)
+                    dram_bus_bandwidth=UNBOUNDED, nvme_write_bandwidth=speeds.odirect_read,
+                    host_cores=cores)
     tokens = block_bytes // LLAMA3_8B.kv_bytes_per_token
-    # No CPU work in the strategy: it is shared below, across the loads.
-    strategy = CMX.with_(control_s=control.fixed_s, per_io_cpu_s=control.per_block_s,
-                         io_bytes=block_bytes, io_depth=16, verify_bandwidth=None,
-                         consumer_verifies=False, copy_out_bandwidth=None)
+    # The control path is a wait on round trips, not this node's CPU: a latency per load.
+    strategy = CMX.with_(control_s=control.fixed_s + blocks * control.per_block_s,
+                         per_io_cpu_s=0.0, io_bytes=block_bytes, io_depth=16,
+                         verify_bandwidth=speeds.checksum, consumer_verifies=False,
+                         copy_out_bandwidth=speeds.copy_out_at(threads))
     workload = WorkloadSpec((TenantSpec("calibration", context_tokens=(tokens, tokens)),),
                             rate_per_s=1e-3, duration_s=1.0)
     config = SimConfig(workload, ClusterSpec(2, node, NetworkSpec(speeds.nixl, 0.0), 0),
@@ -104,7 +75,7 @@ def predict_loads(speeds: MachineSpeeds, control: ControlCosts, source: str, blo
     sim = Simulator(config)
     here, there = sim.cluster.nodes
     holder, tier = {"dram": (here, DRAM), "nvme": (here, NVME), "dram@peer": (there, DRAM)}[source]
-    linked: list[float] = []
+    ended = [math.nan] * clients
     jobs = []
     for c in range(clients):
         keys = [b"calibration-%d-%d" % (c, i) for i in range(blocks)]
@@ -112,7 +83,7 @@ def predict_loads(speeds: MachineSpeeds, control: ControlCosts, source: str, blo
             sim.cluster.add_copy(key, holder, tier, block_bytes)
         job = sim.mover.load_job(here.replicas[0], [holder.index * 4 + tier] * blocks, keys,
                                  Priority.LOAD)
-        job.waiters.append(linked.append)
+        job.waiters.append(functools.partial(ended.__setitem__, c))
         jobs.append(job)
     for job in jobs:
         sim.mover.submit(here.agent, job)
@@ -120,10 +91,7 @@ def predict_loads(speeds: MachineSpeeds, control: ControlCosts, source: str, blo
     while not all(job.finished for job in jobs):
         sim.now, _, handler, arg = heapq.heappop(sim._events)
         handler(arg)
-    threads = min(cores, clients)
-    work = cpu_seconds(speeds, source, blocks * block_bytes, threads)
-    return share_cpu(linked, [work] * clients, threads)
-
+    return ended
 
 
 def machine_bound(predicted_s: Sequence[float], cpu_per_load_s: float | None,

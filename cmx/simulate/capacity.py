@@ -127,6 +127,8 @@ def scenario_builder(
     nodes: int | None = None,
     duration_s: float | None = None,
     model: str | None = None,
+    host_cores: int | None = None,
+    routing: str = "least-loaded",
 ) -> Build:
     """The named scenario under ``strategy`` at any load and seed (``scenarios.scenario``)."""
 
@@ -139,6 +141,8 @@ def scenario_builder(
             load=load,
             model=model,
             seed=seed,
+            host_cores=host_cores,
+            routing=routing,
         )
 
     return build

@@ -36,8 +36,28 @@ def simulate_command(
         ),
     ] = 0.7,
     model: Annotated[str, typer.Option(help="llama-3-8b or llama-3-70b.")] = "llama-3-8b",
+    host_cores: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Cores of each node's host, shared by its engines' host work and every "
+            "move's CPU work (default 112: a DGX H100's).",
+        ),
+    ] = None,
+    routing: Annotated[
+        str,
+        typer.Option(
+            help="How a request finds its replica: least-loaded (the less loaded of two "
+            "drawn at random) or prefix (its prefix's home replica unless that one is 2 "
+            "requests busier).",
+        ),
+    ] = "least-loaded",
     strategy: Annotated[
-        list[str] | None, typer.Option(help="Strategies to run (default: cmx and lmcache-like).")
+        list[str] | None,
+        typer.Option(
+            help="Strategies to run: cmx, lmcache-like, lmcache-gds-like (default: cmx and "
+            "lmcache-like)."
+        ),
     ] = None,
     without: Annotated[
         str,
@@ -103,6 +123,8 @@ def simulate_command(
             nodes=nodes,
             duration=duration,
             model=model,
+            host_cores=host_cores,
+            routing=routing,
             strategy=strategy,
             seed=seed,
             out=out,
@@ -116,14 +138,16 @@ def simulate_command(
 
     names = _strategies(strategy)
     try:
-        config = scenario(name, nodes=nodes, duration_s=duration, load=load, model=model, seed=seed)
+        config = scenario(name, nodes=nodes, duration_s=duration, load=load, model=model,
+                          seed=seed, host_cores=host_cores, routing=routing)
     except ValueError as exc:
         console.print(f"[red]error:[/] {exc}")
         raise typer.Exit(code=2) from exc
     c = config.cluster
     console.print(
         f"scenario {name}: {config.model.name}, {c.nodes:,} nodes ({c.gpus:,} GPUs, "
-        f"{c.replicas:,} replicas of {c.node.gpus_per_replica} GPU), "
+        f"{c.replicas:,} replicas of {c.node.gpus_per_replica} GPU, {c.node.host_cores} host "
+        f"cores a node, {config.routing} routing), "
         f"{config.workload.duration_s:g} s of arrivals at "
         f"{config.workload.rate_per_s:.2f}/s"
     )
@@ -189,6 +213,8 @@ def _capacity(
     nodes: int | None,
     duration: float | None,
     model: str,
+    host_cores: int | None,
+    routing: str,
     strategy: list[str] | None,
     seed: int,
     out: Path,
@@ -206,7 +232,7 @@ def _capacity(
     duration = duration or 600.0  # scale's hour, times every search step, is not bounded
     builds = [
         scenario_builder(name, without(STRATEGIES[s], parts), nodes=nodes, duration_s=duration,
-                         model=model)
+                         model=model, host_cores=host_cores, routing=routing)
         for s in names
     ]
     try:

@@ -17,6 +17,7 @@ from cmx.policies import AdmissionPolicy, PlacementPolicy, make_admission, make_
 from cmx.policies.rendezvous import owners
 from cmx.simulate.agent import Agent
 from cmx.simulate.cache import TierCache
+from cmx.simulate.cores import Cores
 from cmx.simulate.hardware import NetworkSpec, NodeSpec, TierSpec
 from cmx.simulate.links import Resource
 from cmx.simulate.strategy import Strategy
@@ -119,6 +120,7 @@ class Node:
                                                               disk.bandwidth))
         self.nic_in = Resource(f"{self.name}.nic.in", net.bandwidth)
         self.nic_out = Resource(f"{self.name}.nic.out", net.bandwidth)
+        self.cpu = Cores(f"{self.name}.cpu", n.host_cores)
         self.agent = Agent(strategy.lanes, strategy.queue_bound)
         # Sketches of 64 KiB: a thousand nodes each keep one.
         self.admission: AdmissionPolicy = (

@@ -3,7 +3,7 @@
 One heap of (time, sequence, handler, argument); the sequence number breaks ties, so a run is
 deterministic. A request's life:
 
-1. arrival: routed to the less loaded of two replicas drawn at random; its shared prefix is
+1. arrival: routed to a replica by the run's routing (``routing.Router``); its shared prefix is
    looked up in the directory, each block's best copy chosen by the break-even policy's link
    costs, and the policy's plan says how much of it to load. With prefetch, the load is queued
    on the node's agent at once (and its copies pinned).
@@ -23,8 +23,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from cmx.policies.breakeven import BreakEven, Plan
 from cmx.policies.prefetch import make_prefetch
 from cmx.simulate.agent import Agent, Job, Priority
@@ -33,6 +31,7 @@ from cmx.simulate.collector import collect_in_batches
 from cmx.simulate.hardware import LLAMA3_8B, ModelSpec, prefill_cost
 from cmx.simulate.movement import Mover
 from cmx.simulate.probe import Probe
+from cmx.simulate.routing import ROUTINGS, Router
 from cmx.simulate.strategy import CMX, Strategy
 from cmx.simulate.workload import WorkloadSpec, generate
 
@@ -50,10 +49,13 @@ class SimConfig:
     strategy: Strategy = CMX
     unit_tokens: int = 4096  # tokens per simulated block (an extent of 256-token blocks)
     samples: int = 200  # points of the occupancy and queue-depth series
+    routing: str = "least-loaded"  # ``routing.ROUTINGS``: how a request finds its replica
 
     def __post_init__(self) -> None:
         if self.unit_tokens < 1 or self.samples < 2:
             raise ValueError("unit_tokens >= 1 and samples >= 2 needed")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"unknown routing {self.routing!r}; known: {', '.join(ROUTINGS)}")
         longest = max(t.context_tokens[1] for t in self.workload.tenants)
         need = self.model.weight_bytes + longest * self.model.kv_bytes_per_token
         have = self.cluster.node.replica_hbm_bytes
@@ -66,7 +68,7 @@ class SimConfig:
 
 class Req:
     __slots__ = ("i", "replica", "keys", "sources", "load_keys", "job", "start",
-                 "compute_start", "cut", "context")
+                 "compute_start", "cut", "late", "context", "gpu_s", "parts")
 
     def __init__(self, i: int, replica: Replica, context: int) -> None:
         self.i = i
@@ -78,7 +80,10 @@ class Req:
         self.job: Job | None = None
         self.start = -1.0
         self.compute_start = -1.0
-        self.cut = False
+        self.cut = False  # its load was refused: it recomputed everything
+        self.late = False  # its prefetch missed the deadline: its own load overtook it
+        self.gpu_s = 0.0  # the prefill's seconds on an idle host
+        self.parts = 0  # of the prefill still running: its GPU work, its host work
 
 
 class _Pending:
@@ -102,11 +107,12 @@ class Simulator:
         self.unit = config.unit_tokens
         self.trace = generate(config.workload, self.unit)
         self.cluster = Cluster(config.cluster, self.strategy, self._hbm_cache_bytes())
+        for node in self.cluster.all_nodes:
+            node.cpu.bind(self.at)
         self.mover = Mover(self.cluster, config.model, self.unit, self._submit)
         self.breakeven = BreakEven(prefill=prefill_cost(config.model, config.cluster.node),
-                                   links=self._link_priors(), enabled=self.strategy.gating)
+                                   links=self.mover.link_priors(), enabled=self.strategy.gating)
         self.prefetch = make_prefetch(self.strategy.prefetch_policy)
-        self.rng = np.random.default_rng(config.workload.seed + 1)
         self._draw = random.Random(config.workload.seed + 2).random
         self._order = self._source_order()
         self.probe = Probe(self.trace.arrival_s, self.cluster, config)
@@ -137,10 +143,8 @@ class Simulator:
         if self._arrivals:
             heapq.heappush(self._events, (self._arrivals[0], self._first_seq, self._arrive_next, 0))
         self._seq += len(self._arrivals)
-        # Each arrival's two replicas, drawn in one call: the same numbers, in the same order,
-        # as one draw of two per arrival.
-        self._pairs = self.rng.integers(0, len(self.cluster.replicas),
-                                        (len(self.trace), 2)).tolist()
+        self.router = Router(self.cluster.replicas, self.config.routing, len(self.trace),
+                             self.config.workload.seed + 1)
         self._step = self.config.workload.duration_s / (self.config.samples - 1)
         self.at(0.0, self._sample)
         events = 0
@@ -179,7 +183,7 @@ class Simulator:
 
     def _pump(self, agent: Agent) -> None:
         while (job := agent.next_job(self.now)) is not None:
-            self.at(job.run(self.now), self._job_done, (agent, job))
+            self.at(job.run(self.now), self._job_moved, (agent, job))
         for t in agent.alarms():
             self.at(t, self._expire, agent)
 
@@ -187,12 +191,21 @@ class Simulator:
         agent.expire(self.now)
         self._pump(agent)
 
+    def _job_moved(self, arg: tuple[Agent, Job]) -> None:
+        """A job's links are done: its CPU work, if any, runs on its node's cores."""
+        job = arg[1]
+        if job.cpu is None:
+            self._job_done(arg)
+        else:
+            job.cpu.add(self.now, job.cpu_s, lambda now: self._job_done(arg))
+
     def _job_done(self, arg: tuple[Agent, Job]) -> None:
         agent, job = arg
         job.finished = True
         job.done(self.now)
-        for waiter in job.waiters:
-            waiter(self.now)
+        if not job.cancelled:
+            for waiter in job.waiters:
+                waiter(self.now)
         agent.finish(job)
         self._pump(agent)
 
@@ -205,10 +218,8 @@ class Simulator:
         self._arrive(i)
 
     def _arrive(self, i: int) -> None:
-        a, b = self._pairs[i]
-        ra, rb = self.cluster.replicas[a], self.cluster.replicas[b]
-        replica = ra if _load(ra) <= _load(rb) else rb
-        _, shared, context = self._rows[i]
+        prefix, shared, context = self._rows[i]
+        replica = self.router.route(i, prefix)
         r = Req(i, replica, context)
         r.keys = self._keys(i)
         found = self._lookup(r.keys[:shared // self.unit], replica.node)
@@ -217,9 +228,9 @@ class Simulator:
         r.sources, r.load_keys = found[:n_load], r.keys[:n_load]
         self.probe.planned(i, len(found) * self.unit, n_load * self.unit, plan.patience_s)
         if n_load and self.strategy.prefetch:
-            r.job = self.mover.load_job(replica, r.sources, r.load_keys, Priority.PREFETCH)
-            r.job.refused.append(lambda now: self._prefetch_refused(r))
-            self._submit(replica.node.agent, r.job)
+            job = r.job = self.mover.load_job(replica, r.sources, r.load_keys, Priority.PREFETCH)
+            job.refused.append(lambda now: self._prefetch_refused(r, job))
+            self._submit(replica.node.agent, job)
         replica.queue.append(r)
         if replica.busy is None:
             self._start(replica)
@@ -317,9 +328,9 @@ class Simulator:
                                           self.probe.patience(r.i))
         r.job.waiters.append(lambda now: self._loaded(r))
         if deadline <= self.now:
-            self._cut(r)
+            self._late(r)
         else:
-            self.at(deadline, self._cut, r)
+            self.at(deadline, self._late, r)
 
     def _load_now(self, r: Req) -> None:
         r.job = self.mover.load_job(r.replica, r.sources, r.load_keys, Priority.LOAD)
@@ -327,28 +338,56 @@ class Simulator:
         r.job.refused.append(lambda now: self._cut(r))
         self._submit(r.replica.node.agent, r.job)
 
-    def _prefetch_refused(self, r: Req) -> None:
+    def _prefetch_refused(self, r: Req, job: Job) -> None:
         """As the service's replica whose prefetch failed: it loads when it starts, or now
         if it is waiting already."""
+        if job.cancelled or r.job is not job:
+            return  # overtaken already by the request's own load
         r.job = None
         if r.replica.busy is r and r.compute_start < 0:
             self._load_now(r)
+
+    def _late(self, r: Req) -> None:
+        """The prefetch policy's deadline passed with the prefetch not done. As the service's
+        replica, which then runs its engine and the connector loads the prefix at load
+        priority from wherever the lookup found it: a prefetch still queued is overtaken by
+        that load (and finds nothing to move when its turn comes); one already moving is the
+        load's own bytes on their way, so the request waits for it."""
+        job = r.job
+        if r.compute_start >= 0 or r.replica.busy is not r or job is None or job.finished:
+            return
+        if job.started:
+            return
+        job.cancelled = True
+        r.late = True
+        self._load_now(r)
 
     def _loaded(self, r: Req) -> None:
         if r.compute_start < 0 and r.replica.busy is r:
             self._compute(r)
 
     def _cut(self, r: Req) -> None:
-        """The prefetch policy's deadline passed with the load in flight: recompute."""
+        """The agent refused the request's load: it recomputes its whole context."""
         if r.compute_start < 0:
             r.cut = True
             self._compute(r)
 
     def _compute(self, r: Req) -> None:
+        """The prefill: its GPU's seconds, and beside them its engine's host work (a thread's
+        ``per_pass_s`` a forward pass) on the node's cores; it ends when both have."""
         r.compute_start = self.now
         loaded = 0 if r.cut else len(r.load_keys) * self.unit
-        seconds = self.breakeven.prefill.seconds(loaded, r.context)
-        self.at(self.now + seconds, self._done, r)
+        prefill = self.breakeven.prefill
+        r.gpu_s = prefill.seconds(loaded, r.context)
+        r.parts = 2
+        self.at(self.now + r.gpu_s, self._computed, r)
+        host_s = prefill.per_pass_s * prefill.passes(loaded, r.context)
+        r.replica.node.cpu.add(self.now, host_s, lambda now: self._computed(r))
+
+    def _computed(self, r: Req) -> None:
+        r.parts -= 1
+        if r.parts == 0:
+            self._done(r)
 
     def _done(self, r: Req) -> None:
         replica = r.replica
@@ -367,32 +406,3 @@ class Simulator:
         longest = max(t.context_tokens[1] for t in cfg.workload.tenants)
         work = cfg.model.weight_bytes + longest * cfg.model.kv_bytes_per_token
         return max(0, n.gpu.hbm_bytes * n.gpus - n.replicas * work)
-
-    def _link_priors(self) -> dict[str, tuple[float, float]]:
-        """Latency and bandwidth of each source class on the simulated hardware: what a
-        deployment's break-even models would have measured."""
-        spec, s = self.config.cluster, self.strategy
-        n, net = spec.node, spec.network
-        link = n.replica_link_bandwidth
-        out = {}
-        hbm = n.gpu.hbm_bandwidth * n.gpus_per_replica
-        for cls, (lat, bw, verified) in {
-            "hbm": (1e-6, hbm, False),
-            "hbm@peer": (net.latency_s, min(link, net.bandwidth), True),
-            "dram": (n.dram.latency_s, min(link, n.dram_bus_bandwidth), False),
-            "nvme": (n.nvme.latency_s, min(link, n.nvme.bandwidth), True),
-            "dram@peer": (n.dram.latency_s + net.latency_s, min(link, net.bandwidth), True),
-            "nvme@peer": (n.nvme.latency_s + net.latency_s,
-                          min(link, net.bandwidth, n.nvme.bandwidth), True),
-            "pool@peer": (spec.pool.latency_s + net.latency_s,
-                          min(link, net.bandwidth, spec.pool.bandwidth), True),
-        }.items():
-            per_byte = 1.0 / bw + self.mover.cpu_seconds(1 << 30, verified) / (1 << 30)
-            io = self.mover.io_bytes
-            per_byte += s.per_io_cpu_s / io
-            out[cls] = (s.control_s + lat, 1.0 / per_byte)
-        return out
-
-
-def _load(replica: Replica) -> int:
-    return len(replica.queue) + (replica.busy is not None)

@@ -84,7 +84,8 @@ class GpuSpec:
     hbm_bandwidth: float  # bytes/s
     flops: float  # dense bf16 FLOP/s
     mfu: float = 0.5  # fraction of ``flops`` a prefill reaches (FlashAttention, chunked)
-    pass_s: float = 2e-3  # fixed cost of one forward pass: launches, scheduling
+    # fixed cost of one forward pass: launches, scheduling; one host thread's work per pass
+    pass_s: float = 2e-3
 
     def __post_init__(self) -> None:
         if not 0 < self.mfu <= 1:
@@ -132,11 +133,16 @@ class NodeSpec:
     nvme: TierSpec = field(default_factory=lambda: TierSpec(8 * 10**12, 7e9, 300e-6))
     dram_bus_bandwidth: float = 300e9  # the host's memory bandwidth, shared by every link
     nvme_write_bandwidth: float = 3.5e9  # NVMe writes are slower than reads
+    # The host's cores, shared by the engines' host work and every move's CPU work: a DGX
+    # H100's two 56-core CPUs
+    host_cores: int = 112
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.gpus_per_replica < 1 or self.gpus % self.gpus_per_replica:
             raise ValueError(f"{self.gpus} GPUs do not split into replicas of "
                              f"{self.gpus_per_replica}")
+        if self.host_cores < 1:
+            raise ValueError(f"host_cores must be >= 1, got {self.host_cores}")
 
     @property
     def replicas(self) -> int:

@@ -10,7 +10,6 @@ a resource is shared: two loads over one NIC take twice as long as one.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 __all__ = ["Resource", "io_bandwidth", "reserve"]
@@ -37,21 +36,20 @@ def io_bandwidth(bandwidth: float, latency_s: float, io_bytes: int, depth: int) 
 
 
 def reserve(path: Sequence[Resource], now: float, nbytes: int, latency_s: float,
-            io_bytes: int, depth: int, per_io_cpu_s: float) -> float:
+            io_bytes: int, depth: int) -> float:
     """Reserve ``path`` for ``nbytes`` from ``now``; returns when the transfer ends.
 
     Each resource serves its transfers in order, each for ``nbytes / bandwidth`` of its own
     time; the transfer ends when its busiest resource has served it, and never sooner than
-    its latency, its bytes at the path's I/O-limited speed and the orchestrator's time per
-    I/O (``per_io_cpu_s``, spent one I/O after another). A slow resource's backlog does not
-    hold the fast ones: a NIC stays free for others while a drive behind it catches up.
+    its latency and its bytes at the path's I/O-limited speed. A slow resource's backlog does
+    not hold the fast ones: a NIC stays free for others while a drive behind it catches up.
+    The CPU a transfer takes is not a link's: it runs on its node's cores (``cores.Cores``).
     """
     if nbytes <= 0:
         return now
     slowest = min([r.bandwidth for r in path])
     bw = io_bandwidth(slowest, latency_s, io_bytes if io_bytes < nbytes else nbytes, depth)
-    ios = math.ceil(nbytes / io_bytes)
-    end = now + latency_s + nbytes / bw + ios * per_io_cpu_s
+    end = now + latency_s + nbytes / bw
     for r in path:
         held = nbytes / r.bandwidth
         free_at = r.free_at

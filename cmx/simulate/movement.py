@@ -75,13 +75,44 @@ class Mover:
                 latency + self.spec.network.latency_s)
 
     def cpu_seconds(self, nbytes: int, verified: bool) -> float:
-        """Per-byte CPU work of a load path on a host without a GPU: the copy-out; the agent's
-        checksum of NVMe and network reads (``verified``); the consumer's of every block."""
+        """One thread's CPU work in loading ``nbytes``: the orchestrator's per I/O; on a host
+        without a GPU, the copy-out; the agent's checksum of NVMe and network reads
+        (``verified``); the consumer's of every block."""
         s = self.strategy
-        t = nbytes / s.copy_out_bandwidth if s.copy_out_bandwidth else 0.0
+        t = self.io_cpu_seconds(nbytes)
+        if s.copy_out_bandwidth:
+            t += nbytes / s.copy_out_bandwidth
         if s.verify_bandwidth:
             t += nbytes / s.verify_bandwidth * (int(verified) + int(s.consumer_verifies))
         return t
+
+    def io_cpu_seconds(self, nbytes: int) -> float:
+        """The orchestrator's work to issue and complete the I/Os of ``nbytes``, one after
+        another."""
+        return -(-nbytes // self.io_bytes) * self.strategy.per_io_cpu_s
+
+    def link_priors(self) -> dict[str, tuple[float, float]]:
+        """Latency and bandwidth of each source class on the simulated hardware: what a
+        deployment's break-even models would have measured."""
+        spec, s = self.spec, self.strategy
+        n, net = spec.node, spec.network
+        link = n.replica_link_bandwidth
+        out = {}
+        hbm = n.gpu.hbm_bandwidth * n.gpus_per_replica
+        for cls, (lat, bw, verified) in {
+            "hbm": (1e-6, hbm, False),
+            "hbm@peer": (net.latency_s, min(link, net.bandwidth), True),
+            "dram": (n.dram.latency_s, min(link, n.dram_bus_bandwidth), False),
+            "nvme": (n.nvme.latency_s, min(link, n.nvme.bandwidth), True),
+            "dram@peer": (n.dram.latency_s + net.latency_s, min(link, net.bandwidth), True),
+            "nvme@peer": (n.nvme.latency_s + net.latency_s,
+                          min(link, net.bandwidth, n.nvme.bandwidth), True),
+            "pool@peer": (spec.pool.latency_s + net.latency_s,
+                          min(link, net.bandwidth, spec.pool.bandwidth), True),
+        }.items():
+            per_byte = 1.0 / bw + self.cpu_seconds(1 << 30, verified) / (1 << 30)
+            out[cls] = (s.control_s + lat, 1.0 / per_byte)
+        return out
 
     # -- loads ---------------------------------------------------------------------------------
 
@@ -97,16 +128,20 @@ class Mover:
 
         def run(now: float) -> float:
             end = now
+            if job.cancelled:
+                return end
             begin = now + s.control_s
             for code, nbytes in by_code.items():
                 path, latency = self.path(code, replica)
-                stop = reserve(path, begin, nbytes, latency, self.io_bytes, s.io_depth,
-                                  s.per_io_cpu_s)
+                end = max(end, reserve(path, begin, nbytes, latency, self.io_bytes, s.io_depth))
                 verified = code % 4 not in (HBM, DRAM) or code // 4 != replica.node.index
-                end = max(end, stop + self.cpu_seconds(nbytes, verified))
+                job.cpu_s += self.cpu_seconds(nbytes, verified)
             return end
 
         def done(now: float) -> None:
+            if job.cancelled:
+                self.release(keys, sources, hit=False)
+                return
             self.release(keys, sources, hit=True)
             self.keep_in_hbm(replica.node, keys)
             for code, nbytes in by_code.items():
@@ -115,8 +150,9 @@ class Mover:
                 if code // 4 != replica.node.index:
                     self.traffic.network += nbytes
 
-        return Job(priority, run, done,
-                   refused=[lambda now: self.release(keys, sources, hit=False)])
+        job = Job(priority, run, done, cpu=replica.node.cpu,
+                  refused=[lambda now: self.release(keys, sources, hit=False)])
+        return job
 
     def release(self, keys: list[bytes], sources: list[int], hit: bool) -> None:
         """Unpin what ``load_job`` pinned; a completed load counts as a hit of each copy."""
@@ -143,14 +179,15 @@ class Mover:
 
         def run(now: float) -> float:
             return reserve([replica.d2h, node.dram_bus], now, nbytes, self.spec.node.dram.latency_s,
-                           self.io_bytes, self.strategy.io_depth, self.strategy.per_io_cpu_s)
+                           self.io_bytes, self.strategy.io_depth)
 
         def done(now: float) -> None:
             self.traffic.stored += nbytes
             for key in keys:
                 self.commit(node, key)
 
-        self.submit(node.agent, Job(Priority.DEMOTE, run, done, refused=[self._refused]))
+        self.submit(node.agent, Job(Priority.DEMOTE, run, done, cpu=node.cpu,
+                                    cpu_s=self.io_cpu_seconds(nbytes), refused=[self._refused]))
 
     def _refused(self, now: float) -> None:
         self.traffic.dropped_jobs += 1
@@ -204,15 +241,15 @@ class Mover:
 
         def run(now: float) -> float:
             return reserve([node.dram_bus, node.nvme_write], now, nbytes,
-                           self.spec.node.nvme.latency_s, self.io_bytes, s.io_depth,
-                           s.per_io_cpu_s)
+                           self.spec.node.nvme.latency_s, self.io_bytes, s.io_depth)
 
         def done(now: float) -> None:
             self.traffic.demoted += nbytes
             if self.cluster.add_copy(key, node, tier, nbytes) is None:
                 self.traffic.unplaced += 1
 
-        self.submit(node.agent, Job(Priority.DEMOTE, run, done, refused=[self._refused]))
+        self.submit(node.agent, Job(Priority.DEMOTE, run, done, cpu=node.cpu,
+                                    cpu_s=self.io_cpu_seconds(nbytes), refused=[self._refused]))
 
     def maybe_pool(self, node: Node, key: bytes) -> None:
         """Copy an admitted block to its pool owner, once."""
@@ -226,7 +263,7 @@ class Mover:
         def run(now: float) -> float:
             path = [node.dram_bus, node.nic_out, owner.nic_in, owner.nvme_write]
             return reserve(path, now, nbytes, self.spec.pool.latency_s, self.io_bytes,
-                           s.io_depth, s.per_io_cpu_s)
+                           s.io_depth)
 
         def done(now: float) -> None:
             self._pooling.discard(key)
@@ -239,4 +276,5 @@ class Mover:
             self._pooling.discard(key)
             self.traffic.dropped_jobs += 1
 
-        self.submit(node.agent, Job(Priority.DEMOTE, run, done, refused=[refused]))
+        self.submit(node.agent, Job(Priority.DEMOTE, run, done, cpu=node.cpu,
+                                    cpu_s=self.io_cpu_seconds(nbytes), refused=[refused]))

@@ -61,9 +61,13 @@ class SimResult:
     queue_s: Distribution  # arrival to start on a replica
     io_wait_s: Distribution  # start to compute: the GPU idle, waiting on KV I/O
     io_wait_fraction: float  # of the GPUs' busy time (waiting + computing)
+    # of the GPUs' busy time: a prefill's GPU work done, its host work not yet (cores busy)
+    cpu_wait_fraction: float
+    host_cpu_utilization: float  # of the GPU nodes' cores, over the run
     cached_fraction: float  # of context tokens found cached at arrival
-    loaded_fraction: float  # of context tokens loaded (the plan's and the deadlines' cut)
-    cut: int  # requests whose load missed the prefetch policy's deadline
+    loaded_fraction: float  # of context tokens loaded (the plan's cut, and refused loads')
+    cut: int  # requests whose load the agent refused: they recomputed everything
+    late: int  # requests whose prefetch missed the deadline: their own load overtook it
     loaded_bytes: dict[str, int]  # by source class
     stored_bytes: int
     demoted_bytes: int
@@ -95,12 +99,14 @@ class Probe:
         self.ttft = np.full(n, np.nan)
         self.queue = np.zeros(n)
         self.io_wait = np.zeros(n)
+        self.cpu_wait = np.zeros(n)
         self.found = np.zeros(n, np.int64)
         self.planned_load = np.zeros(n, np.int64)  # tokens a load job moves (cut or not)
         self.loaded = np.zeros(n, np.int64)
         self.context = np.zeros(n, np.int64)
         self.patience_s = np.zeros(n)
         self.cuts = 0
+        self.late = 0
         self.rows: list[tuple[float, ...]] = []
         self.peak = [0, 0, 0, 0]
 
@@ -120,9 +126,11 @@ class Probe:
         self.ttft[i] = now - self.arrival_s[i]
         self.queue[i] = r.start - self.arrival_s[i]
         self.io_wait[i] = r.compute_start - r.start
+        self.cpu_wait[i] = max(0.0, now - r.compute_start - r.gpu_s)
         self.loaded[i] = loaded_tokens
         self.context[i] = r.context
         self.cuts += r.cut
+        self.late += r.late
 
     def sample(self, now: float) -> None:
         used = [0, 0, 0, 0]
@@ -159,9 +167,11 @@ class Probe:
             ttft_s=Distribution.of(self.ttft[done]), queue_s=Distribution.of(self.queue[done]),
             io_wait_s=Distribution.of(self.io_wait[done]),
             io_wait_fraction=float(self.io_wait[done].sum() / busy) if busy > 0 else 0.0,
+            cpu_wait_fraction=float(self.cpu_wait[done].sum() / busy) if busy > 0 else 0.0,
+            host_cpu_utilization=self._cpu_utilization(span),
             cached_fraction=float(self.found[done].sum() / ctx) if ctx else 0.0,
             loaded_fraction=float(self.loaded[done].sum() / ctx) if ctx else 0.0,
-            cut=self.cuts, loaded_bytes=dict(sorted(traffic.loaded.items())),
+            cut=self.cuts, late=self.late, loaded_bytes=dict(sorted(traffic.loaded.items())),
             stored_bytes=traffic.stored, demoted_bytes=traffic.demoted,
             pooled_bytes=traffic.pooled, network_bytes=traffic.network,
             dropped_jobs=traffic.dropped_jobs, unplaced_blocks=traffic.unplaced,
@@ -169,6 +179,10 @@ class Probe:
             queue_depth_mean=sum(a.area for a in agents) / span / len(agents),
             events=events, wall_s=wall_s, cpu_s=cpu_s, series=series,
             ttft_samples=tuple(self.ttft[done].tolist()))
+
+    def _cpu_utilization(self, span: float) -> float:
+        cores = [n.cpu for n in self.cluster.nodes]
+        return sum(c.busy_s for c in cores) / (span * sum(c.count for c in cores))
 
     def _tiers(self) -> tuple[TierStats, ...]:
         out = []

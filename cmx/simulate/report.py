@@ -43,10 +43,13 @@ def _rows(r: SimResult) -> list[tuple[str, str]]:
         ("TTFT mean s", f"{r.ttft_s.mean:.2f}"),
         ("queueing p50 / p99 s", f"{r.queue_s.p50:.2f} / {r.queue_s.p99:.2f}"),
         ("GPU waiting on KV I/O", _pct(r.io_wait_fraction)),
+        ("GPU waiting on its host's CPU", _pct(r.cpu_wait_fraction)),
+        ("host cores busy (GPU nodes)", _pct(r.host_cpu_utilization)),
         ("wait p50 / p99 s", f"{r.io_wait_s.p50:.3f} / {r.io_wait_s.p99:.3f}"),
         ("context found cached", _pct(r.cached_fraction)),
         ("context loaded", _pct(r.loaded_fraction)),
-        ("loads cut by the deadline", f"{r.cut:,}"),
+        ("prefetches late: the request's own load overtook", f"{r.late:,}"),
+        ("loads refused: recomputed", f"{r.cut:,}"),
     ]
     for cls, nbytes in r.loaded_bytes.items():
         rows.append((f"loaded from {cls} TB", f"{nbytes / TB:.2f}"))

@@ -58,7 +58,10 @@ def _service_s(tenants: tuple[TenantSpec, ...], model: ModelSpec, node: NodeSpec
 
 def scenario(name: str, *, strategy: Strategy = CMX, nodes: int | None = None,
              duration_s: float | None = None, load: float = 0.7,
-             model: str | None = None, seed: int = 0) -> SimConfig:
+             model: str | None = None, seed: int = 0,
+             host_cores: int | None = None, routing: str = "least-loaded") -> SimConfig:
+    """``host_cores``: each node's cores, for the node's default (``NodeSpec.host_cores``);
+    ``routing``: ``routing.ROUTINGS``."""
     if not 0 < load <= 4:
         raise ValueError(f"load must be in (0, 4], got {load}")
     tenants, per_replica, unit = _tenants(name)
@@ -68,15 +71,16 @@ def scenario(name: str, *, strategy: Strategy = CMX, nodes: int | None = None,
     if spec.name != "llama-3-8b":
         per_replica = max(per_replica, 4)  # 70B weights alone are 141 GB
     default_nodes = {"seed": 4, "mix": 16, "scale": 1000}[name]
+    node = NodeSpec() if host_cores is None else NodeSpec(host_cores=host_cores)
     cluster = ClusterSpec(nodes=nodes or default_nodes,
-                          node=NodeSpec().with_replicas_of(per_replica),
+                          node=node.with_replicas_of(per_replica),
                           pool_nodes=max(2, (nodes or default_nodes) // 8))
     duration = duration_s or (3600.0 if name == "scale" else 600.0)
     rate = load * cluster.replicas / _service_s(tenants, spec, cluster.node)
     bursts: dict[str, Any] = {"burst_every_s": 300.0, "burst_len_s": 30.0,
                               "burst_factor": 4.0} if name == "mix" else {}
     workload = WorkloadSpec(tenants, rate, duration, seed=seed, **bursts)
-    return SimConfig(workload, cluster, spec, strategy, unit_tokens=unit)
+    return SimConfig(workload, cluster, spec, strategy, unit_tokens=unit, routing=routing)
 
 
 def with_strategy(config: SimConfig, strategy: Strategy) -> SimConfig:

@@ -15,6 +15,12 @@ of ``cmx.policies``) and the shape of the data path. Two are built in:
   load starts when the request is scheduled (no prefetch); only this node's DRAM and disk;
   every stored chunk written to disk (write-through, no admission); every hit loaded. It keeps
   8 lanes of its own: it is not the service's agent.
+
+A third, ``LMCACHE_GDS_LIKE``, is the LMCache-like strategy with the I/O of the seed's measured
+system: GPUDirect Storage reads of one page of one layer each, each initiated by the CPU.
+
+Every strategy's CPU work (its orchestrator's per I/O, copies and checksums where it makes
+them) runs on its node's cores, beside the engines' host work (``cores.Cores``).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import Any
 
 from cmx.config import ServiceConfig
 
-__all__ = ["CMX", "LMCACHE_LIKE", "STRATEGIES", "Strategy"]
+__all__ = ["CMX", "LMCACHE_GDS_LIKE", "LMCACHE_LIKE", "STRATEGIES", "Strategy"]
 
 MiB = 1 << 20
 _SERVICE = ServiceConfig()  # the service's defaults
@@ -81,7 +87,12 @@ LMCACHE_LIKE = Strategy(
     per_io_cpu_s=500e-6, lanes=8, control_s=1e-3, admission="always", placement="write_through",
     gating=False, pool=False)
 
-STRATEGIES: dict[str, Strategy] = {s.name: s for s in (CMX, LMCACHE_LIKE)}
+# The seed's measured system: GDS reads, each of one 16-token page of one layer (64 KiB of
+# Llama-3-8B's KV), each initiated by the serving process's CPU (20 us an I/O: assumed).
+LMCACHE_GDS_LIKE = LMCACHE_LIKE.with_(name="lmcache-gds-like", io_bytes=64 << 10,
+                                      io_tokens=None, per_io_cpu_s=20e-6)
+
+STRATEGIES: dict[str, Strategy] = {s.name: s for s in (CMX, LMCACHE_LIKE, LMCACHE_GDS_LIKE)}
 
 # What ``cmx simulate --without`` turns off, each one part of a strategy.
 ABLATIONS: dict[str, dict[str, Any]] = {

@@ -6,31 +6,12 @@ from __future__ import annotations
 import pytest
 
 from cmx.simulate.calibrate import ControlCosts, MachineSpeeds
-from cmx.simulate.calibrate_predict import cpu_seconds, predict_loads, share_cpu
+from cmx.simulate.calibrate_predict import cpu_seconds, predict_loads
 
 MiB = 1 << 20
 SPEEDS = MachineSpeeds(copy=4e9, copy_out=2e9, odirect_read=1e9, checksum=8e9, nixl=3e9,
                        nixl_note="test")
 COSTS = ControlCosts(fixed_s=0.01, per_block_s=0.002)
-
-
-def test_one_job_alone_takes_its_work() -> None:
-    assert share_cpu([0.5], [2.0], threads=2) == [2.5]
-
-
-def test_four_equal_jobs_on_two_threads_share_them_and_end_together() -> None:
-    assert share_cpu([0.0] * 4, [1.0] * 4, threads=2) == pytest.approx([2.0] * 4)
-
-
-def test_a_late_job_slows_the_ones_running() -> None:
-    # Two jobs on one thread: the first runs alone for 1 s (1 of its 2 s done), then both at
-    # half speed: the first's last second takes 2 s, the second's last second runs alone.
-    assert share_cpu([0.0, 1.0], [2.0, 2.0], threads=1) == pytest.approx([3.0, 4.0])
-
-
-def test_share_cpu_refuses_no_threads() -> None:
-    with pytest.raises(ValueError):
-        share_cpu([0.0], [1.0], threads=0)
 
 
 def test_four_dram_loads_on_two_cores_share_the_cpu_work() -> None:

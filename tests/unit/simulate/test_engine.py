@@ -12,6 +12,7 @@ from cmx.protocol import Priority
 from cmx.simulate import CMX, LMCACHE_LIKE, SimConfig, Simulator
 from cmx.simulate.cluster import HBM
 from cmx.simulate.hardware import H100
+from cmx.simulate.scenarios import scenario
 
 Configs = Callable[..., SimConfig]
 
@@ -154,3 +155,55 @@ def test_an_overwhelmed_agent_refuses_after_the_submit_timeout_and_every_request
     assert r.cut >= refused[Priority.LOAD]  # a request whose load was refused recomputes
     assert all(not c.pins for n in sim.cluster.all_nodes for c in n.caches if c)
     sim.cluster.check_integrity()
+
+
+def test_the_cpu_work_of_loads_on_a_nodes_few_cores_holds_the_requests_that_wait_on_them(
+    make_config: Configs,
+) -> None:
+    # Each 2 MiB I/O costs its orchestrator 0.1 ms of a core: a 64K-token prefix 0.4 CPU-s,
+    # loads at 20 GB/s alone, faster than recompute (the break-even policy loads them).
+    costly = replace(CMX, per_io_cpu_s=1e-4)
+    _, roomy = _run(make_config(costly, host_cores=112))
+    sim, scarce = _run(make_config(costly, host_cores=1))
+    sim.cluster.check_integrity()
+    assert scarce.io_wait_s.mean > roomy.io_wait_s.mean
+    assert scarce.ttft_s.mean > roomy.ttft_s.mean
+    assert scarce.host_cpu_utilization > roomy.host_cpu_utilization
+    assert scarce.completed == roomy.completed == scarce.requests  # the same trace, all done
+
+
+def test_an_engines_host_work_on_busy_cores_makes_its_gpu_wait(make_config: Configs) -> None:
+    # A forward pass costs 0.2 s of host work (a small model's share): beside the GPU's work,
+    # it ends later than the GPU's only where the cores are shared by more than two pieces.
+    slow_host = replace(H100, pass_s=0.2)
+    costly = replace(CMX, per_io_cpu_s=1e-4)
+    _, roomy = _run(make_config(costly, host_cores=112, gpu=slow_host))
+    _, scarce = _run(make_config(costly, host_cores=1, gpu=slow_host))
+    assert roomy.cpu_wait_fraction < 1e-9  # a core for every piece: the GPU's work is longer
+    assert scarce.cpu_wait_fraction > 0.01
+
+
+def test_without_a_per_io_cost_the_cores_do_not_change_a_run(make_config: Configs) -> None:
+    free = replace(CMX, per_io_cpu_s=0.0)
+    _, roomy = _run(make_config(free, host_cores=112))
+    _, scarce = _run(make_config(free, host_cores=4))  # 4 GPUs: a core for each engine
+    assert scarce.ttft_s == roomy.ttft_s and scarce.cpu_wait_fraction < 1e-9
+
+
+def test_a_prefetch_still_queued_at_its_deadline_is_overtaken_by_the_requests_own_load(
+    make_config: Configs,
+) -> None:
+    # The seed's shape on 2 nodes: some prefetches are still queued when their deadline comes.
+    sim, r = _run(scenario("seed", nodes=2, duration_s=60, load=0.4))
+    sim.cluster.check_integrity()  # every pin of an overtaken prefetch was let go
+    assert r.late > 0
+    # As the service's replica after its wait: it loads what the lookup found, at load
+    # priority; nobody recomputes a prefix because its prefetch was slow.
+    assert r.cut == 0
+    assert (sim.probe.loaded == sim.probe.planned_load).all()
+    # An overtaken prefetch moves nothing: every byte loaded is a planned load's, once.
+    token_bytes = sim.config.model.kv_bytes_per_token
+    assert sum(r.loaded_bytes.values()) == sim.probe.planned_load.sum() * token_bytes
+    for node in sim.cluster.all_nodes:
+        for cache in node.caches:
+            assert cache is None or not cache.pins

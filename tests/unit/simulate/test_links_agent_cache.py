@@ -20,10 +20,10 @@ def test_small_ios_at_shallow_depth_do_not_reach_the_drives_bandwidth() -> None:
 
 def test_two_transfers_over_one_link_take_twice_as_long_and_a_slow_drive_holds_no_nic() -> None:
     nic, drive = Resource("nic", 10e9), Resource("drive", 1e9)
-    first = reserve([nic], 0.0, 10**9, 0.0, 1 << 20, 16, 0.0)
-    second = reserve([nic], 0.0, 10**9, 0.0, 1 << 20, 16, 0.0)
+    first = reserve([nic], 0.0, 10**9, 0.0, 1 << 20, 16)
+    second = reserve([nic], 0.0, 10**9, 0.0, 1 << 20, 16)
     assert first == pytest.approx(0.1) and second == pytest.approx(0.2)
-    slow = reserve([drive, nic], 0.2, 10**9, 0.0, 1 << 20, 16, 0.0)
+    slow = reserve([drive, nic], 0.2, 10**9, 0.0, 1 << 20, 16)
     assert slow == pytest.approx(1.2)  # the drive's second
     assert nic.free_at == pytest.approx(0.3)  # the NIC is free again after its own 0.1 s
     assert nic.bytes == 3 * 10**9 and drive.busy_s == pytest.approx(1.0)

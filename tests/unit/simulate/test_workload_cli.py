@@ -137,3 +137,23 @@ def test_the_command_runs_an_ablation_and_refuses_unknown_parts(tmp_path: Path) 
     assert full["network_bytes"] > 0
     bad = CliRunner().invoke(app, [*args, "--without", "peers,nope"])
     assert bad.exit_code == 2 and "unknown parts" in bad.output
+
+
+def test_the_command_takes_host_cores_and_a_routing_and_refuses_a_routing_not_known(
+    tmp_path: Path,
+) -> None:
+    args = ["simulate", "seed", "--nodes", "1", "--duration", "30", "--strategy",
+            "lmcache-gds-like", "--out", str(tmp_path)]
+    roomy = CliRunner().invoke(app, args)
+    assert roomy.exit_code == 0, roomy.output
+    (wide,) = json.loads((tmp_path / "simulate-seed.json").read_text())["results"]
+    scarce = CliRunner().invoke(app, [*args, "--host-cores", "1", "--routing", "prefix"])
+    assert scarce.exit_code == 0, scarce.output
+    assert "1 host cores a node, prefix routing" in " ".join(scarce.output.split())
+    (one,) = json.loads((tmp_path / "simulate-seed.json").read_text())["results"]
+    assert one["strategy"] == "lmcache-gds-like" and one["completed"] == one["requests"]
+    # The per-I/O work of 64 KiB reads shares one core: it is busier, and the GPUs wait longer.
+    assert one["host_cpu_utilization"] > wide["host_cpu_utilization"]
+    assert one["io_wait_fraction"] > wide["io_wait_fraction"]
+    bad = CliRunner().invoke(app, [*args, "--routing", "nearest"])
+    assert bad.exit_code == 2 and "unknown routing" in bad.output

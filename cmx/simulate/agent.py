@@ -47,15 +47,18 @@ _SERVICE = ServiceConfig()
 @dataclass(eq=False)
 class Job:
     """Work for one lane. ``run(now)`` reserves the links and returns when they are done;
-    then ``cpu_s`` seconds of one thread's work (which ``run`` may set) run on the ``cpu``
-    cores; ``done(now)`` and then each of ``waiters`` is called at the end; each of
-    ``refused`` instead, if the agent refuses the job. The job holds its lane throughout."""
+    then ``cpu_s`` seconds of one thread's work run on the ``cpu`` cores, the lane held (the
+    orchestrator's per I/O); then, the lane free for the next job, ``consumer_cpu_s`` (the
+    copy out and checksums of what was moved, by the thread that uses it); ``run`` may set
+    both. ``done(now)`` and then each of ``waiters`` is called at the end; each of ``refused``
+    instead, if the agent refuses the job."""
 
     priority: Priority
     run: Callable[[float], float]
     done: Callable[[float], None]
     cpu: Cores | None = None
     cpu_s: float = 0.0
+    consumer_cpu_s: float = 0.0
     staging_bytes: int = 0
     started: bool = False
     finished: bool = False

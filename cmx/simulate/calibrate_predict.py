@@ -63,8 +63,9 @@ def predict_loads(speeds: MachineSpeeds, control: ControlCosts, source: str, blo
                     dram_bus_bandwidth=UNBOUNDED, nvme_write_bandwidth=speeds.odirect_read,
                     host_cores=cores)
     tokens = block_bytes // LLAMA3_8B.kv_bytes_per_token
-    # The control path is a wait on round trips, not this node's CPU: a latency per load.
-    strategy = CMX.with_(control_s=control.fixed_s + blocks * control.per_block_s,
+    # The control path is a wait on round trips, not this node's CPU: a latency per load
+    # and one per block (an I/O a block).
+    strategy = CMX.with_(control_s=control.fixed_s, per_io_wait_s=control.per_block_s,
                          per_io_cpu_s=0.0, io_bytes=block_bytes, io_depth=16,
                          verify_bandwidth=speeds.checksum, consumer_verifies=False,
                          copy_out_bandwidth=speeds.copy_out_at(threads))

@@ -192,22 +192,33 @@ class Simulator:
         self._pump(agent)
 
     def _job_moved(self, arg: tuple[Agent, Job]) -> None:
-        """A job's links are done: its CPU work, if any, runs on its node's cores."""
+        """A job's links are done: its lane's CPU work, if any, runs on its node's cores."""
         job = arg[1]
         if job.cpu is None:
-            self._job_done(arg)
+            self._job_freed(arg)
         else:
-            job.cpu.add(self.now, job.cpu_s, lambda now: self._job_done(arg))
+            job.cpu.add(self.now, job.cpu_s, lambda now: self._job_freed(arg))
+
+    def _job_freed(self, arg: tuple[Agent, Job]) -> None:
+        """The lane's work is done: the lane goes to the next job, and the consumer's CPU work
+        on the bytes (its copy out, the checksums), if any, runs on the cores without it."""
+        agent, job = arg
+        if job.cpu is None or job.consumer_cpu_s <= 0:
+            self._job_done(arg)
+            agent.finish(job)
+            self._pump(agent)
+            return
+        agent.finish(job)
+        self._pump(agent)
+        job.cpu.add(self.now, job.consumer_cpu_s, lambda now: self._job_done(arg))
 
     def _job_done(self, arg: tuple[Agent, Job]) -> None:
-        agent, job = arg
+        job = arg[1]
         job.finished = True
         job.done(self.now)
         if not job.cancelled:
             for waiter in job.waiters:
                 waiter(self.now)
-        agent.finish(job)
-        self._pump(agent)
 
     # -- a request's life ----------------------------------------------------------------------
 
@@ -333,10 +344,10 @@ class Simulator:
             self.at(deadline, self._late, r)
 
     def _load_now(self, r: Req) -> None:
-        r.job = self.mover.load_job(r.replica, r.sources, r.load_keys, Priority.LOAD)
-        r.job.waiters.append(lambda now: self._loaded(r))
-        r.job.refused.append(lambda now: self._cut(r))
-        self._submit(r.replica.node.agent, r.job)
+        job = r.job = self.mover.load_job(r.replica, r.sources, r.load_keys, Priority.LOAD)
+        job.waiters.append(lambda now: self._loaded(r))
+        job.refused.append(lambda now: self._cut(r) if r.job is job else None)
+        self._submit(r.replica.node.agent, job)
 
     def _prefetch_refused(self, r: Req, job: Job) -> None:
         """As the service's replica whose prefetch failed: it loads when it starts, or now
@@ -354,9 +365,8 @@ class Simulator:
         that load (and finds nothing to move when its turn comes); one already moving is the
         load's own bytes on their way, so the request waits for it."""
         job = r.job
-        if r.compute_start >= 0 or r.replica.busy is not r or job is None or job.finished:
-            return
-        if job.started:
+        if (r.compute_start >= 0 or r.replica.busy is not r or job is None or job.finished
+                or job.started or job.priority is not Priority.PREFETCH):
             return
         job.cancelled = True
         r.late = True

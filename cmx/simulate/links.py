@@ -36,20 +36,22 @@ def io_bandwidth(bandwidth: float, latency_s: float, io_bytes: int, depth: int) 
 
 
 def reserve(path: Sequence[Resource], now: float, nbytes: int, latency_s: float,
-            io_bytes: int, depth: int) -> float:
+            io_bytes: int, depth: int, per_io_wait_s: float = 0.0) -> float:
     """Reserve ``path`` for ``nbytes`` from ``now``; returns when the transfer ends.
 
     Each resource serves its transfers in order, each for ``nbytes / bandwidth`` of its own
     time; the transfer ends when its busiest resource has served it, and never sooner than
-    its latency and its bytes at the path's I/O-limited speed. A slow resource's backlog does
-    not hold the fast ones: a NIC stays free for others while a drive behind it catches up.
-    The CPU a transfer takes is not a link's: it runs on its node's cores (``cores.Cores``).
+    its latency, its bytes at the path's I/O-limited speed and a wait of ``per_io_wait_s``
+    per I/O, one after another (a round trip to another process that takes no CPU here). A
+    slow resource's backlog does not hold the fast ones: a NIC stays free for others while a
+    drive behind it catches up. The CPU a transfer takes is not a link's: it runs on its
+    node's cores (``cores.Cores``).
     """
     if nbytes <= 0:
         return now
     slowest = min([r.bandwidth for r in path])
     bw = io_bandwidth(slowest, latency_s, io_bytes if io_bytes < nbytes else nbytes, depth)
-    end = now + latency_s + nbytes / bw
+    end = now + latency_s + nbytes / bw + -(-nbytes // io_bytes) * per_io_wait_s
     for r in path:
         held = nbytes / r.bandwidth
         free_at = r.free_at

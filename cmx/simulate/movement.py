@@ -75,13 +75,15 @@ class Mover:
                 latency + self.spec.network.latency_s)
 
     def cpu_seconds(self, nbytes: int, verified: bool) -> float:
-        """One thread's CPU work in loading ``nbytes``: the orchestrator's per I/O; on a host
-        without a GPU, the copy-out; the agent's checksum of NVMe and network reads
-        (``verified``); the consumer's of every block."""
+        """One thread's CPU work in loading ``nbytes``: the orchestrator's and the consumer's."""
+        return self.io_cpu_seconds(nbytes) + self.consumer_cpu_seconds(nbytes, verified)
+
+    def consumer_cpu_seconds(self, nbytes: int, verified: bool) -> float:
+        """The CPU work on ``nbytes`` loaded, after they moved: on a host without a GPU, the
+        copy-out; the checksum of NVMe and network reads (``verified``); the consumer's of
+        every block."""
         s = self.strategy
-        t = self.io_cpu_seconds(nbytes)
-        if s.copy_out_bandwidth:
-            t += nbytes / s.copy_out_bandwidth
+        t = nbytes / s.copy_out_bandwidth if s.copy_out_bandwidth else 0.0
         if s.verify_bandwidth:
             t += nbytes / s.verify_bandwidth * (int(verified) + int(s.consumer_verifies))
         return t
@@ -133,9 +135,11 @@ class Mover:
             begin = now + s.control_s
             for code, nbytes in by_code.items():
                 path, latency = self.path(code, replica)
-                end = max(end, reserve(path, begin, nbytes, latency, self.io_bytes, s.io_depth))
+                end = max(end, reserve(path, begin, nbytes, latency, self.io_bytes, s.io_depth,
+                                       s.per_io_wait_s))
                 verified = code % 4 not in (HBM, DRAM) or code // 4 != replica.node.index
-                job.cpu_s += self.cpu_seconds(nbytes, verified)
+                job.cpu_s += self.io_cpu_seconds(nbytes)
+                job.consumer_cpu_s += self.consumer_cpu_seconds(nbytes, verified)
             return end
 
         def done(now: float) -> None:
@@ -179,7 +183,7 @@ class Mover:
 
         def run(now: float) -> float:
             return reserve([replica.d2h, node.dram_bus], now, nbytes, self.spec.node.dram.latency_s,
-                           self.io_bytes, self.strategy.io_depth)
+                           self.io_bytes, self.strategy.io_depth, self.strategy.per_io_wait_s)
 
         def done(now: float) -> None:
             self.traffic.stored += nbytes
@@ -241,7 +245,8 @@ class Mover:
 
         def run(now: float) -> float:
             return reserve([node.dram_bus, node.nvme_write], now, nbytes,
-                           self.spec.node.nvme.latency_s, self.io_bytes, s.io_depth)
+                           self.spec.node.nvme.latency_s, self.io_bytes, s.io_depth,
+                           s.per_io_wait_s)
 
         def done(now: float) -> None:
             self.traffic.demoted += nbytes
@@ -263,7 +268,7 @@ class Mover:
         def run(now: float) -> float:
             path = [node.dram_bus, node.nic_out, owner.nic_in, owner.nvme_write]
             return reserve(path, now, nbytes, self.spec.pool.latency_s, self.io_bytes,
-                           s.io_depth)
+                           s.io_depth, s.per_io_wait_s)
 
         def done(now: float) -> None:
             self._pooling.discard(key)

@@ -46,6 +46,8 @@ class Strategy:
     io_tokens: int | None  # one I/O per this many tokens (a file per chunk), overrides io_bytes
     io_depth: int  # I/Os in flight per transfer
     per_io_cpu_s: float  # orchestrator time to issue and complete one I/O, serialized
+    # a wait per I/O that takes no CPU on the node (a round trip to another process)
+    per_io_wait_s: float = 0.0
     lanes: int = _SERVICE.agent_workers  # transfers one node's mover runs at once
     # queued jobs per priority class; a job finding its class full waits for a place
     queue_bound: int = _SERVICE.agent_queue_bound
@@ -69,8 +71,9 @@ class Strategy:
             raise ValueError(f"{self.name}: io_bytes, io_depth, lanes, queue_bound must be >= 1")
         if self.io_tokens is not None and self.io_tokens < 1:
             raise ValueError(f"{self.name}: io_tokens must be >= 1, got {self.io_tokens}")
-        if self.per_io_cpu_s < 0 or self.control_s < 0:
-            raise ValueError(f"{self.name}: per_io_cpu_s and control_s must be >= 0")
+        if self.per_io_cpu_s < 0 or self.per_io_wait_s < 0 or self.control_s < 0:
+            raise ValueError(f"{self.name}: per_io_cpu_s, per_io_wait_s and control_s must be "
+                             f">= 0")
 
     def io_size(self, token_bytes: int) -> int:
         return self.io_tokens * token_bytes if self.io_tokens else self.io_bytes

@@ -62,3 +62,13 @@ def test_loads_on_every_core_copy_out_at_the_speed_measured_so() -> None:
     assert two == pytest.approx([control + 2 * blocks * block / SPEEDS.copy_out] * 2)
     assert cpu_seconds(shared, "nvme", blocks * block, threads=2) == pytest.approx(
         blocks * block / shared.copy_out_shared + blocks * block / SPEEDS.checksum)
+
+
+def test_sixteen_loads_share_the_cores_once_the_agents_four_lanes_let_them_go() -> None:
+    # The copy out is the client's work, not the agent lane's: sixteen loads through four
+    # lanes reach the cores together and share them, not in waves of four.
+    blocks, block = 4, 16 * MiB
+    no_control = ControlCosts(fixed_s=0.0, per_block_s=0.0)
+    times = predict_loads(SPEEDS, no_control, "dram", blocks, block, clients=16, cores=2)
+    work = cpu_seconds(SPEEDS, "dram", blocks * block, threads=2)
+    assert times == pytest.approx([16 * work / 2] * 16)

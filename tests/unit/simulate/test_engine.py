@@ -10,6 +10,7 @@ import pytest
 
 from cmx.protocol import Priority
 from cmx.simulate import CMX, LMCACHE_LIKE, SimConfig, Simulator
+from cmx.simulate.agent import Job
 from cmx.simulate.cluster import HBM
 from cmx.simulate.hardware import H100
 from cmx.simulate.scenarios import scenario
@@ -145,8 +146,9 @@ def test_bad_configs_raise_typed_errors(
 def test_an_overwhelmed_agent_refuses_after_the_submit_timeout_and_every_request_completes(
     make_config: Configs,
 ) -> None:
-    # One lane, one place per class, loads at 100 MB/s: the queues stay full for minutes.
-    slow = replace(CMX, lanes=1, queue_bound=1, gating=False, verify_bandwidth=1e8)
+    # One lane, one place per class, each 2 MiB I/O 20 ms of its lane's CPU (100 MB/s): the
+    # queues stay full for minutes.
+    slow = replace(CMX, lanes=1, queue_bound=1, gating=False, per_io_cpu_s=0.02)
     sim, r = _run(make_config(slow, dram_gib=8))
     refused = {p: sum(n.agent.refused[p] for n in sim.cluster.all_nodes) for p in Priority}
     assert refused[Priority.PREFETCH] > 0 and refused[Priority.LOAD] > 0
@@ -207,3 +209,33 @@ def test_a_prefetch_still_queued_at_its_deadline_is_overtaken_by_the_requests_ow
     for node in sim.cluster.all_nodes:
         for cache in node.caches:
             assert cache is None or not cache.pins
+
+
+def test_a_requests_own_load_is_never_overtaken_and_only_its_refusal_recomputes(
+    make_config: Configs,
+) -> None:
+    # Queues full for minutes: prefetches are refused, their requests load at load priority,
+    # and deadlines pass while those loads wait for a place.
+    class Watched(Simulator):
+        loads: list[Job] = []
+        recomputed_on: list[Job | None] = []
+
+        def _load_now(self, r):  # type: ignore[no-untyped-def]
+            super()._load_now(r)
+            self.loads.append(r.job)
+
+        def _cut(self, r):  # type: ignore[no-untyped-def]
+            if r.compute_start < 0:
+                self.recomputed_on.append(r.job)
+            super()._cut(r)
+
+    slow = replace(CMX, lanes=1, queue_bound=1, gating=False, per_io_cpu_s=0.02)
+    sim = Watched(make_config(slow, dram_gib=8))
+    r = sim.run()
+    assert r.completed == r.requests and r.late > 0 and r.cut > 0
+    # A deadline overtakes prefetches only: the request's own load is never cancelled ...
+    assert sim.loads and not any(job.cancelled for job in sim.loads)
+    # ... and a request recomputes only when the load it is waiting on was refused.
+    assert all(job is not None and not job.finished for job in sim.recomputed_on)
+    assert all(not c.pins for n in sim.cluster.all_nodes for c in n.caches if c)
+    sim.cluster.check_integrity()

@@ -63,9 +63,19 @@ class Job:
     started: bool = False
     finished: bool = False
     cancelled: bool = False  # its work was done another way: ``run`` moves nothing
+    on_cancel: list[Callable[[float], None]] = field(default_factory=list)
     waiters: list[Callable[[float], None]] = field(default_factory=list)
     refused: list[Callable[[float], None]] = field(default_factory=list)
     hold: Hold[Job] | None = None
+
+    def cancel(self, now: float) -> None:
+        """Its work is done another way: it moves nothing when its turn comes, and what it
+        holds (pins) goes now, through ``on_cancel``."""
+        if self.cancelled or self.started:
+            raise RuntimeError("only a job not yet started is cancelled, once")
+        self.cancelled = True
+        for hook in self.on_cancel:
+            hook(now)
 
 
 class Agent:

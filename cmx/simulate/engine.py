@@ -368,7 +368,7 @@ class Simulator:
         if (r.compute_start >= 0 or r.replica.busy is not r or job is None or job.finished
                 or job.started or job.priority is not Priority.PREFETCH):
             return
-        job.cancelled = True
+        job.cancel(self.now)
         r.late = True
         self._load_now(r)
 

@@ -144,8 +144,7 @@ class Mover:
 
         def done(now: float) -> None:
             if job.cancelled:
-                self.release(keys, sources, hit=False)
-                return
+                return  # its pins went when it was cancelled
             self.release(keys, sources, hit=True)
             self.keep_in_hbm(replica.node, keys)
             for code, nbytes in by_code.items():
@@ -154,8 +153,12 @@ class Mover:
                 if code // 4 != replica.node.index:
                     self.traffic.network += nbytes
 
+        def let_go(now: float) -> None:
+            self.release(keys, sources, hit=False)
+
         job = Job(priority, run, done, cpu=replica.node.cpu,
-                  refused=[lambda now: self.release(keys, sources, hit=False)])
+                  refused=[lambda now: None if job.cancelled else let_go(now)],
+                  on_cancel=[let_go])
         return job
 
     def release(self, keys: list[bytes], sources: list[int], hit: bool) -> None:

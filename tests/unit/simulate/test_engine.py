@@ -239,3 +239,25 @@ def test_a_requests_own_load_is_never_overtaken_and_only_its_refusal_recomputes(
     assert all(job is not None and not job.finished for job in sim.recomputed_on)
     assert all(not c.pins for n in sim.cluster.all_nodes for c in n.caches if c)
     sim.cluster.check_integrity()
+
+
+def test_an_overtaken_prefetch_lets_its_pins_go_at_once() -> None:
+    # Its blocks stay pinned by the request's own load, once: not twice until the prefetch's
+    # turn comes, which would keep them from eviction for nothing.
+    class Watched(Simulator):
+        pins_kept: list[bool] = []
+
+        def _late(self, r):  # type: ignore[no-untyped-def]
+            def pins() -> list[int]:
+                return [self.cluster.cache(c).pins.get(k, 0) for k, c in zip(r.load_keys,
+                                                                            r.sources)]
+
+            before, prefetch = pins(), r.job
+            super()._late(r)
+            if prefetch is not None and prefetch.cancelled:
+                self.pins_kept.append(pins() == before)
+
+    sim = Watched(scenario("seed", nodes=2, duration_s=60, load=0.4))
+    r = sim.run()
+    assert r.late == len(sim.pins_kept) > 0 and all(sim.pins_kept)
+    sim.cluster.check_integrity()

@@ -20,7 +20,6 @@ given them N times that.
 from __future__ import annotations
 
 import functools
-import heapq
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -88,10 +87,7 @@ def predict_loads(speeds: MachineSpeeds, control: ControlCosts, source: str, blo
         jobs.append(job)
     for job in jobs:
         sim.mover.submit(here.agent, job)
-    # ``Simulator.time_load``'s loop, for N jobs: the engine has no call that runs several.
-    while not all(job.finished for job in jobs):
-        sim.now, _, handler, arg = heapq.heappop(sim._events)
-        handler(arg)
+    sim.run_jobs(jobs)
     return ended
 
 

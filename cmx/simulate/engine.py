@@ -26,12 +26,13 @@ from typing import Any
 from cmx.policies.breakeven import BreakEven, Plan
 from cmx.policies.prefetch import make_prefetch
 from cmx.simulate.agent import Agent, Job, Priority
-from cmx.simulate.cluster import DRAM, HBM, NVME, POOL, Cluster, ClusterSpec, Node, Replica
+from cmx.simulate.cluster import Cluster, ClusterSpec, Node, Replica
 from cmx.simulate.collector import collect_in_batches
 from cmx.simulate.hardware import LLAMA3_8B, ModelSpec, prefill_cost
+from cmx.simulate.lookup import Lookup
 from cmx.simulate.movement import Mover
 from cmx.simulate.probe import Probe
-from cmx.simulate.routing import ROUTINGS, Router
+from cmx.simulate.routing import Router, check_routing
 from cmx.simulate.strategy import CMX, Strategy
 from cmx.simulate.workload import WorkloadSpec, generate
 
@@ -54,8 +55,7 @@ class SimConfig:
     def __post_init__(self) -> None:
         if self.unit_tokens < 1 or self.samples < 2:
             raise ValueError("unit_tokens >= 1 and samples >= 2 needed")
-        if self.routing not in ROUTINGS:
-            raise ValueError(f"unknown routing {self.routing!r}; known: {', '.join(ROUTINGS)}")
+        check_routing(self.routing)
         longest = max(t.context_tokens[1] for t in self.workload.tenants)
         need = self.model.weight_bytes + longest * self.model.kv_bytes_per_token
         have = self.cluster.node.replica_hbm_bytes
@@ -113,8 +113,8 @@ class Simulator:
         self.breakeven = BreakEven(prefill=prefill_cost(config.model, config.cluster.node),
                                    links=self.mover.link_priors(), enabled=self.strategy.gating)
         self.prefetch = make_prefetch(self.strategy.prefetch_policy)
-        self._draw = random.Random(config.workload.seed + 2).random
-        self._order = self._source_order()
+        self.lookup = Lookup(self.cluster, self.mover, self.breakeven,
+                             random.Random(config.workload.seed + 2).random)
         self.probe = Probe(self.trace.arrival_s, self.cluster, config)
         self.now = 0.0
         self._events: list[tuple[float, int, Callable[[Any], None], Any]] = []
@@ -157,19 +157,14 @@ class Simulator:
         return self.probe.result(self, events, time.perf_counter() - t0,
                                  time.process_time() - c0)
 
-    def time_load(self, replica: Replica, sources: list[int], keys: list[bytes]) -> float:
-        """Seconds one load job takes from now, alone on the cluster (for calibration)."""
-        job = self.mover.load_job(replica, sources, keys, Priority.LOAD)
-        start = self.now
-        refused: list[float] = []
-        job.refused.append(refused.append)
-        self._submit(replica.node.agent, job)
-        while not job.finished:
-            if refused or not self._events:
-                raise RuntimeError("the agent refused the load, or it never finished")
+    def run_jobs(self, jobs: list[Job]) -> None:
+        """Run the events until every one of ``jobs`` (submitted) has finished, with no
+        trace (the calibration's loads). RuntimeError if one never finishes (refused)."""
+        while not all(job.finished for job in jobs):
+            if not self._events:
+                raise RuntimeError("a job was refused, or never finished")
             self.now, _, handler, arg = heapq.heappop(self._events)
             handler(arg)
-        return self.now - start
 
     def _sample(self, _: Any) -> None:
         """Every ``step`` of simulated time while anything else is still to happen."""
@@ -203,14 +198,14 @@ class Simulator:
         """The lane's work is done: the lane goes to the next job, and the consumer's CPU work
         on the bytes (its copy out, the checksums), if any, runs on the cores without it."""
         agent, job = arg
-        if job.cpu is None or job.consumer_cpu_s <= 0:
+        after = job.cpu is not None and job.consumer_cpu_s > 0
+        if not after:
             self._job_done(arg)
-            agent.finish(job)
-            self._pump(agent)
-            return
         agent.finish(job)
         self._pump(agent)
-        job.cpu.add(self.now, job.consumer_cpu_s, lambda now: self._job_done(arg))
+        if after:
+            assert job.cpu is not None
+            job.cpu.add(self.now, job.consumer_cpu_s, lambda now: self._job_done(arg))
 
     def _job_done(self, arg: tuple[Agent, Job]) -> None:
         job = arg[1]
@@ -233,7 +228,7 @@ class Simulator:
         replica = self.router.route(i, prefix)
         r = Req(i, replica, context)
         r.keys = self._keys(i)
-        found = self._lookup(r.keys[:shared // self.unit], replica.node)
+        found = self.lookup.find(r.keys[:shared // self.unit], replica.node)
         plan = self._plan(found, replica.node, context)
         n_load = plan.load_tokens // self.unit
         r.sources, r.load_keys = found[:n_load], r.keys[:n_load]
@@ -271,53 +266,6 @@ class Simulator:
                 self._plans.clear()
             self._plans[(classes, context)] = plan
         return plan
-
-    def _lookup(self, keys: list[bytes], here: Node) -> list[int]:
-        """Each key's best copy, for the longest prefix that has one.
-
-        The one rule: the copy the break-even policy says is cheapest to load (``_order``);
-        among the nodes holding the cheapest kind of copy, one drawn at random, so readers of
-        a hot prefix spread over its holders.
-        """
-        out: list[int] = []
-        directory = self.cluster.directory
-        nodes, sighted, draw = self.cluster.all_nodes, self.mover.sighted, self._draw
-        index = here.index
-        for key in keys:
-            tiers = directory.get(key)
-            if tiers is None:
-                break
-            best = -1
-            for tier, local in self._order:
-                holders = tiers[tier]
-                if holders is None:
-                    continue
-                if local:
-                    if index in holders:
-                        best = index * 4 + tier
-                        break
-                else:
-                    best = holders.pick(draw()) * 4 + tier
-                    break
-            if best < 0:
-                break
-            sighted(nodes[best >> 2], key)
-            out.append(best)
-        return out
-
-    def _source_order(self) -> list[tuple[int, bool]]:
-        """(tier, local) kinds of copy, cheapest first by the break-even policy's link costs;
-        peers' copies only where the strategy reads from peers."""
-        kinds = [(t, True) for t in (HBM, DRAM, NVME)]
-        if self.strategy.peers:
-            kinds += [(t, False) for t in (HBM, DRAM, NVME, POOL)]
-        names = {HBM: "hbm", DRAM: "dram", NVME: "nvme", POOL: "pool"}
-
-        def cost(kind: tuple[int, bool]) -> float:
-            cls = names[kind[0]] if kind[1] else f"{names[kind[0]]}@peer"
-            return self.breakeven.link(cls).seconds(self.mover.unit_bytes)
-
-        return sorted(kinds, key=cost)
 
     def _start(self, replica: Replica) -> None:
         if replica.busy is not None or not replica.queue:

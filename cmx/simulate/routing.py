@@ -18,7 +18,7 @@ import numpy as np
 
 from cmx.simulate.cluster import Replica
 
-__all__ = ["ROUTINGS", "Router"]
+__all__ = ["ROUTINGS", "Router", "check_routing"]
 
 ROUTINGS = ("least-loaded", "prefix")
 _MIX = 0x9E3779B97F4A7C15  # a prefix id's home: Fibonacci hashing, spread over the replicas
@@ -27,8 +27,7 @@ _MIX = 0x9E3779B97F4A7C15  # a prefix id's home: Fibonacci hashing, spread over 
 class Router:
     def __init__(self, replicas: Sequence[Replica], routing: str, arrivals: int, seed: int,
                  slack: int = 2) -> None:
-        if routing not in ROUTINGS:
-            raise ValueError(f"unknown routing {routing!r}; known: {', '.join(ROUTINGS)}")
+        check_routing(routing)
         if slack < 0:
             raise ValueError(f"slack must be >= 0, got {slack}")
         self.replicas = replicas
@@ -48,6 +47,12 @@ class Router:
             return least
         home = self.replicas[((prefix * _MIX) & (2**64 - 1)) % len(self.replicas)]
         return home if load(home) <= load(least) + self.slack else least
+
+
+def check_routing(routing: str) -> None:
+    """ValueError for a routing not in ``ROUTINGS``."""
+    if routing not in ROUTINGS:
+        raise ValueError(f"unknown routing {routing!r}; known: {', '.join(ROUTINGS)}")
 
 
 def load(replica: Replica) -> int:

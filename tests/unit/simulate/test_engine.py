@@ -261,3 +261,13 @@ def test_an_overtaken_prefetch_lets_its_pins_go_at_once() -> None:
     r = sim.run()
     assert r.late == len(sim.pins_kept) > 0 and all(sim.pins_kept)
     sim.cluster.check_integrity()
+
+
+def test_running_jobs_until_they_finish_is_bounded_by_the_events_left(
+    make_config: Configs,
+) -> None:
+    sim = Simulator(make_config())
+    node = sim.cluster.nodes[0]
+    never_submitted = sim.mover.load_job(node.replicas[0], [], [], Priority.LOAD)
+    with pytest.raises(RuntimeError, match="never finished"):
+        sim.run_jobs([never_submitted])

@@ -32,6 +32,7 @@ from cmx.actors.stop import stop_service, until_gone
 from cmx.actors.tiers.arena import ArenaTierService
 from cmx.actors.tiers.nvme import NvmeTierService
 from cmx.config import ServiceConfig
+from cmx.doors import DropSource
 from cmx.errors import UnavailableError
 from cmx.links import RAY_NAMESPACE, RayLink, actor_name
 from cmx.operate.degraded import Fallback, describe
@@ -228,7 +229,7 @@ class Controller:
         for shard in range(self.config.directory_shards):
             for tier in Tier:
                 try:
-                    link.call(actor_name("dir", shard), "drop_source", Source(node_id, tier))
+                    link.call(actor_name("dir", shard), DropSource(source=Source(node_id, tier)))
                 except UnavailableError:
                     pass
 

@@ -29,6 +29,7 @@ from cmx.api.models import (
 from cmx.api.problems import ApiProblem, problem_responses
 from cmx.api.routes import State
 from cmx.api.security import require_admin
+from cmx.doors import Contains, Evict, Unpin
 from cmx.errors import UnavailableError
 from cmx.keys import BlockHash
 from cmx.keys import namespace_id as short_namespace_id
@@ -63,10 +64,10 @@ def pin(state: State, req: PinRequest) -> PinResult:
 def unpin(state: State, ref: BlockRef) -> BlockRefResult:
     """Release one pin taken with ``/api/v1/pin``; 404 if the block is not there."""
     key, node, tier = _target(state, ref)
-    here = state.backend.tier_call(node, tier, "contains", [key])
+    here = state.backend.tier_call(node, tier, Contains(keys=[key]))
     if not here or not here[0]:
         raise ApiProblem(404, f"block {key.hex()} is not in {tier.value} of node {node}")
-    state.backend.tier_call(node, tier, "unpin", [key])
+    state.backend.tier_call(node, tier, Unpin(leases=[key]))
     return BlockRefResult(key=key.hex(), node=node, tier=tier.value, done=True)
 
 
@@ -82,7 +83,7 @@ def evict(state: State, req: EvictRequest) -> EvictResult:
     for node in nodes:
         for tier in tiers:
             try:
-                n = int(state.backend.tier_call(node, Tier(tier.value), "evict", keys))
+                n = int(state.backend.tier_call(node, Tier(tier.value), Evict(keys=keys)))
             except UnavailableError:
                 unavailable.append(f"cmx:{tier.value}:{node}")
                 continue

@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from cmx.actors.directory.shard import Copy
 from cmx.actors.tiers.leases import ADMIN
 from cmx.config import ServiceConfig
-from cmx.errors import CmxError
+from cmx.doors import PinFor, ReleaseOwner, Request
+from cmx.errors import CmxError, UnavailableError
 from cmx.keys import BlockHash
 from cmx.links import actor_name
 from cmx.stats import ServiceStats
 from cmx.tiers import Tier
+
+R = TypeVar("R")
 
 __all__ = ["Backend", "NotSupportedError", "ServiceBackend"]
 
@@ -37,8 +40,8 @@ class Backend(Protocol):
     def copies(self, keys: Sequence[BlockHash]) -> list[list[Copy]]:
         """Every committed copy of each key (empty: a miss, or a shard that did not answer)."""
 
-    def tier_call(self, node: str, tier: Tier, method: str, keys: Sequence[BlockHash]) -> Any:
-        """``pin``, ``unpin``, ``evict`` or ``contains`` on one node's tier actor."""
+    def tier_call(self, node: str, tier: Tier, request: Request[R]) -> R:
+        """``Contains``, ``Unpin`` or ``Evict`` on one node's tier actor."""
 
     def pin(self, node: str, tier: Tier, key: BlockHash, ttl_s: float) -> bool:
         """An operator's pin of ``key`` in one node's tier, held ``ttl_s`` seconds unless
@@ -64,6 +67,8 @@ class ServiceBackend:
 
     def stats(self) -> ServiceStats:
         stats: ServiceStats = self.cm.stats()
+        if stats.controller is not None:  # no node is listed: the API's 503, not empty figures
+            raise UnavailableError(f"the service's controller: {stats.controller.reason}")
         return stats
 
     def nodes(self) -> list[str]:
@@ -72,15 +77,16 @@ class ServiceBackend:
     def copies(self, keys: Sequence[BlockHash]) -> list[list[Copy]]:
         return list(self.cm.copies(keys))
 
-    def tier_call(self, node: str, tier: Tier, method: str, keys: Sequence[BlockHash]) -> Any:
-        return self.link.call(actor_name(tier.value, node), method, list(keys))
+    def tier_call(self, node: str, tier: Tier, request: Request[R]) -> R:
+        answer: R = self.link.call(actor_name(tier.value, node), request)
+        return answer
 
     def pin(self, node: str, tier: Tier, key: BlockHash, ttl_s: float) -> bool:
         tier_actor, owner = actor_name(tier.value, node), f"{ADMIN}:{uuid.uuid4().hex}"
         try:
-            pins = self.link.call(tier_actor, "pin_for", [key], ttl_s, owner)
+            pins = self.link.call(tier_actor, PinFor(keys=[key], ttl_s=ttl_s, owner=owner))
         except Exception:
-            self.link.tell(tier_actor, "release_owner", owner)  # a late pin would hold for ttl_s
+            self.link.tell(tier_actor, ReleaseOwner(owner=owner))  # a late pin would hold for ttl_s
             raise
         return bool(pins) and pins[0] is not None
 

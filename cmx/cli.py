@@ -87,9 +87,9 @@ def bench(
     """Measure the stores against the machine's own limits; every figure a ratio to a baseline."""
     from cmx.bench.core import BenchConfig, Verdict
     from cmx.bench.raw import FioMissingError
+    from cmx.bench.render import print_suite
     from cmx.bench.report import write_outputs
     from cmx.bench.runner import resolve_suites, run_bench
-    from cmx.render import print_suite
 
     try:
         names = resolve_suites(suites or [])

@@ -1,4 +1,5 @@
-"""How actors reach each other: by name in the ``cmx`` Ray namespace, with bounded waits.
+"""How actors reach each other: by name in the ``cmx`` Ray namespace, with bounded waits, each
+call a typed request (``cmx.doors``: the request names the method and types its answer).
 
 Plain classes take a link object instead of Ray handles, so unit tests pass in local objects
 (``LocalLink``) and the service passes ``RayLink``. Both have ``call`` (one call, waited for),
@@ -13,14 +14,16 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+from cmx.doors.base import Pending, Request
 from cmx.errors import UnavailableError
 from cmx.protocol import RAY_NAMESPACE, actor_name
 
-__all__ = ["RAY_NAMESPACE", "LocalLink", "RayLink", "actor_name"]
+__all__ = ["RAY_NAMESPACE", "Call", "LocalLink", "RayLink", "actor_name"]
 
-Call = tuple[str, str, tuple[Any, ...]]  # (actor name, method, arguments)
+R = TypeVar("R")
+Call = tuple[str, Request[Any]]  # (actor name, request)
 
 log = logging.getLogger(__name__)
 
@@ -39,46 +42,49 @@ class LocalLink:
     def __init__(self, targets: Mapping[str, Any]) -> None:
         self._targets = targets  # looked up at each call: targets may be added later
 
-    def call(self, name: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+    def call(self, name: str, request: Request[R], timeout_s: float | None = None) -> R:
         target = self._targets.get(name)
         if target is None:
             raise UnavailableError(f"{name} is not running")
-        return getattr(target, method)(*args)
+        answer: R = getattr(target, request.method)(**request.kwargs())
+        return answer
 
     def call_many(self, calls: Sequence[Call], timeout_s: float | None = None,
                   return_exceptions: bool = False) -> list[Any]:
         results: list[Any] = []
-        for name, method, args in calls:
+        for name, request in calls:
             try:
-                results.append(self.call(name, method, *args))
+                results.append(self.call(name, request))
             except Exception as exc:
                 if not return_exceptions:
                     raise
                 results.append(exc)
         return results
 
-    def submit(self, name: str, method: str, *args: Any) -> _Answered:
+    def submit(self, name: str, request: Request[R]) -> Pending[R]:
         """Run the call now; ``result`` hands over its answer (or raises its failure)."""
         if name not in self._targets:
             raise UnavailableError(f"{name} is not running")
         try:
-            return _Answered(self.call(name, method, *args), None)
+            return Pending(request, _Answered(self.call(name, request), None))
         except Exception as exc:  # noqa: BLE001 - raised where the answer is asked for
-            return _Answered(None, exc)
+            return Pending(request, _Answered(None, exc))
 
-    def result(self, ref: _Answered, timeout_s: float | None = None) -> Any:
-        if ref.error is not None:
-            raise ref.error
-        return ref.value
+    def result(self, pending: Pending[R], timeout_s: float | None = None) -> R:
+        answered: _Answered = pending.ref
+        if answered.error is not None:
+            raise answered.error
+        value: R = answered.value
+        return value
 
-    def ready(self, ref: _Answered) -> bool:
+    def ready(self, pending: Pending[Any]) -> bool:
         return True
 
-    def tell(self, name: str, method: str, *args: Any) -> None:
+    def tell(self, name: str, request: Request[Any]) -> None:
         try:
-            self.call(name, method, *args)
+            self.call(name, request)
         except Exception as exc:  # noqa: BLE001 - nobody waits for a tell's answer
-            log.warning("%s.%s failed: %s", name, method, exc)
+            log.warning("%s.%s failed: %s", name, request.method, exc)
 
 
 class RayLink:
@@ -100,11 +106,12 @@ class RayLink:
             self._handles[name] = handle
         return handle
 
-    def submit(self, name: str, method: str, *args: Any) -> Any:
-        """Start a call; returns its ObjectRef."""
-        return getattr(self.handle(name), method).remote(*args)
+    def submit(self, name: str, request: Request[R]) -> Pending[R]:
+        """Start a call; ``result`` waits for its answer."""
+        method = getattr(self.handle(name), request.method)
+        return Pending(request, method.remote(**request.kwargs()))
 
-    def result(self, ref: Any, timeout_s: float | None = None) -> Any:
+    def result(self, pending: Pending[R], timeout_s: float | None = None) -> R:
         """The answer of a call ``submit`` started, waited for at most ``timeout_s``; the
         call's own failure is raised as it was raised there."""
         import ray
@@ -117,7 +124,8 @@ class RayLink:
         )
 
         try:
-            return ray.get(ref, timeout=timeout_s or self.timeout_s)
+            answer: R = ray.get(pending.ref, timeout=timeout_s or self.timeout_s)
+            return answer
         except (GetTimeoutError, RayActorError, ActorUnavailableError,
                 ActorUnschedulableError) as exc:
             self._forget(exc)
@@ -144,15 +152,16 @@ class RayLink:
             if held is None or held.hex() == actor_id:
                 self._handles.pop(name, None)  # another thread may have dropped it first
 
-    def ready(self, ref: Any) -> bool:
+    def ready(self, pending: Pending[Any]) -> bool:
         """Whether the call ``submit`` started has answered."""
         import ray
 
-        done, _ = ray.wait([ref], timeout=0)
+        done, _ = ray.wait([pending.ref], timeout=0)
         return bool(done)
 
-    def call(self, name: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
-        return self.call_many([(name, method, args)], timeout_s)[0]
+    def call(self, name: str, request: Request[R], timeout_s: float | None = None) -> R:
+        answer: R = self.call_many([(name, request)], timeout_s)[0]
+        return answer
 
     def call_many(self, calls: Sequence[Call], timeout_s: float | None = None,
                   return_exceptions: bool = False) -> list[Any]:
@@ -169,14 +178,14 @@ class RayLink:
         )
 
         refs: list[Any] = []
-        for name, method, args in calls:
+        for name, request in calls:
             try:
-                refs.append(self.submit(name, method, *args))
+                refs.append(self.submit(name, request).ref)
             except UnavailableError as exc:
                 refs.append(exc)
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         results: list[Any] = []
-        for (name, method, _), ref in zip(calls, refs):
+        for (name, request), ref in zip(calls, refs):
             if isinstance(ref, BaseException):
                 results.append(ref)
                 continue
@@ -185,7 +194,8 @@ class RayLink:
             except (GetTimeoutError, RayActorError, ActorUnavailableError,
                     ActorUnschedulableError) as exc:
                 self._handles.pop(name, None)
-                results.append(UnavailableError(f"{name}.{method} did not answer: {exc}"))
+                results.append(UnavailableError(
+                    f"{name}.{request.method} did not answer: {exc}"))
             except RayTaskError as exc:
                 results.append(exc.as_instanceof_cause())
         if not return_exceptions:
@@ -194,12 +204,12 @@ class RayLink:
                     raise result
         return results
 
-    def tell(self, name: str, method: str, *args: Any) -> None:
+    def tell(self, name: str, request: Request[Any]) -> None:
         """Start a call and return; a failure is Ray's to log."""
         try:
-            self.submit(name, method, *args)
+            self.submit(name, request)
         except UnavailableError as exc:
-            log.warning("%s.%s not sent: %s", name, method, exc)
+            log.warning("%s.%s not sent: %s", name, request.method, exc)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"timeout_s": self.timeout_s, "_handles": {}}

@@ -1,9 +1,9 @@
-"""Rich renderings of results for the command line: the demo's tiers, a bench suite's figures."""
+"""Rich renderings of the demo for the command line: its progress and its tiers (a bench suite's
+figures: ``cmx.bench.render``)."""
 
 from __future__ import annotations
 
 from rich.console import Console
-from rich.markup import escape
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -15,12 +15,10 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from cmx.bench.core import SuiteResult, Verdict
-from cmx.bench.report import FIGURE_HEADERS, figure_rows
 from cmx.storage_demo import DemoResult, TierReport
 from cmx.storage_demo import Progress as DemoProgress
 
-__all__ = ["byte_progress", "demo_table", "print_demo", "print_suite"]
+__all__ = ["byte_progress", "demo_table", "print_demo"]
 
 GIB = 1 << 30
 
@@ -101,25 +99,3 @@ def _ranges(indexes: list[int]) -> str:
         else:
             spans.append([i, i])
     return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in spans) or "none"
-
-
-def print_suite(console: Console, suite: SuiteResult) -> None:
-    table = Table(title=f"cmx bench {suite.name}", title_justify="left")
-    for header in FIGURE_HEADERS:
-        table.add_column(header, justify="left" if header == "Figure" else "right")
-    styles = {Verdict.PASS: "green", Verdict.MISS: "red", Verdict.INFO: ""}
-    for fig, row in zip(suite.figures, figure_rows(suite.figures), strict=True):
-        verdict = fig.verdict.value
-        table.add_row(*map(escape, row[:-1]),
-                      f"[{styles[fig.verdict]}]{verdict}[/]" if styles[fig.verdict] else "—")
-    console.print(table)
-    for t in suite.tables:
-        detail = Table(title=escape(t.title), title_justify="left")
-        for h in t.headers:
-            detail.add_column(escape(h))
-        for r in t.rows:
-            detail.add_row(*map(escape, r))
-        console.print(detail)
-    for note in suite.notes:
-        console.print(f"[dim]- {escape(note)}[/]")
-    console.print(f"[dim]reproduce: {escape(suite.command)}[/]")

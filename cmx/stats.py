@@ -3,8 +3,10 @@
 Each actor's ``stats()`` answers one of these frozen dataclasses: a tier ``TierStats``, an
 agent ``AgentStats``, a directory shard ``DirectoryStats``. ``collect`` gathers them into one
 ``ServiceStats`` (per node a ``NodeStats``, the directory, the pool); a part that did not answer
-in time is ``Unreachable(reason)`` in its place, never a dict with an error in it. Counters run
-since the part started (its ``epoch`` changes on a restart); gauges are the state at the call.
+in time is ``Unreachable(reason)`` in its place, never a dict with an error in it, and a stopped
+service is no exception: its controller, which lists the nodes and pool members, is then
+``Unreachable`` and none are listed. Counters run since the part started (its ``epoch`` changes
+on a restart); gauges are the state at the call.
 
 The pieces other modules own are composed, not copied: a store's ``StoreStats``, the NVMe
 data plane's ``PlaneStats``. The admin API converts these to its pydantic models at its edge
@@ -17,6 +19,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from cmx.doors import (
+    AgentStatsOf,
+    Nodes,
+    PoolMembers,
+    PoolReplicas,
+    Request,
+    ShardStatsOf,
+    TierStatsOf,
+)
 from cmx.errors import UnavailableError
 from cmx.protocol import actor_name
 from cmx.storage.base import StoreStats
@@ -241,9 +252,10 @@ class PoolStats:
 
 @dataclass(frozen=True)
 class ServiceStats:
-    nodes: Mapping[str, NodeStats]
+    nodes: Mapping[str, NodeStats]  # none when the controller did not answer
     directory: tuple[DirectoryStats | Unreachable, ...]  # by shard
-    pool: PoolStats
+    pool: PoolStats  # no members when the controller did not answer
+    controller: Unreachable | None = None  # the controller's lists of nodes and pool members
 
 
 def transport_of(stats: ServiceStats, node: str) -> str:
@@ -259,16 +271,21 @@ def transport_of(stats: ServiceStats, node: str) -> str:
 
 def collect(link: Any, shards: int, replication: int) -> ServiceStats:
     """Every node's tiers and agent, the directory's shards and the pool, through ``link``
-    (a ``cmx.links.RayLink``): all the stats calls in flight at once, each bounded."""
-    nodes, members = link.call_many([("cmx:controller", "nodes", ()),
-                                     ("cmx:controller", "pool_members", ())])
+    (a ``cmx.links.RayLink``): all the stats calls in flight at once, each bounded. A part
+    that does not answer, the controller included, is ``Unreachable``: never an error."""
+    listed: list[tuple[str, Request[Any]]] = [("cmx:controller", Nodes()),
+                                              ("cmx:controller", PoolMembers())]
+    answered = link.call_many(listed, return_exceptions=True)
+    controller = next((_answer(call, a) for call, a in zip(listed, answered)
+                       if isinstance(a, Exception)), None)
+    nodes, members = ([], []) if controller is not None else answered
     want = min(replication, len(members)) if members else 0
-    calls: list[tuple[str, str, tuple[Any, ...]]] = [
-        (actor_name(t.value, n), "stats", ()) for n in nodes for t in NODE_TIERS]
-    calls += [(actor_name("agent", n), "stats", ()) for n in nodes]
-    calls += [(actor_name("dir", i), "stats", ()) for i in range(shards)]
-    calls += [(actor_name("pool", m), "stats", ()) for m in members]
-    calls += [(actor_name("dir", i), "pool_replicas", (want,)) for i in range(shards)]
+    calls: list[tuple[str, Request[Any]]] = [
+        (actor_name(t.value, n), TierStatsOf()) for n in nodes for t in NODE_TIERS]
+    calls += [(actor_name("agent", n), AgentStatsOf()) for n in nodes]
+    calls += [(actor_name("dir", i), ShardStatsOf()) for i in range(shards)]
+    calls += [(actor_name("pool", m), TierStatsOf()) for m in members]
+    calls += [(actor_name("dir", i), PoolReplicas(want=want)) for i in range(shards)]
     answers = iter([_answer(call, a) for call, a in
                     zip(calls, link.call_many(calls, return_exceptions=True))])
     tiers = {n: {t: next(answers) for t in NODE_TIERS} for n in nodes}
@@ -278,14 +295,14 @@ def collect(link: Any, shards: int, replication: int) -> ServiceStats:
     counts = [c for c in answers if not isinstance(c, Unreachable)]
     pool = PoolStats(pool_members, replication, sum(c["blocks"] for c in counts),
                      sum(c["under_replicated"] for c in counts))
-    return ServiceStats(by_node, directory, pool)
+    return ServiceStats(by_node, directory, pool, controller)
 
 
-def _answer(call: tuple[str, str, tuple[Any, ...]], answer: Any) -> Any:
+def _answer(call: tuple[str, Request[Any]], answer: Any) -> Any:
     """A call's answer, or Unreachable with why it did not come (a part whose ``stats``
     failed is shown as such too: the rest of the cluster is worth seeing)."""
     if isinstance(answer, UnavailableError):
         return Unreachable(str(answer))
     if isinstance(answer, Exception):
-        return Unreachable(f"{call[0]}.{call[1]} failed: {answer!r}")
+        return Unreachable(f"{call[0]}.{call[1].method} failed: {answer!r}")
     return answer

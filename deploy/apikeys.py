@@ -9,16 +9,21 @@ The file must be a regular file that neither group nor others may read or write 
 stricter); ``KeyFile.load`` refuses any other, and every line it cannot read, with a
 ``KeyFileError`` naming the file and the line. ``add_key`` (``cmx keys add``) writes a new file
 of mode 0600 and renames it over the old one, so a reader sees the old file or the new, whole.
+A key file that is a symbolic link (a managed secret linked into place) is written through: the
+new file goes beside the link's target and over it, and the link stays. Adds hold an exclusive
+``flock`` on the target's directory from their read to their rename, so two at once lose no key.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import re
 import secrets
 import stat
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -74,13 +79,28 @@ def add_key(path: str, tenant: str) -> str:
     if not TENANT_RE.fullmatch(tenant):
         raise KeyFileError(f"tenant {tenant!r}: use 1-64 letters, digits, '.', '_' or '-', "
                            "starting with a letter or digit")
-    text = _read_private(path) if os.path.lexists(path) else ""
-    _parse(path, text, allow_empty=True)  # never extend a file that would not load
-    key = new_key()
-    if text and not text.endswith("\n"):
-        text += "\n"
-    _write_private(path, f"{text}{tenant} sha256:{hash_key(key)}\n")
+    target = os.path.realpath(path)  # a link's target gets the key; the link stays
+    with _locked(target):
+        text = _read_private(path) if os.path.lexists(target) else ""
+        _parse(path, text, allow_empty=True)  # never extend a file that would not load
+        key = new_key()
+        if text and not text.endswith("\n"):
+            text += "\n"
+        _write_private(target, f"{text}{tenant} sha256:{hash_key(key)}\n")
     return key
+
+
+@contextmanager
+def _locked(target: str) -> Iterator[None]:
+    """An exclusive lock on the directory ``target`` is renamed into, not on the file: the
+    rename replaces the file, and a lock on the replaced one would hold nobody back (nor does
+    it leave a lock file beside the keys)."""
+    fd = os.open(os.path.dirname(target), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # per open file: it holds off threads, too
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _read_private(path: str) -> str:

@@ -16,7 +16,8 @@ from typing import Any
 
 from cmx.deploy.config import ServeOptions
 
-__all__ = ["ROUTER_CLASS", "build", "build_app", "check_block_size", "router_kwargs"]
+__all__ = ["ROUTER_CLASS", "build", "build_app", "check_block_size", "check_options",
+           "router_kwargs"]
 
 ROUTER_CLASS = "cmx.deploy.router:PrefixAwareRouter"
 
@@ -46,19 +47,25 @@ def check_block_size(options: ServeOptions) -> None:
     check_slots(service_config(options, model).block_bytes, model)
 
 
+def check_options(options: ServeOptions) -> None:
+    """Every setting the application reads, checked before anything is deployed: its API key
+    file (``KeyFileError``: missing, open to others, malformed) and its slots
+    (``check_block_size``), here in the caller rather than in a replica."""
+    from cmx.deploy.tenants import Tenancy
+
+    Tenancy.load(options.engine.salt, options.tenants)
+    check_block_size(options)
+
+
 def build(options: ServeOptions) -> Any:
-    """The bound application (pass it to ``serve.run``); ``KeyFileError`` if its API key file
-    cannot be used, here in the caller rather than in the ingress's replica."""
+    """The bound application (pass it to ``serve.run``); refused as ``check_options`` says."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
     from cmx.deploy.ingress import OpenAIIngress
     from cmx.deploy.server import LLMServer
-    from cmx.deploy.tenants import Tenancy
 
-    Tenancy.load(options.engine.salt, options.tenants)
-
-    check_block_size(options)
+    check_options(options)
     args = options.to_args()
     placement: dict[str, Any] = {}
     if options.max_replicas_per_node is not None:

@@ -91,8 +91,12 @@ def serve(
     from cmx.errors import CmxError
 
     if stop:
-        with err.status("stopping"):
-            result = launch.stop(step=lambda s: err.log(s))
+        try:
+            with err.status("stopping"):
+                result = launch.stop(step=lambda s: err.log(s))
+        except CmxError as exc:  # a setting that cannot be used: nothing was touched
+            err.print(f"[red]error:[/] {exc}")
+            raise typer.Exit(code=2) from exc
         _reap_engine_memory()
         if not result.had_state:
             err.print("nothing recorded: `cmx serve` has not started anything")
@@ -101,7 +105,6 @@ def serve(
                       f"{result.service_stopped} service actors, Ray head "
                       f"{'stopped' if result.ray_stopped else 'left running'}")
         return
-    from cmx.deploy.app import check_block_size
     from cmx.deploy.config import EngineOptions, ServeOptions
     from cmx.policies.prefetch import PREFETCH_POLICIES
 
@@ -113,11 +116,11 @@ def serve(
         err.print(f"[red]error:[/] unknown dtype {dtype!r}; known: bfloat16, float16, float32")
         raise typer.Exit(code=2)
     engine = EngineOptions(prefetch=prefetch, dtype=cast("ModelDType", dtype))  # checked above
-    options = ServeOptions(model=_model(model), replicas=replicas, engine=engine)
     try:
-        # Slots too small for the model are said here, before anything starts; those of a
-        # service already running are checked by each replica as it joins it.
-        check_block_size(options)
+        # The environment's settings are read here, and every setting (the API key file, the
+        # slots for the model's blocks) is checked by ``start`` before it starts anything; the
+        # slots of a service already running are checked by each replica as it joins it.
+        options = ServeOptions(model=_model(model), replicas=replicas, engine=engine)
         with err.status("starting"):
             state, already = launch.start(options, address, port, step=lambda s: err.log(s))
     except CmxError as exc:

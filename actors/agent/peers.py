@@ -9,6 +9,7 @@ from cmx.actors.agent.demote import Demotion
 from cmx.actors.agent.loads import LocalReads
 from cmx.actors.agent.scheduler import Priority
 from cmx.actors.agent.shared import Counters, NodeTiers
+from cmx.doors import PinExtents, QuarantineKeys, ReserveSlots
 from cmx.keys import BlockHash
 from cmx.protocol import Staged
 from cmx.tiers import Tier
@@ -64,22 +65,22 @@ class PeerServing:
         for s in staged:
             by_tier.setdefault(s.tier, []).append(s.key)
         for tier, keys in by_tier.items():
-            self.tiers.call(tier, "quarantine", keys)
+            self.tiers.call(tier, QuarantineKeys(keys=keys))
 
     def quarantine_copies(self, keys: Sequence[BlockHash], tier: Tier) -> None:
         """A reader found the copies of ``tier`` here corrupt where it used them."""
-        self.tiers.call(tier, "quarantine", list(keys))
+        self.tiers.call(tier, QuarantineKeys(keys=list(keys)))
 
     def _promote(self, keys: list[BlockHash], owner: str) -> dict[int, Staged]:
         """NVMe -> DRAM for blocks a peer wants; each returned block is pinned in DRAM for
         ``owner``. The DRAM copy keeps the NVMe copy's namespace id (a drop finds it)."""
         tiers = self.tiers
-        pins = tiers.call(Tier.NVME, "pin", keys, tiers.owner)
+        pins = tiers.call(Tier.NVME, PinExtents(keys=keys, owner=tiers.owner))
         present = [(i, p) for i, p in enumerate(pins) if p is not None]
         grants = []
         try:
-            grants = tiers.call(Tier.DRAM, "reserve", [(keys[i], None) for i, _ in present],
-                                tiers.owner)
+            grants = tiers.call(Tier.DRAM, ReserveSlots(
+                items=[(keys[i], None) for i, _ in present], owner=tiers.owner))
             self.demotion.demote_victims(Tier.DRAM, grants)
             todo = [(i, p, g) for (i, p), g in zip(present, grants) if g is not None]
             good = self.reads.read(  # all at once, verified

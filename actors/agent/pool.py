@@ -10,8 +10,8 @@ from typing import Any
 from cmx.actors.agent.scheduler import Priority, Scheduler
 from cmx.actors.agent.shared import Counters, NodeTiers
 from cmx.actors.directory.shard import Copy
-from cmx.actors.tiers.arena import Pinned
 from cmx.config import ServiceConfig
+from cmx.doors import Ingest, Pin, PoolMembers
 from cmx.errors import UnavailableError
 from cmx.keys import BlockHash
 from cmx.links import actor_name
@@ -51,7 +51,7 @@ class PoolWrites:
         now = time.monotonic()
         if now - self._checked > POOL_REFRESH_S:
             try:
-                self._members = list(self.link.call("cmx:controller", "pool_members"))
+                self._members = list(self.link.call("cmx:controller", PoolMembers()))
             except UnavailableError:
                 pass  # keep the last membership we saw
             self._checked = now
@@ -67,8 +67,7 @@ class PoolWrites:
         members = self._pool_members()
         if not members or not keys:
             return 0
-        pins: list[Pinned | None] = self.tiers.call(Tier.DRAM, "pin", list(keys),
-                                                    self.tiers.owner)
+        pins = self.tiers.call(Tier.DRAM, Pin(keys=list(keys), owner=self.tiers.owner))
         try:
             by_owner: dict[str, list[Offer]] = {}
             for key, p in zip(keys, pins):
@@ -84,7 +83,7 @@ class PoolWrites:
             for owner, offers in by_owner.items():
                 try:
                     n = int(self.link.call(
-                        actor_name("pool", owner), "ingest", me, offers,
+                        actor_name("pool", owner), Ingest(source=me, offers=offers),
                         timeout_s=self.config.load_timeout_s,
                     ))
                 except Exception as exc:  # noqa: BLE001 - the pool failing never fails a store

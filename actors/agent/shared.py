@@ -20,10 +20,19 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from cmx.actors.tiers.arena import ArenaInfo, Pinned
 from cmx.actors.transport.base import PeerInfo, Region, Transport
+from cmx.doors import (
+    Abort,
+    ArenaInfoOf,
+    CommitPinned,
+    PeerInfoOf,
+    Pin,
+    Request,
+    Unpin,
+)
 from cmx.errors import CmxError, UnavailableError
 from cmx.keys import BlockHash
 from cmx.links import actor_name
@@ -37,6 +46,7 @@ __all__ = ["Counters", "NodeTiers", "Peers", "StaleEpochError", "pin_tag"]
 # Batch calls of a tier that do nothing for no keys: those answering a list, and the others.
 _EMPTY_LIST_CALLS = frozenset({"pin", "reserve", "acquire", "commit_pinned"})
 _EMPTY_NONE_CALLS = frozenset({"unpin", "abort"})
+R = TypeVar("R")
 _NO_ANSWER = object()
 log = logging.getLogger(__name__)
 
@@ -64,19 +74,20 @@ class NodeTiers:
         self._arenas: dict[Tier, tuple[ArenaInfo, Any]] = {}  # the current incarnation's
         self._epochs: dict[str, tuple[ArenaInfo, Any]] = {}  # by epoch: current and earlier
 
-    def call(self, tier: Tier, method: str, *args: object) -> Any:
-        return self.call_many([(tier, method, args)])[0]
+    def call(self, tier: Tier, request: Request[R]) -> R:
+        answer: R = self.call_many([(tier, request)])[0]
+        return answer
 
-    def call_many(self, calls: Sequence[tuple[Tier, str, tuple[object, ...]]],
+    def call_many(self, calls: Sequence[tuple[Tier, Request[Any]]],
                   return_exceptions: bool = False) -> list[Any]:
         """Calls to this node's tiers, all in flight at once; their answers in order (with
         ``return_exceptions``, a failed call's error in its place)."""
-        results = [_empty_answer(method, args) for _, method, args in calls]
+        results = [_empty_answer(request) for _, request in calls]
         todo = [i for i, r in enumerate(results) if r is _NO_ANSWER]
         if todo:
             answers = self.link.call_many(
-                [(actor_name(calls[i][0].value, self.node), calls[i][1], calls[i][2])
-                 for i in todo], return_exceptions=return_exceptions)
+                [(actor_name(calls[i][0].value, self.node), calls[i][1]) for i in todo],
+                return_exceptions=return_exceptions)
             for i, answer in zip(todo, answers):
                 self.check_epoch(calls[i][0], answer)
                 results[i] = answer
@@ -90,7 +101,8 @@ class NodeTiers:
         for n, (tag, _) in enumerate(commits):
             groups.setdefault(tag, []).append(n)
         answers = self.call_many([
-            (tier, "commit_pinned", ([commits[n][1] for n in idx], tag, wait, owner))
+            (tier, CommitPinned(items=[commits[n][1] for n in idx], namespace=tag, wait=wait,
+                                owner=owner))
             for tag, idx in groups.items()])
         out: list[Pinned | None] = [None] * len(commits)
         for idx, pins in zip(groups.values(), answers):
@@ -104,7 +116,7 @@ class NodeTiers:
         nothing for this call, and the other's pins are still handed back: raising would
         leave them held (until they expire) and lose the copies that tier has."""
         tiers = (Tier.HBM, Tier.DRAM)
-        answers = self.call_many([(t, "pin", (list(keys), owner)) for t in tiers],
+        answers = self.call_many([(t, Pin(keys=list(keys), owner=owner)) for t in tiers],
                                  return_exceptions=True)
         out = []
         for tier, answer in zip(tiers, answers):
@@ -118,7 +130,11 @@ class NodeTiers:
                   abort: Sequence[int] = ()) -> None:
         """End leases on an error path. A tier that does not answer keeps them only until
         they expire (or it restarted, and they went with it)."""
-        calls = [(tier, m, (list(ls),)) for m, ls in (("unpin", unpin), ("abort", abort)) if ls]
+        calls: list[tuple[Tier, Request[Any]]] = []
+        if unpin:
+            calls.append((tier, Unpin(leases=list(unpin))))
+        if abort:
+            calls.append((tier, Abort(leases=list(abort))))
         try:
             self.call_many(calls)
         except CmxError as exc:
@@ -128,7 +144,7 @@ class NodeTiers:
         """End pins nobody waits on: one way, off the load's path. Should the message be
         lost, the pins expire."""
         if leases:
-            self.link.tell(actor_name(tier.value, self.node), "unpin", list(leases))
+            self.link.tell(actor_name(tier.value, self.node), Unpin(leases=list(leases)))
 
     def check_epoch(self, tier: Tier, result: object) -> None:
         """A tier that restarted has a new arena: map it before its slots are used. Grants
@@ -184,7 +200,7 @@ class NodeTiers:
     def attach(self, tier: Tier) -> None:
         """The tier's current arena, mapped here (``_map``), beside the ``keep_epochs`` last
         incarnations of it."""
-        info: ArenaInfo = self.link.call(actor_name(tier.value, self.node), "info")
+        info = self.link.call(actor_name(tier.value, self.node), ArenaInfoOf())
         if info.epoch in self._epochs:
             return
         arena = self._map(info)
@@ -215,7 +231,7 @@ class Peers:
     def get(self, actor: str, refresh: bool = False) -> PeerInfo:
         info = None if refresh else self._known.get(actor)
         if info is None:
-            info = self._known[actor] = self.link.call(actor, "peer_info")
+            info = self._known[actor] = self.link.call(actor, PeerInfoOf())
         return info
 
     def holding(self, actor: str, regions: Sequence[str]) -> PeerInfo:
@@ -254,12 +270,13 @@ class Counters:
         self.moved_via[via] += nbytes
 
 
-def _empty_answer(method: str, args: tuple[object, ...]) -> Any:
+def _empty_answer(request: Request[Any]) -> Any:
     """What a batch call answers for no keys, without the round trip; _NO_ANSWER otherwise."""
-    if args and isinstance(args[0], list) and not args[0]:
-        if method in _EMPTY_LIST_CALLS:
+    first = next(iter(request.kwargs().values()), None)
+    if isinstance(first, list) and not first:
+        if request.method in _EMPTY_LIST_CALLS:
             return []
-        if method in _EMPTY_NONE_CALLS:
+        if request.method in _EMPTY_NONE_CALLS:
             return None
     return _NO_ANSWER
 

@@ -36,6 +36,7 @@ from cmx.actors.tiers.arena import Pinned
 from cmx.actors.transport.base import TransferError, Transport
 from cmx.checksum import checksum
 from cmx.config import ServiceConfig
+from cmx.doors import PinExtents, QuarantineExtents, QuarantinePinned, ReadSelection
 from cmx.errors import CmxError
 from cmx.keys import BlockHash
 from cmx.links import actor_name
@@ -135,7 +136,7 @@ class SliceServing:
                                 self.peers.forget).pull(actor, node, keys, runs)
         else:
             via = "ray"
-            found = self.link.call(actor, "read_selection", keys, runs,
+            found = self.link.call(actor, ReadSelection(keys=keys, runs=runs),
                                    timeout_s=self.config.load_timeout_s)
         out: list[SlicedBlock | None] = []
         for key, s in zip(keys, found):
@@ -222,7 +223,7 @@ class SliceServing:
                     kept.add(p.lease)
                 if bad:  # while pinned: the copy read goes at its last unpin
                     log.warning("%d %s copies failed their checksum", len(bad), tier.value)
-                    self.tiers.call(tier, "quarantine_pinned", bad)
+                    self.tiers.call(tier, QuarantinePinned(pins=bad))
         except BaseException:
             kept.clear()
             raise
@@ -237,7 +238,7 @@ class SliceServing:
         """Selections of blocks only on this node's NVMe, read into outbox slots leased to
         ``owner``; and the positions of those left for later (no free slot)."""
         box = self.host.outbox()  # before anything is pinned: it may fail
-        pins: list[Extent | None] = self.tiers.call(Tier.NVME, "pin", keys, self.owner)
+        pins = self.tiers.call(Tier.NVME, PinExtents(keys=keys, owner=self.owner))
         out: list[ExposedSlice | None] = [None] * len(keys)
         later: list[int] = []
         bad: list[Extent] = []
@@ -278,7 +279,7 @@ class SliceServing:
             self.tiers.give_back(Tier.NVME, unpin=[p.lease for p in pins if p is not None])
         if bad:
             log.warning("%d NVMe copies failed a chunk checksum", len(bad))
-            self.tiers.call(Tier.NVME, "quarantine_extents", bad)
+            self.tiers.call(Tier.NVME, QuarantineExtents(extents=bad))
         return out, later
 
     def _slice_memory(self, keys: Sequence[BlockHash], runs: Runs) -> list[SlicedBlock | None]:
@@ -305,7 +306,7 @@ class SliceServing:
             # While pinned: the copy read goes at its last unpin, never one stored after it.
             for tier, bad in corrupt.items():
                 log.warning("%d %s copies failed their checksum", len(bad), tier.value)
-                self.tiers.call(tier, "quarantine_pinned", bad)
+                self.tiers.call(tier, QuarantinePinned(pins=bad))
         finally:
             for tier, pins in answers:
                 self.tiers.give_back(tier, unpin=[p.lease for p in pins if p is not None])
@@ -313,7 +314,7 @@ class SliceServing:
 
     def _slice_nvme(self, keys: list[BlockHash], runs: Runs) -> list[SlicedBlock | None]:
         """Selections of blocks on this node's NVMe: only the chunks that cover the runs."""
-        pins: list[Extent | None] = self.tiers.call(Tier.NVME, "pin", keys, self.owner)
+        pins = self.tiers.call(Tier.NVME, PinExtents(keys=keys, owner=self.owner))
         out: list[SlicedBlock | None] = [None] * len(keys)
         bad: list[Extent] = []
         try:
@@ -335,5 +336,5 @@ class SliceServing:
             self.tiers.give_back(Tier.NVME, unpin=[p.lease for p in pins if p is not None])
         if bad:
             log.warning("%d NVMe copies failed a chunk checksum", len(bad))
-            self.tiers.call(Tier.NVME, "quarantine_extents", bad)
+            self.tiers.call(Tier.NVME, QuarantineExtents(extents=bad))
         return out

@@ -21,6 +21,7 @@ from cmx.actors.agent.pool import PoolWrites
 from cmx.actors.agent.shared import Counters, NodeTiers
 from cmx.actors.tiers.arena import Grant, Pinned
 from cmx.config import ServiceConfig
+from cmx.doors import CommitPinned, ReserveSlots
 from cmx.keys import BlockHash
 from cmx.protocol import StoreCommit
 from cmx.tiers import Tier
@@ -84,8 +85,8 @@ class Stores:
         their evicted blocks already demoted: a writer on this node copies each block into
         its slot, in the arena of the grant's epoch, then calls ``commit_store``."""
         start_time = time.perf_counter()
-        grants: list[Grant | None] = self.tiers.call(
-            Tier.DRAM, "reserve", list(zip(keys, parents)), owner)
+        grants = self.tiers.call(Tier.DRAM, ReserveSlots(items=list(zip(keys, parents)),
+                                                         owner=owner))
         try:
             self.demotion.demote_victims(Tier.DRAM, grants)
         except BaseException:
@@ -109,9 +110,9 @@ class Stores:
         committed, and stays pinned until its NVMe and pool copies are made, whatever fails:
         the writer's next window, granted beside this, must not evict it first."""
         start_time = time.perf_counter()
-        pins: list[Pinned | None] = self.tiers.call(
-            Tier.DRAM, "commit_pinned", [(g.lease, n, c) for g, n, c in done], namespace, True,
-            owner or self.tiers.owner)
+        pins = self.tiers.call(Tier.DRAM, CommitPinned(
+            items=[(g.lease, n, c) for g, n, c in done], namespace=namespace, wait=True,
+            owner=owner or self.tiers.owner))
         try:
             changed, stored, refused = self.place_committed(
                 keys, parents, done, pins, namespace, replicas)

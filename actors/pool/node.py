@@ -38,8 +38,10 @@ from cmx.actors.slices.expose import ExposedSlice, Exposure, SliceOutbox
 from cmx.actors.tiers.events import EventPublisher
 from cmx.actors.tiers.leases import Clock, LeaseKind, Leases
 from cmx.actors.tiers.nvme import extent_holdings, extent_tag
-from cmx.actors.transport.base import Move, PeerInfo, Region, TransferError, make_transport
+from cmx.actors.transport.base import Move, PeerInfo, Region, TransferError
+from cmx.actors.transport.factory import make_transport
 from cmx.checksum import checksum
+from cmx.doors import Contains, Ingest, PeerInfoOf, ReadSlots
 from cmx.errors import BlockStateError, CmxError, StoreFullError, UnavailableError
 from cmx.keys import BlockHash
 from cmx.protocol import Offer, Staged
@@ -86,9 +88,7 @@ class PoolNodeService:
         self._lock = threading.Lock()
         self.publisher = EventPublisher(
             Source(node, Tier.POOL), self.epoch, num_shards,
-            lambda shard, method, *args: link.call(
-                f"cmx:dir:{shard}", method, *args
-            ),
+            lambda shard, request: link.call(f"cmx:dir:{shard}", request),
             self._holdings, self.store.event_lock, functools.partial(extent_tag, self.store),
         )
         self.store.subscribe(self.publisher.on_event)
@@ -351,7 +351,7 @@ class PoolNodeService:
         me = f"cmx:pool:{self.node}"
         target = f"cmx:pool:{owner}"
         try:
-            have = self.link.call(target, "contains", keys)
+            have = self.link.call(target, Contains(keys=keys))
             missing = [k for k, h in zip(keys, have) if not h]
             for start in range(0, len(missing), 16):
                 staged = [s for s in self.stage(missing[start : start + 16], me)
@@ -359,7 +359,7 @@ class PoolNodeService:
                 try:
                     offers = [Offer(s.key, None, s.region, s.slot, s.size, s.checksum,
                                     extent_tag(self.store, s.key)) for s in staged]
-                    pushed += int(self.link.call(target, "ingest", me, offers))
+                    pushed += int(self.link.call(target, Ingest(source=me, offers=offers)))
                 finally:
                     self.unstage(staged)
         except UnavailableError as exc:
@@ -396,12 +396,12 @@ class PoolNodeService:
     def _peer(self, actor: str) -> PeerInfo:
         info = self._peers.get(actor)
         if info is None:
-            info = self._peers[actor] = self.link.call(actor, "peer_info")
+            info = self._peers[actor] = self.link.call(actor, PeerInfoOf())
         return info
 
     def _fetch(self, peer_agent: str, slots: list[tuple[str, int]]) -> list[np.ndarray]:
         actor = next(a for a, p in self._peers.items() if p.agent == peer_agent)
-        views: list[np.ndarray] = self.link.call(actor, "read_slots", slots)
+        views = self.link.call(actor, ReadSlots(slots=slots))
         return views
 
     def _holdings(self) -> list[Entry]:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cmx.doors import Checksums
 from cmx.errors import BlockStateError
 from cmx.keys import BlockHash
 from cmx.links import actor_name
@@ -68,7 +69,7 @@ def confirmed(link: Any, sums: dict[BlockHash, int], members: Sequence[str],
     good = {key: bool(by_owner) for key in sums}
     for owner, keys in by_owner.items():
         try:
-            held = list(link.call(actor_name("pool", owner), "checksums", keys))
+            held = list(link.call(actor_name("pool", owner), Checksums(keys=keys)))
         except Exception as exc:  # noqa: BLE001 - an owner that cannot say confirms nothing
             log.warning("rebalance: %s did not confirm its copies: %s", owner[:8], exc)
             held = [None] * len(keys)

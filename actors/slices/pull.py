@@ -19,6 +19,7 @@ from cmx.actors.slices.expose import ExposedSlice, Exposure, read_descriptors
 from cmx.actors.transport.base import PeerInfo, TransferError, Transport
 from cmx.buffers import aligned_empty
 from cmx.checksum import checksum
+from cmx.doors import ExposeSelection, QuarantineCopies, ReleaseSelection
 from cmx.errors import UnavailableError
 from cmx.keys import BlockHash
 from cmx.selection import Runs, SlicedBlock
@@ -51,8 +52,8 @@ class SlicePuller:
         out: list[SlicedBlock | None] = [None] * len(keys)
         todo = list(range(len(keys)))
         while todo:
-            exposure: Exposure = self.link.call(
-                actor, "expose_selection", [keys[i] for i in todo], runs, self.owner,
+            exposure: Exposure = self.link.call(actor, ExposeSelection(
+                keys=[keys[i] for i in todo], runs=runs, owner=self.owner),
                 timeout_s=self.timeout_s)
             held = [(todo[j], e) for j, e in enumerate(exposure.slices) if e is not None]
             if not held:
@@ -61,7 +62,7 @@ class SlicePuller:
             try:
                 landed = self._land(actor, exposed)
             except BaseException:
-                self.link.tell(actor, "release_selection", exposed)
+                self.link.tell(actor, ReleaseSelection(exposed=exposed))
                 raise
             corrupt = [e for e, data in zip(exposed, landed) if checksum(data) != e.checksum]
             self._release(actor, exposed, wait=bool(exposure.later or corrupt))
@@ -94,10 +95,10 @@ class SlicePuller:
 
     def _release(self, actor: str, exposed: list[ExposedSlice], wait: bool) -> None:
         if not wait:
-            self.link.tell(actor, "release_selection", exposed)
+            self.link.tell(actor, ReleaseSelection(exposed=exposed))
             return
         try:
-            self.link.call(actor, "release_selection", exposed, timeout_s=self.timeout_s)
+            self.link.call(actor, ReleaseSelection(exposed=exposed), timeout_s=self.timeout_s)
         except UnavailableError:
             pass  # the owner restarted: its pins and outbox went with it
 
@@ -115,4 +116,4 @@ class SlicePuller:
         for tier, keys in by_tier.items():
             log.warning("%d %s selections from %s failed their checksum where they landed",
                         len(keys), tier.value, node[:8])
-            self.link.tell(actor, "quarantine_copies", keys, tier)
+            self.link.tell(actor, QuarantineCopies(keys=keys, tier=tier))

@@ -126,9 +126,7 @@ class ArenaTierService:
             Source(node, tier),
             self.epoch,
             num_shards,
-            lambda shard, method, *args: directory.call(
-                f"cmx:dir:{shard}", method, *args
-            ),
+            lambda shard, request: directory.call(f"cmx:dir:{shard}", request),
             self._holdings,
             self.store._lock,
             lambda key: self._tags.get(BlockHash(key), ""),
@@ -165,13 +163,13 @@ class ArenaTierService:
             grants.append(Grant(key, res.slot, self.epoch, lease, victim))
         return grants
 
-    def commit(self, items: Sequence[tuple[int, int, int]], namespace: str = "",
+    def commit(self, items: Sequence[tuple[int, int, int | None]], namespace: str = "",
                wait: bool = True) -> int:
         """Commit written blocks (by lease) and publish them; returns how many were committed.
         With ``wait``, returns once the directory has them; otherwise they are sent behind."""
         return sum(self.commit_each(items, namespace, wait))
 
-    def commit_each(self, items: Sequence[tuple[int, int, int]], namespace: str = "",
+    def commit_each(self, items: Sequence[tuple[int, int, int | None]], namespace: str = "",
                     wait: bool = True) -> list[bool]:
         """``commit``, answering per item whether it was committed (False: its lease had
         ended, or is of an earlier incarnation of this tier)."""
@@ -188,7 +186,7 @@ class ArenaTierService:
         self.leases.expire()
         return [p for _, p in self._commit(items, namespace, wait, owner)]
 
-    def _commit(self, items: Sequence[tuple[int, int, int]], namespace: str, wait: bool,
+    def _commit(self, items: Sequence[tuple[int, int, int | None]], namespace: str, wait: bool,
                 owner: str | None) -> list[tuple[BlockHash | None, Pinned | None]]:
         """Commit each item (by lease); with an ``owner``, each is pinned for it under the
         store's lock, from the moment it is visible."""

@@ -5,7 +5,7 @@ batch to its shard. A shard that answers NEED_RESYNC gets the tier's full holdin
 shard instead. ``flush()`` returns once every event so far is applied (or the shard is known
 unreachable: then the copy is simply invisible until the next heartbeat resyncs it).
 
-Shards are reached through ``send(shard, method, *args)``, so the publisher runs unchanged
+Shards are reached through ``send(shard, request)`` (``cmx.doors``), so the publisher runs unchanged
 against plain DirectoryShard objects in unit tests and against Ray actors in the service.
 """
 
@@ -15,13 +15,15 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
+from typing import Any
 
 from cmx.actors.directory.shard import ApplyResult, Entry, Source, shard_of
+from cmx.doors import Apply, Request, Resync
 from cmx.storage.base import EventKind, StoreEvent
 
 __all__ = ["EventPublisher"]
 
-Send = Callable[..., object]
+Send = Callable[[int, Request[Any]], object]
 
 
 class EventPublisher:
@@ -99,7 +101,8 @@ class EventPublisher:
 
     def _deliver(self, shard: int, entries: list[Entry], seq: int) -> bool:
         try:
-            result = self._send(shard, "apply", self.source, self.epoch, seq, entries)
+            result = self._send(shard, Apply(source=self.source, epoch=self.epoch, seq=seq,
+                                             entries=entries))
             if ApplyResult(result) is ApplyResult.NEED_RESYNC:
                 self._resync(shard)
             return True
@@ -116,6 +119,7 @@ class EventPublisher:
             with self._lock:
                 seq = self._seq[shard]
                 self._pending[shard] = []
-        self._send(shard, "resync", self.source, self.epoch, seq, entries)
+        self._send(shard, Resync(source=self.source, epoch=self.epoch, seq=seq,
+                                 entries=entries))
         with self._lock:
             self.resyncs += 1

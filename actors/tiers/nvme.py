@@ -30,6 +30,7 @@ from typing import Any
 from cmx.actors.directory.shard import Entry, Source
 from cmx.actors.tiers.events import EventPublisher
 from cmx.actors.tiers.leases import ADMIN, Clock, LeasedPins, LeaseKind, Leases
+from cmx.doors import MoveExtents
 from cmx.errors import BlockStateError
 from cmx.keys import BlockHash
 from cmx.links import actor_name
@@ -75,9 +76,7 @@ class NvmeTierService:
             Source(node, Tier.NVME),
             self.epoch,
             num_shards,
-            lambda shard, method, *args: directory.call(
-                f"cmx:dir:{shard}", method, *args
-            ),
+            lambda shard, request: directory.call(f"cmx:dir:{shard}", request),
             self._holdings,
             self.store.event_lock,
             functools.partial(extent_tag, self.store),
@@ -227,7 +226,7 @@ class AgentMover(Mover):
         self._agent = actor_name("agent", node)
 
     def move(self, moves: Sequence[ExtentMove]) -> list[bool | None]:
-        return list(self._link.call(self._agent, "move_extents", extent_pairs(moves)))
+        return list(self._link.call(self._agent, MoveExtents(pairs=extent_pairs(moves))))
 
 
 def extent_tag(store: ExtentBooks, key: bytes) -> str:

@@ -1,2 +1,2 @@
 """Node-to-node transports: the interface and the Ray fallback (``base``), NIXL over UCX
-(``nixl_ucx``)."""
+(``nixl_ucx``), the choice between them (``factory``)."""

@@ -1,5 +1,5 @@
 """Node-to-node transports: the interface, and the Ray object-store fallback (NIXL over UCX is
-in ``actors/transport/nixl_ucx.py``).
+in ``actors/transport/nixl_ucx.py``; one of them chosen: ``actors/transport/factory.py``).
 
 A transport moves whole slots of registered regions (shared-memory arenas) between offload
 agents. Each agent registers its regions once and publishes a ``PeerInfo``; a reader connects
@@ -35,7 +35,6 @@ __all__ = [
     "Region",
     "Transport",
     "TransferError",
-    "make_transport",
 ]
 
 
@@ -164,22 +163,3 @@ class RayTransport(Transport):
             off = m.dst_slot * region.slot_bytes
             buf[off : off + blob.nbytes] = blob
             on_landed(m, 0, blob.nbytes)
-
-
-def make_transport(
-    agent: str,
-    prefer: str,
-    fetch: Callable[[str, list[tuple[str, int]]], list[np.ndarray]],
-) -> Transport:
-    """NIXL where it loads (unless ``prefer == "ray"``), else the Ray fallback."""
-    reason = None
-    if prefer != "ray":
-        try:
-            from cmx.actors.transport.nixl_ucx import NixlTransport
-
-            return NixlTransport(agent)
-        except Exception as exc:  # noqa: BLE001 - any load failure means falling back
-            if prefer == "nixl":
-                raise
-            reason = f"NIXL did not start: {exc}"
-    return RayTransport(agent, fetch, reason)

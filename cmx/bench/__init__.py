@@ -27,6 +27,7 @@ here. Every figure is a ratio to a baseline measured in the same run (see ``core
     vllm_serve "e2e-serve": vLLM's OpenAI servers driven by ``vllm bench serve`` (vllm_results,
              serve_report; proc_cpu: the CPU-seconds each process tree took)
     report   JSON, markdown, plots, docs/BENCHMARKS.md
+    render   a suite's figures as a table on the command line
     summary  the counts of PASS, MISS and inconclusive atop docs/BENCHMARKS.md, from its sections
     runner   runs suites in order and collects a BenchReport
 """

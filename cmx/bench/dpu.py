@@ -10,7 +10,7 @@ peer host node (with a client of its own):
   between nodes through the NIXL transport).
 
 Per repetition, a new 32 MiB prefix (16 blocks of 2 MiB) is stored and loaded through
-``ContextMemory.load`` from the host's DRAM; another is stored, pushed out of DRAM by the
+``NamespaceClient.load`` from the host's DRAM; another is stored, pushed out of DRAM by the
 next stores (write-back demotes it to NVMe) and loaded from NVMe; one stored on the host is
 loaded by the peer's client (the host's agent serves it), and one stored on the peer is
 loaded on the host (the host's agent pulls it). Figures are the DPU agent's GB/s over the

@@ -31,6 +31,7 @@ import numpy as np
 from cmx.bench.cluster import bench_cluster, on_node
 from cmx.bench.core import BenchContext, Figure, Goal, MiB, SuiteResult, Table, median
 from cmx.config import ServiceConfig
+from cmx.doors import AgentStatsOf, DropStaging, Evict
 from cmx.layout import KVLayout, PayloadOrder
 
 __all__ = ["run_heads"]
@@ -60,7 +61,7 @@ class _Loader:
         ns = self.cm.namespace("bench-heads", LAYOUT, salt)
         keys = ns.keys(toks)
         for tier in evict:
-            self.cm.link.call(actor_name(tier, self.cm.node_id), "evict", keys)
+            self.cm.link.call(actor_name(tier, self.cm.node_id), Evict(keys=keys))
         t0 = time.perf_counter()
         got = ns.load(toks) if heads is None else ns.load(toks, heads=heads)
         seconds = time.perf_counter() - t0
@@ -75,7 +76,7 @@ def _moved(cm: Any, nodes: list[str]) -> Counter[str]:
 
     total: Counter[str] = Counter()
     for node in nodes:
-        stats = cm.link.call(actor_name("agent", node), "stats")
+        stats = cm.link.call(actor_name("agent", node), AgentStatsOf())
         total.update(stats.moved_bytes)
         total.update({f"via:{k}": v for k, v in stats.moved_via.items()})
     return total
@@ -100,7 +101,7 @@ def _measure(ctx: BenchContext, cm: Any, loader: Any, salt: str, toks: np.ndarra
     def run(heads: int | None) -> tuple[float, Any, tuple[int, int]]:
         ctx.drop_cache()
         for pool in cold:
-            cm.link.call(actor_name("pool", pool), "drop_staging")
+            cm.link.call(actor_name("pool", pool), DropStaging())
         before = _moved(cm, nodes)
         seconds, got = ray.get(loader.timed.remote(salt, toks, heads, evict))
         after = _moved(cm, nodes)
@@ -158,7 +159,7 @@ def run_heads(ctx: BenchContext) -> SuiteResult:
         ]
         for tier, loader, evict, once, cold in plan:
             for t in once:
-                cm.link.call(actor_name(t, bc.node_a), "evict", ns.keys(toks))
+                cm.link.call(actor_name(t, bc.node_a), Evict(keys=ns.keys(toks)))
             if tier == "HBM":
                 ray.get(loader.timed.remote(salt, toks, None, ()))  # leaves a copy in HBM
             ctx.log(f"heads: {tier}, {ctx.config.reps} x (whole, one head)")

@@ -1,4 +1,4 @@
-"""Suite "service": what a local hit costs through ``ContextMemory.load``.
+"""Suite "service": what a local hit costs through ``NamespaceClient.load``.
 
 - A local DRAM hit of 1 and of 16 small blocks (32 KiB), p50, against a bare Ray actor round
   trip on the same node in the same run: the control path, not the bytes, is the cost of
@@ -32,6 +32,7 @@ from cmx.bench.nvme_hits import nvme_prefix_figures
 from cmx.bench.pressure import pressure_figures
 from cmx.checksum import checksum
 from cmx.config import ServiceConfig
+from cmx.doors import Evict
 from cmx.layout import KVLayout
 
 __all__ = ["checksum_cost_figure", "run_service"]
@@ -76,7 +77,7 @@ def _dram_hits(cm: Any, ns: Any, toks: np.ndarray, keys: list[Any], reps: int) -
     hbm = actor_name("hbm", cm.node_id)
     times = []
     for _ in range(reps):
-        cm.link.call(hbm, "evict", keys)
+        cm.link.call(hbm, Evict(keys=keys))
         t0 = time.perf_counter()
         got = ns.load(toks)
         times.append(time.perf_counter() - t0)

@@ -42,6 +42,7 @@ from cmx.bench.core import BenchContext, Figure, GiB, Goal, MiB, SuiteResult, Ta
 from cmx.bench.e2e_pairs import ratio_interval
 from cmx.bench.service import LLAMA
 from cmx.config import ServiceConfig
+from cmx.doors import Evict
 from cmx.layout import KVLayout
 
 __all__ = ["GROUPS", "LAYOUT", "StepTimes", "layer_figures", "mismatched_layers", "run_layers"]
@@ -163,7 +164,7 @@ class _Engine:
 
         evict = ("hbm",) if where == "DRAM" else ("hbm", "dram")
         for tier in evict:
-            self.cm.link.call(actor_name(tier, self.cm.node_id), "evict", self.keys)
+            self.cm.link.call(actor_name(tier, self.cm.node_id), Evict(keys=self.keys))
         here = [{c.tier for c in b.copies if c.node == self.cm.node_id}
                 for b in self.ns.lookup(self.spec.token_ids).blocks]
         want = Tier.DRAM if where == "DRAM" else Tier.NVME

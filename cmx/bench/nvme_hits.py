@@ -1,6 +1,6 @@
 """Figures of suite "service": a prefix living only on this node's NVMe tier.
 
-- Load: ``ContextMemory.load`` of a 512 MiB and a 2 GiB prefix of 2 MiB and of 32 MiB blocks
+- Load: ``NamespaceClient.load`` of a 512 MiB and a 2 GiB prefix of 2 MiB and of 32 MiB blocks
   whose HBM and DRAM copies were evicted (page cache dropped where allowed), against fio's
   O_DIRECT sequential read of the same number of bytes (I/Os of one block, QD16) in the same
   repetition.
@@ -24,6 +24,7 @@ from cmx.bench.core import GB, BenchContext, Figure, GiB, Goal, MiB, median
 from cmx.bench.raw import fio_engine, fio_path
 from cmx.client.loads import WINDOW_BYTES, window_blocks
 from cmx.config import ServiceConfig
+from cmx.doors import AgentStatsOf, Evict
 from cmx.errors import CmxError
 from cmx.layout import KVLayout
 from cmx.stats import Unreachable
@@ -98,7 +99,7 @@ class StoreSplit:
 def _agent_sums(cm: Any) -> dict[str, float]:
     from cmx.links import actor_name
 
-    hist = cm.link.call(actor_name("agent", cm.node_id), "stats").latency
+    hist = cm.link.call(actor_name("agent", cm.node_id), AgentStatsOf()).latency
     return {op: h.sum for op, h in hist.items()}
 
 
@@ -135,7 +136,7 @@ def _only_on_nvme(cm: Any, ns: Any, toks: Any) -> None:
 
     keys = [b.key for b in ns.lookup(toks).blocks]
     for tier in ("hbm", "dram"):
-        cm.link.call(actor_name(tier, cm.node_id), "evict", keys)
+        cm.link.call(actor_name(tier, cm.node_id), Evict(keys=keys))
     where = [{c.tier for c in b.copies if c.node == cm.node_id} for b in ns.lookup(toks).blocks]
     if len(where) != len(keys) or any(w != {Tier.NVME} for w in where):
         raise AssertionError("the prefix is not on this node's NVMe tier alone")

@@ -1,6 +1,6 @@
 """A figure of suite "service": a prefix larger than the node's HBM and DRAM, loaded from NVMe.
 
-``ContextMemory.load`` of a 512 MiB prefix of 2 MiB blocks on a node whose HBM and DRAM tiers
+``NamespaceClient.load`` of a 512 MiB prefix of 2 MiB blocks on a node whose HBM and DRAM tiers
 each hold an eighth of it: the prefix is stored, evicted down to NVMe, and loaded window by
 window through HBM slots that each window's blocks take in turn (``cmx.client.loads``). The
 baseline is fio's O_DIRECT sequential read of the same number of bytes (I/Os of one block,
@@ -21,6 +21,7 @@ from cmx.bench.cluster import bench_cluster
 from cmx.bench.core import GB, BenchContext, Figure, GiB, Goal, MiB, SuiteResult, median
 from cmx.bench.nvme_hits import fio_same_bytes
 from cmx.config import ServiceConfig
+from cmx.doors import Evict
 from cmx.layout import KVLayout
 
 __all__ = ["PREFIX_BYTES", "TIER_SHARE", "pressure_figures", "run_pressure"]
@@ -64,7 +65,7 @@ def _only_on_nvme(cm: Any, ns: Any, toks: np.ndarray) -> None:
 
     keys = [b.key for b in ns.lookup(toks).blocks]
     for tier in ("hbm", "dram"):
-        cm.link.call(actor_name(tier, cm.node_id), "evict", keys)
+        cm.link.call(actor_name(tier, cm.node_id), Evict(keys=keys))
     where = [{c.tier for c in b.copies if c.node == cm.node_id} for b in ns.lookup(toks).blocks]
     if len(where) != len(toks) // LAYOUT.block_tokens or any(w != {Tier.NVME} for w in where):
         raise AssertionError("the prefix is not on this node's NVMe tier alone")

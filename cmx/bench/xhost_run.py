@@ -5,7 +5,7 @@
 bridge, so that between them there is only TCP. A prefix of N Llama-3-8B blocks (32 MiB each)
 is stored from host b and held only there. Then, R times and alternated (A B A B):
 
-A. ``ContextMemory.load`` of the prefix by this client on host a (the lookup, b's agent and
+A. ``NamespaceClient.load`` of the prefix by this client on host a (the lookup, b's agent and
    a's agent moving the blocks over the transport, the copy out with every checksum checked);
    a's copies are evicted before each load, so every load crosses the network;
 B. the same number of bytes over one TCP stream from a sender on host b into this process
@@ -30,6 +30,7 @@ from typing import Any, cast
 import numpy as np
 
 from cmx.bench.core import GB
+from cmx.doors import Evict
 
 __all__ = ["LOG_MARK", "RunArgs", "Samples", "main", "parse_args"]
 
@@ -174,7 +175,7 @@ class _Prefix:
                     if c.node == here:
                         by_tier.setdefault(c.tier.value, []).append(b.key)
             for tier, keys in by_tier.items():
-                self.cm.link.call(actor_name(tier, here), "evict", keys)
+                self.cm.link.call(actor_name(tier, here), Evict(keys=keys))
             time.sleep(0.2)
 
     def load_gbps(self) -> float:

@@ -36,7 +36,7 @@ import numpy as np
 from cmx.checksum import ChecksumStream, checksum
 from cmx.client.copy_out import empty_kv, kv_array
 from cmx.client.loads import load_through_agent
-from cmx.client.matches import Match
+from cmx.client.matches import Match, held_here
 from cmx.errors import CmxError
 from cmx.layout import PayloadOrder
 
@@ -64,8 +64,6 @@ def layer_groups(num_layers: int, groups: int) -> list[range]:
 
 class LayerLoad:
     def __init__(self, ns: NamespaceClient, match: Match) -> None:
-        from cmx.client.namespaces import held_here  # the namespace module imports this one
-
         self.ns = ns
         self.layout = ns.layout
         self._plane = ns.cm.plane

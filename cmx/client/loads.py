@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from cmx.client.copy_out import copy_verified
 from cmx.config import ServiceConfig
+from cmx.doors import GiveUp, Load, Pending, Release
 from cmx.errors import CmxError
 from cmx.protocol import Loaded, LoadResult, Priority, actor_name
 
@@ -66,7 +67,7 @@ class _Asked:
     start: int  # index of its first block in the load
     size: int  # blocks asked for
     owner: str  # the lease owner of its pins
-    ref: Any  # the agent's answer, to come
+    ref: Pending[LoadResult]  # the agent's answer, to come
     overlapped: bool  # asked while other windows of the load still held pins
 
 
@@ -177,9 +178,10 @@ def _ask(ns: Reader, blocks: Sequence[BlockLocation], start: int, window: int,
         return None
     owner = f"client:{uuid.uuid4().hex}"
     try:
-        ref = ns.cm.link.submit(_agent(ns), "load", [b.key for b in chunk],
-                                [list(b.copies) for b in chunk], Priority.LOAD, owner,
-                                ns.namespace.id, len(blocks))
+        ref = ns.cm.link.submit(_agent(ns), Load(
+            keys=[b.key for b in chunk], copies=[list(b.copies) for b in chunk],
+            priority=Priority.LOAD, owner=owner, namespace=ns.namespace.id,
+            of_blocks=len(blocks)))
     except CmxError as exc:  # the agent is not running: a miss from here on
         log.warning("load not sent: %s", exc)
         return None
@@ -189,7 +191,7 @@ def _ask(ns: Reader, blocks: Sequence[BlockLocation], start: int, window: int,
 def _answer(ns: Reader, asked: _Asked) -> LoadResult | None:
     """The agent's answer to ``asked``; None (its pins given up) if it failed or was late."""
     try:
-        result: LoadResult = ns.cm.link.result(asked.ref, ns.cm.config.load_timeout_s)
+        result = ns.cm.link.result(asked.ref, ns.cm.config.load_timeout_s)
     except Exception as exc:  # noqa: BLE001 - a failed or late load is a miss
         log.warning("load failed: %s", exc)
         _give_up(ns, asked)
@@ -199,7 +201,7 @@ def _answer(ns: Reader, asked: _Asked) -> LoadResult | None:
 
 def _give_up(ns: Reader, asked: _Asked | None) -> None:
     if asked is not None:
-        ns.cm.link.tell(_agent(ns), "give_up", asked.owner)
+        ns.cm.link.tell(_agent(ns), GiveUp(owner=asked.owner))
 
 
 def _copy_out(ns: Reader, result: LoadResult, out: Any, first: int
@@ -218,8 +220,8 @@ def _copy_out(ns: Reader, result: LoadResult, out: Any, first: int
         log.warning("load's arena %s is gone: %s", result.arena, exc)
     finally:
         try:
-            releasing = ns.cm.link.submit(_agent(ns), "release",
-                                          [b.lease for b in result.blocks], corrupt)
+            releasing = ns.cm.link.submit(_agent(ns), Release(
+                leases=[b.lease for b in result.blocks], corrupt=corrupt))
         except CmxError as exc:  # the agent is gone: the pins expire as leases
             log.warning("release not sent: %s", exc)
             releasing = None

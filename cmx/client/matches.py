@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from cmx.keys import BlockHash, Namespace
     from cmx.layout import KVLayout
 
-__all__ = ["BlockLocation", "Client", "Match", "Node", "Reader"]
+__all__ = ["BlockLocation", "Client", "Match", "Node", "Reader", "held_here", "in_memory_here"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,20 @@ class Match:
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
+
+
+def in_memory_here(block: BlockLocation, node: str) -> bool:
+    """Whether the lookup found a copy of ``block`` in ``node``'s memory (HBM or DRAM): its
+    best copy is one (``best_copy`` puts a copy on ``node`` first, the fastest tier next)."""
+    return block.node == node and block.tier in (Tier.HBM, Tier.DRAM)
+
+
+def held_here(match: Match, node: str) -> int:
+    """How many leading blocks of ``match`` the lookup found in ``node``'s memory."""
+    for i, b in enumerate(match.blocks):
+        if not in_memory_here(b, node):
+            return i
+    return len(match.blocks)
 
 
 class Node(Protocol):

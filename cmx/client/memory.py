@@ -27,6 +27,7 @@ from cmx.client.namespaces import (
 )
 from cmx.client.node_plane import NodePlane
 from cmx.config import ServiceConfig
+from cmx.doors import Evict, Lookup, NamespaceBlocks, Nodes
 from cmx.errors import LayoutMismatchError, UnavailableError
 from cmx.keys import BlockHash, Namespace, namespace_id
 from cmx.layout import KVLayout
@@ -113,7 +114,7 @@ class ContextMemory:
     # -- cluster view --------------------------------------------------------------------------
 
     def nodes(self) -> list[str]:
-        return list(self.link.call("cmx:controller", "nodes"))
+        return list(self.link.call("cmx:controller", Nodes()))
 
     def stats(self) -> ServiceStats:
         """Per node each tier's figures and the agent's; the directory's shards; the pool.
@@ -130,10 +131,10 @@ class ContextMemory:
         that carry none.
         """
         ns_id = namespace_id(namespace)  # an id, or the 64-hex digest: blocks carry the id
-        by_holder: dict[tuple[Tier, str], list[BlockHash]] = {}
+        by_holder: dict[tuple[Tier, str], list[bytes]] = {}
         for shard in range(self.config.directory_shards):
             try:
-                found = self.link.call(actor_name("dir", shard), "namespace_blocks", ns_id)
+                found = self.link.call(actor_name("dir", shard), NamespaceBlocks(namespace=ns_id))
             except UnavailableError:
                 continue
             for key, copies in found:
@@ -142,7 +143,7 @@ class ContextMemory:
         evicted = 0
         for (tier, node), keys in by_holder.items():
             try:
-                evicted += int(self.link.call(actor_name(tier.value, node), "evict", keys))
+                evicted += int(self.link.call(actor_name(tier.value, node), Evict(keys=keys)))
             except UnavailableError:
                 pass
         return evicted
@@ -171,8 +172,8 @@ class ContextMemory:
         refs = {}
         for shard, idx in by_shard.items():
             try:
-                refs[shard] = self.link.submit(actor_name("dir", shard), "lookup",
-                                               [keys[i] for i in idx])
+                refs[shard] = self.link.submit(actor_name("dir", shard),
+                                               Lookup(keys=[keys[i] for i in idx]))
             except UnavailableError:
                 pass
         out: list[list[Copy]] = [[] for _ in keys]

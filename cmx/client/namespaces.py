@@ -8,7 +8,7 @@ another node or the pool, and copied out the same way. Pins are leases: they are
 way after the copy, or expire.
 
 A lookup is answered the same way: the prefix this node holds committed in memory from the
-tiers' own books (``NodePlane.held_prefix``, one round trip), and only the rest from the
+tiers' own books (``NodePlane.held``, one round trip), and only the rest from the
 directory, one batched call per shard. Keys are chained from the namespace's digest, so a
 namespace finds only its own blocks, here as in the directory.
 """
@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 from cmx.client.copy_out import copy_payloads, copy_verified, empty_kv
 from cmx.client.loads import load_through_agent, window_blocks
-from cmx.client.matches import BlockLocation, Client, Match
+from cmx.client.matches import BlockLocation, Client, Match, held_here, in_memory_here
 from cmx.client.stores import StoreHandle, store_into_dram
+from cmx.doors import Prefetch
 from cmx.errors import CmxError, LayoutMismatchError
 from cmx.keys import BlockHash, Namespace, chain_keys
 from cmx.protocol import Copy, actor_name, best_copy
 from cmx.selection import IndexSpec, Selection
-from cmx.tiers import Tier
 
 if TYPE_CHECKING:
     from cmx.client.layer_loads import LayerLoad
@@ -190,26 +190,11 @@ class NamespaceClient:
         return self._send_prefetch(away[: window_blocks(self.cm.config)])
 
     def _send_prefetch(self, blocks: Sequence[BlockLocation]) -> Any:
-        return self.cm.link.submit(
-            actor_name("agent", self.cm.node_id), "prefetch",
-            [b.key for b in blocks], [list(b.copies) for b in blocks], self.namespace.id,
-        )
+        return self.cm.link.submit(actor_name("agent", self.cm.node_id), Prefetch(
+            keys=[b.key for b in blocks], copies=[list(b.copies) for b in blocks],
+            namespace=self.namespace.id)).ref
 
 
 def _location(key: BlockHash, copies: Sequence[Copy], node: str) -> BlockLocation:
     best = best_copy(copies, node)
     return BlockLocation(key, best.tier, best.node, tuple(copies))
-
-
-def in_memory_here(block: BlockLocation, node: str) -> bool:
-    """Whether the lookup found a copy of ``block`` in ``node``'s memory (HBM or DRAM): its
-    best copy is one (``best_copy`` puts a copy on ``node`` first, the fastest tier next)."""
-    return block.node == node and block.tier in (Tier.HBM, Tier.DRAM)
-
-
-def held_here(match: Match, node: str) -> int:
-    """How many leading blocks of ``match`` the lookup found in ``node``'s memory."""
-    for i, b in enumerate(match.blocks):
-        if not in_memory_here(b, node):
-            return i
-    return len(match.blocks)

@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from cmx.doors import ArenaInfoOf, Held, Pin, QuarantinePinned, ReleaseOwner, Unpin
 from cmx.protocol import Copy, Pinned, actor_name, arena_name, held_table_name
 from cmx.storage.arena import SHM_DIR, SharedArena
 from cmx.storage.held_table import HeldTable
@@ -131,7 +132,7 @@ class NodePlane:
                 found[tier] = answer
         ask = [t for t in tiers if t not in found]
         answers = self.link.call_many(
-            [(actor_name(t.value, self.node), "held", (list(keys),)) for t in ask],
+            [(actor_name(t.value, self.node), Held(keys=list(keys))) for t in ask],
             timeout_s=self.timeout_s, return_exceptions=True) if ask else []
         for tier, answer in zip(ask, answers):
             if isinstance(answer, BaseException) or len(answer) != len(keys):
@@ -158,7 +159,7 @@ class NodePlane:
             if time.monotonic() < self._no_table.get(tier, 0.0):
                 return None
         try:
-            info = self.link.call(actor_name(tier.value, self.node), "info",
+            info = self.link.call(actor_name(tier.value, self.node), ArenaInfoOf(),
                                   timeout_s=self.timeout_s)
             table = HeldTable.attach(held_table_name(tier, self.node, info.epoch))
         except Exception as exc:  # noqa: BLE001 - not mapped: the tier answers instead
@@ -174,14 +175,13 @@ class NodePlane:
 
     def _pin(self, tier: Tier, keys: Sequence[bytes], owner: str) -> list[Pinned | None]:
         try:
-            answer: list[Pinned | None] = self.link.call(
-                actor_name(tier.value, self.node), "pin", list(keys), owner,
-                timeout_s=self.timeout_s)
+            answer = self.link.call(actor_name(tier.value, self.node),
+                                    Pin(keys=list(keys), owner=owner), timeout_s=self.timeout_s)
         except Exception as exc:  # noqa: BLE001 - a tier that fails holds nothing for this load
             # A call that timed out may still have run: what it pinned is given back now, not
             # when the leases expire (the owner is this load's alone).
             log.debug("%s did not pin: %s", tier.value, exc)
-            self.link.tell(actor_name(tier.value, self.node), "release_owner", owner)
+            self.link.tell(actor_name(tier.value, self.node), ReleaseOwner(owner=owner))
             return [None] * len(keys)
         return answer
 
@@ -192,13 +192,13 @@ class NodePlane:
 
     def unpin(self, pins: Sequence[LocalPin]) -> None:
         for tier, leases in _by_tier(pins, lambda p: p.pin.lease).items():
-            self.link.tell(actor_name(tier.value, self.node), "unpin", leases)
+            self.link.tell(actor_name(tier.value, self.node), Unpin(leases=leases))
 
     def quarantine(self, pins: Sequence[LocalPin]) -> None:
         """Drop the copies these pins named, found corrupt (each goes when its last pin
         does); a copy stored since, or in a tier that restarted, stays."""
         for tier, named in _by_tier(pins, lambda p: p.pin).items():
-            self.link.tell(actor_name(tier.value, self.node), "quarantine_pinned", named)
+            self.link.tell(actor_name(tier.value, self.node), QuarantinePinned(pins=named))
 
     def arena(self, name: str) -> SharedArena:
         """The arena ``name`` mapped here; the oldest mapping goes past ``KEEP_ARENAS`` (a read

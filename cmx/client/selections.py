@@ -14,6 +14,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from cmx.checksum import checksum
+from cmx.doors import LoadSlices
 from cmx.protocol import actor_name
 from cmx.selection import Selection, SlicedBlock
 
@@ -55,9 +56,9 @@ def _load_window(ns: Reader, selection: Selection,
     """The verified selections of the longest prefix of ``blocks`` the agent found."""
     agent = actor_name("agent", ns.cm.node_id)
     try:
-        found: list[SlicedBlock] = ns.cm.link.call(
-            agent, "load_slices", [b.key for b in blocks], [list(b.copies) for b in blocks],
-            selection.runs(ns.layout), timeout_s=ns.cm.config.load_timeout_s)
+        found = ns.cm.link.call(agent, LoadSlices(
+            keys=[b.key for b in blocks], copies=[list(b.copies) for b in blocks],
+            runs=selection.runs(ns.layout)), timeout_s=ns.cm.config.load_timeout_s)
     except Exception as exc:  # noqa: BLE001 - a failed or late load is a miss
         log.warning("partial load failed: %s", exc)
         return []

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from cmx.checksum import Checksum, ChecksumStream
+from cmx.doors import Abort, CommitStore, GrantStore, Pending
 from cmx.keys import BlockHash
 from cmx.layout import KVLayout
 from cmx.protocol import StoreCommit, actor_name, arena_name
@@ -126,12 +127,16 @@ class _Commits:
 
     def __init__(self, cm: Any) -> None:
         self._cm = cm
-        self._refs: list[Any] = []
+        self._refs: list[Pending[StoreCommit]] = []
         self.result = StoreCommit(0)
         self.waiting_s = 0.0  # waiting for commits, in all
 
-    def submit(self, *args: Any) -> None:
-        self._refs.append(self._cm.link.submit(_agent(self._cm), "commit_store", *args))
+    def submit(self, keys: list[BlockHash], parents: list[BlockHash | None],
+               done: list[tuple[Any, int, int]], namespace: str, replicas: int | None,
+               owner: str) -> None:
+        self._refs.append(self._cm.link.submit(_agent(self._cm), CommitStore(
+            keys=keys, parents=parents, done=done, namespace=namespace, replicas=replicas,
+            owner=owner)))
 
     def wait_until(self, in_flight: int) -> bool:
         """Wait for the oldest commits until at most ``in_flight`` are left; whether any
@@ -145,7 +150,7 @@ class _Commits:
         self.waiting_s += time.perf_counter() - t0
         return waited
 
-    def last(self) -> Any:
+    def last(self) -> Pending[StoreCommit] | None:
         return self._refs.pop() if self._refs else None
 
 
@@ -180,15 +185,15 @@ def _copy_window(
             csum = copy_block(layout, slot, kv[:, :, :, i * T : (i + 1) * T])
             done.append((grant, layout.block_bytes, csum))
     except BaseException:
-        cm.link.tell(actor_name(Tier.DRAM.value, cm.node_id), "abort",
-                     [g.lease for g in grants if g is not None])
+        cm.link.tell(actor_name(Tier.DRAM.value, cm.node_id),
+                     Abort(leases=[g.lease for g in grants if g is not None]))
         raise
     return done
 
 
 def _grant(cm: Any, keys: list[BlockHash], parents: list[BlockHash | None],
            owner: str) -> list[Any]:
-    return list(cm.link.call(_agent(cm), "grant_store", keys, parents, owner,
+    return list(cm.link.call(_agent(cm), GrantStore(keys=keys, parents=parents, owner=owner),
                              timeout_s=cm.config.load_timeout_s))
 
 

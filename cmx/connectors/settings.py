@@ -13,20 +13,51 @@ number to set, rather than failing every store later.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from cmx.config import ServiceConfig
 from cmx.errors import CmxError, LayoutMismatchError
 from cmx.layout import KVLayout
 
-__all__ = ["ConnectorSettings", "Namespaces", "adopt_service_slots", "connect", "quiet_driver",
-           "namespace_salt"]
+__all__ = ["ConnectorSettings", "LoadMode", "Namespaces", "SaveMode", "SettingError",
+           "adopt_service_slots", "connect", "quiet_driver", "namespace_salt"]
 
 log = logging.getLogger(__name__)
+
+
+class LoadMode(str, enum.Enum):
+    """When a step's loads land; given by its value ("sync", "async") in the engine's config."""
+
+    SYNC = "sync"  # before the step's attention reads them (vLLM holds the step)
+    ASYNC = "async"  # while the request waits in vLLM's WAITING_FOR_REMOTE_KVS, others run
+
+
+class SaveMode(str, enum.Enum):
+    """When a step's blocks are copied out; given by its value ("sync", "async")."""
+
+    SYNC = "sync"  # each layer's blocks inside the forward
+    ASYNC = "async"  # after it, on a thread, the request's blocks kept from reuse until then
+
+
+class SettingError(CmxError, ValueError):
+    """A connector setting given a value it cannot take (the message names the choices)."""
+
+
+_Mode = TypeVar("_Mode", LoadMode, SaveMode)
+
+
+def _mode(kind: type[_Mode], name: str, value: object) -> _Mode:
+    """``value`` as a member of ``kind``: a member already, or its value as given ("async")."""
+    try:
+        return kind(value)
+    except ValueError:
+        choices = ", ".join(repr(m.value) for m in kind)
+        raise SettingError(f"{name} is one of {choices}, not {value!r}") from None
 
 
 @dataclass(frozen=True)
@@ -46,16 +77,13 @@ class ConnectorSettings:
     lookup_wait_s: float = 0.005  # the scheduler waits this long for a lookup, then polls
     load_timeout_s: float = 0.0  # bound on one step's loads; 0 means service.load_timeout_s
     max_pending_stores: int = 64  # stores in flight before new ones are dropped (and logged)
-    load_mode: str = "sync"  # "sync": a step's loads land before its attention reads them
-    #                          (vLLM holds the step); "async": the request waits in vLLM's
-    #                          WAITING_FOR_REMOTE_KVS while its blocks land, others run
+    load_mode: LoadMode = LoadMode.SYNC  # when a step's loads land (LoadMode)
     load_threads: int = 2  # async mode: loads that run at once; more wait their turn
     load_layer_groups: int = 4  # sync mode: a step's loads are fetched and written in this
     #                            many groups of layers, so attention over the first layers
     #                            waits for their bytes only (1: the whole prefix first)
-    save_mode: str = "sync"  # "sync": each layer's blocks are copied out inside the forward;
-    #                          "async": copied after it, on a thread, the request's blocks
-    #                          kept from reuse until then (vllm_gather)
+    save_mode: SaveMode = SaveMode.SYNC  # when a step's blocks are copied out (SaveMode;
+    #                                      ASYNC: vllm_gather)
     staging_bytes: int = 256 << 20  # async saves: bytes of copied blocks not yet stored;
     #                                 a save that does not fit is dropped and counted
     prefetch: bool = False  # a lookup finding blocks away from this node's memory (NVMe, a
@@ -85,9 +113,9 @@ class ConnectorSettings:
         if self.lookup_wait_s < 0 or self.load_timeout_s < 0 or self.max_pending_stores < 1:
             raise ValueError("lookup_wait_s and load_timeout_s must be >= 0, "
                              "max_pending_stores >= 1")
-        if self.load_mode not in ("sync", "async") or self.save_mode not in ("sync", "async"):
-            raise ValueError(f"load_mode and save_mode are 'sync' or 'async', not "
-                             f"{self.load_mode!r} and {self.save_mode!r}")
+        # The engine's config gives the modes as strings (JSON): each becomes its member here.
+        object.__setattr__(self, "load_mode", _mode(LoadMode, "load_mode", self.load_mode))
+        object.__setattr__(self, "save_mode", _mode(SaveMode, "save_mode", self.save_mode))
         if self.load_threads < 1 or self.staging_bytes < 1 or self.load_layer_groups < 1:
             raise ValueError("load_threads, load_layer_groups and staging_bytes must be >= 1")
 
@@ -97,11 +125,11 @@ class ConnectorSettings:
 
     @property
     def async_loads(self) -> bool:
-        return self.load_mode == "async"
+        return self.load_mode is LoadMode.ASYNC
 
     @property
     def async_saves(self) -> bool:
-        return self.save_mode == "async"
+        return self.save_mode is SaveMode.ASYNC
 
 
 def namespace_salt(base: str, cache_salt: str | None) -> str:
@@ -175,10 +203,11 @@ def adopt_service_slots(cm: Any) -> None:
     only the one it would start. If the node's DRAM tier does not answer, the setting stays
     (a warning): stores then fail, counted as failed, until it does.
     """
+    from cmx.doors import ArenaInfoOf
     from cmx.protocol import actor_name
 
     try:
-        slot_bytes = int(cm.link.call(actor_name("dram", cm.node_id), "info").slot_bytes)
+        slot_bytes = int(cm.link.call(actor_name("dram", cm.node_id), ArenaInfoOf()).slot_bytes)
     except Exception as exc:  # noqa: BLE001 - a service not up yet: checked against the setting
         log.warning("CMXConnector could not ask the service its slot size (%s); checking blocks "
                     "against ServiceConfig.block_bytes=%d", exc, cm.config.block_bytes)

@@ -91,6 +91,7 @@ class CMXWorkerReport(KVConnectorWorkerMetadata):
     computed: list[tuple[int, int]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        # Tensor-parallel workers each load and store their own heads of the same blocks: the
-        # request-level figures are the same on all of them, so the first worker's stand.
+        # vLLM joins a step's reports of all its workers here, the first as ``self``. The
+        # connector refuses tensor parallelism (CMXConnector.__init__): with one worker there
+        # is nothing to join; with more (pipeline stages) the first's report stands, alone.
         return self

@@ -121,6 +121,16 @@ class CalibrationResult:
     def ok(self) -> bool:
         return all(r.ok for r in self.rows)
 
+    @property
+    def goal(self) -> float:
+        """The largest relative error a row is allowed (``Row.ok``)."""
+        return GOAL
+
+    @property
+    def command(self) -> str:
+        """The command that measures it again and writes its section of the docs."""
+        return COMMAND
+
     def table(self) -> Any:
         from rich.table import Table
 
@@ -140,8 +150,8 @@ class CalibrationResult:
                 "rows": [{**asdict(r), "measured_median_s": r.measured,
                           "predicted_median_s": r.predicted, "error": r.error, "ok": r.ok}
                          for r in self.rows],
-                "ok": self.ok, "goal": GOAL, "notes": list(self.notes), "command": COMMAND,
-                "raw": self.raw}
+                "ok": self.ok, "goal": self.goal, "notes": list(self.notes),
+                "command": self.command, "raw": self.raw}
 
 
 # -- 1. this machine -----------------------------------------------------------------------------

@@ -18,15 +18,13 @@ GB = 1e9
 
 
 def render(result: CalibrationResult) -> str:
-    from cmx.simulate.calibrate import COMMAND, GOAL
-
     s = result.speeds
     when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     lines = [
         BEGIN,
         "### `simulate --calibrate`",
         "",
-        f"Command: `{COMMAND}`  ",
+        f"Command: `{result.command}`  ",
         f"Machine: {platform.processor() or platform.machine()}, {platform.node()}  ",
         f"Run: {when}",
         "",
@@ -54,8 +52,8 @@ def render(result: CalibrationResult) -> str:
         "",
         f"The service's loads (`NamespaceClient.load`), N clients at once (one client: "
         f"loads one after another), against the "
-        f"simulator's prediction of the same N loads (goal: within {GOAL:.0%}): the median of "
-        "every load of every repetition on both sides:",
+        f"simulator's prediction of the same N loads (goal: within {result.goal:.0%}): the median "
+        "of every load of every repetition on both sides:",
         "",
         "| source | clients | bytes per load | loads | measured s (median) | predicted s (median) "
         "| error | result |",

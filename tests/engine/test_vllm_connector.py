@@ -18,6 +18,7 @@ from vllm import SamplingParams
 
 from cmx.connectors.settings import Namespaces, namespace_salt
 from cmx.connectors.vllm import CMXConnector
+from cmx.doors import Evict
 
 from .vllm_support import BLOCK_SIZE, MAX_TOKENS, prompts
 
@@ -239,7 +240,7 @@ def evict(cm: Any, keys: list[bytes]) -> None:
         for c in copies:
             holders.setdefault((c.tier.value, c.node), []).append(key)
     for (tier, node), held in holders.items():
-        cm.link.call(actor_name(tier, node), "evict", held)
+        cm.link.call(actor_name(tier, node), Evict(keys=held))
     deadline = time.monotonic() + 30
     while any(cm.copies(keys)):
         assert time.monotonic() < deadline, "evicted blocks are still listed"

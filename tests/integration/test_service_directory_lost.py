@@ -5,6 +5,7 @@ the lost actor's handle, finds the new one under the name: lookups are whole aga
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -12,6 +13,7 @@ from conftest import patiently
 from pool_support import until
 from support import LAYOUT
 
+from cmx.doors import Request
 from cmx.links import RAY_NAMESPACE, RayLink, actor_name
 
 T = LAYOUT.block_tokens
@@ -26,6 +28,12 @@ class Named:
         return self.answer
 
 
+@dataclass(frozen=True)
+class Ask(Request[str]):
+    method = "ask"
+    served_by = (f"{__name__}.Named",)
+
+
 def gone(name: str) -> bool:
     try:
         ray.get_actor(name, namespace=RAY_NAMESPACE)
@@ -38,14 +46,14 @@ def test_a_link_finds_the_actor_started_anew_under_a_name(cluster: Any) -> None:
     name = "cmx:test-named:link"
     first = ray.remote(Named).options(name=name, namespace=RAY_NAMESPACE).remote("first")
     link = RayLink(10.0)
-    assert link.result(link.submit(name, "ask")) == "first"
+    assert link.result(link.submit(name, Ask())) == "first"
     ray.kill(first, no_restart=True)
     assert until(lambda: gone(name))
     second = ray.remote(Named).options(name=name, namespace=RAY_NAMESPACE).remote("second")
     answers = []
     for _ in range(2):  # the first call may still reach the dead actor's handle: it fails
         try:
-            answers.append(link.result(link.submit(name, "ask")))
+            answers.append(link.result(link.submit(name, Ask())))
         except Exception as exc:  # noqa: BLE001 - recorded, then asserted on
             answers.append(type(exc).__name__)
     assert answers[-1] == "second", answers

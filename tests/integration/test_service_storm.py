@@ -20,6 +20,7 @@ from traffic import Traffic, held, kill, nothing_held, until
 
 from cmx import ContextMemory
 from cmx.config import ServiceConfig
+from cmx.doors import Load, TierStatsOf
 from cmx.links import actor_name
 from cmx.protocol import Priority
 
@@ -61,9 +62,9 @@ class Hoarder:
         ns = self.cm.namespace(model, LAYOUT, salt)
         match = ns.lookup(tokens)
         agent = actor_name("agent", self.cm.node_id)
-        result = self.cm.link.call(agent, "load", [b.key for b in match.blocks],
-                                   [list(b.copies) for b in match.blocks], Priority.LOAD,
-                                   f"client:{uuid.uuid4().hex}")
+        result = self.cm.link.call(agent, Load(
+            keys=[b.key for b in match.blocks], copies=[list(b.copies) for b in match.blocks],
+            priority=Priority.LOAD, owner=f"client:{uuid.uuid4().hex}"))
         return len(result.blocks)
 
 
@@ -80,8 +81,8 @@ def test_a_client_killed_holding_a_loads_pins_leaves_nothing_pinned(
     ).remote(config)
     assert ray.get(hoarder.hold.remote("m-hoard", "t", toks), timeout=60) == 3
     hbm = actor_name("hbm", node)
-    expired = cm.link.call(hbm, "stats").leases.expired
+    expired = cm.link.call(hbm, TierStatsOf()).leases.expired
     assert held(cm, node)["hbm"][0] >= 3
     ray.kill(hoarder)
     assert until(lambda: held(cm, node)["hbm"] == (0, 0), config.lease_s + 10)
-    assert cm.link.call(hbm, "stats").leases.expired - expired >= 3  # the leases ended them
+    assert cm.link.call(hbm, TierStatsOf()).leases.expired - expired >= 3  # the leases ended them

@@ -18,6 +18,7 @@ import ray
 import torch
 from support import LAYOUT
 
+from cmx.doors import TierStatsOf
 from cmx.links import RAY_NAMESPACE, actor_name
 from cmx.tiers import Tier
 
@@ -29,7 +30,7 @@ def held(cm: Any, node: str) -> dict[str, tuple[int, int]]:
     out = {}
     for tier in (Tier.HBM, Tier.DRAM, Tier.NVME):
         try:
-            s = cm.link.call(actor_name(tier.value, node), "stats")
+            s = cm.link.call(actor_name(tier.value, node), TierStatsOf())
         except Exception:  # noqa: BLE001 - a tier restarting now is asked again later
             continue
         out[tier.value] = (s.pinned, s.reserved)

@@ -12,7 +12,7 @@ Map of the package (who owns what):
   - ``checks``: the self-check of segments against the index.
 - ``extentio``: ExtentIo, the data plane: moves bytes between caller buffers and extents
   through an I/O engine (``io``: thread pool with preadv/pwritev; ``nixl_io``: NIXL POSIX
-  io_uring), with ``staging`` for unaligned buffers.
+  io_uring; ``engines``: one by name), with ``staging`` for unaligned buffers.
 - ``writes`` / ``blockreads`` / ``slices``: each operation's two phases around its bytes
   (``reads`` plans slice I/O; ``chunks``: extents and per-chunk checksums).
 - ``extents``: ExtentBooks, the books alone, as the service's NVMe tier runs them; and
@@ -25,8 +25,9 @@ Map of the package (who owns what):
 
 from __future__ import annotations
 
+from cmx.storage.nvme.engines import make_io_engine
 from cmx.storage.nvme.errors import StoreDirectoryError, StoreIOError
-from cmx.storage.nvme.io import IoBatch, IoEngine, make_io_engine
+from cmx.storage.nvme.io import IoBatch, IoEngine
 from cmx.storage.nvme.store import NvmeLocation, NvmeStore
 
 __all__ = ["IoBatch", "IoEngine", "NvmeLocation", "NvmeStore", "StoreDirectoryError",

@@ -31,8 +31,9 @@ import numpy as np
 from cmx.buffers import ALIGN, is_aligned
 from cmx.storage.nvme.blockreads import BlockReader
 from cmx.storage.nvme.chunks import block_sums, extent_bytes
+from cmx.storage.nvme.engines import make_io_engine
 from cmx.storage.nvme.extentio import ExtentIo
-from cmx.storage.nvme.io import IoBatch, make_io_engine
+from cmx.storage.nvme.io import IoBatch
 from cmx.storage.nvme.space import ExtentMove, Mover
 from cmx.storage.nvme.staging import alloc_aligned
 

@@ -29,11 +29,11 @@ from cmx.keys import BlockHash, check_key
 from cmx.storage.base import EventKind, NvmeStats, StoreEvent
 from cmx.storage.nvme.books import NvmeBooks, Reservation
 from cmx.storage.nvme.chunks import chunk_count, extent_bytes
+from cmx.storage.nvme.engines import make_io_engine
 from cmx.storage.nvme.entry import BlockEntry
 from cmx.storage.nvme.extentio import ExtentIo
 from cmx.storage.nvme.files import FileOps
 from cmx.storage.nvme.front import BooksFront
-from cmx.storage.nvme.io import make_io_engine
 from cmx.storage.nvme.records import check_tag
 from cmx.storage.nvme.space import Mover
 

@@ -30,10 +30,10 @@ from cmx.storage.base import BlockStore, NvmeStats
 from cmx.storage.nvme.blockreads import BlockReader
 from cmx.storage.nvme.books import NvmeBooks
 from cmx.storage.nvme.chunks import extent_bytes
+from cmx.storage.nvme.engines import make_io_engine
 from cmx.storage.nvme.extentio import ExtentIo
 from cmx.storage.nvme.files import FileOps
 from cmx.storage.nvme.front import BooksFront
-from cmx.storage.nvme.io import make_io_engine
 from cmx.storage.nvme.records import check_tag
 from cmx.storage.nvme.slices import RunRequest, SliceReader
 from cmx.storage.nvme.space import Mover
@@ -82,7 +82,7 @@ class NvmeStore(BlockStore):
         block_bytes: the largest block accepted.
         segment_bytes: size of one segment file; default capacity/8 within [one block, 1 GiB].
         eviction: eviction policy name (``cmx.policies.make_eviction``) or instance.
-        io_engine: "threads", "nixl" or "auto" (see ``io.AUTO_ORDER``).
+        io_engine: "threads", "nixl" or "auto" (see ``engines.AUTO_ORDER``).
         queue_depth: I/Os in flight per engine; io_bytes: the largest single I/O.
         staging_bytes: budget of each of the two staging buffers (writes, reads) used for
             unaligned caller buffers; at most one block's extent is mapped.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from cmx.actors.agent.core import OffloadAgent
 from cmx.actors.directory.shard import Copy, DirectoryShard, shard_of
@@ -14,6 +14,7 @@ from cmx.actors.tiers.nvme import NvmeTierService
 from cmx.client import ContextMemory, NamespaceClient
 from cmx.client.node_plane import NodePlane
 from cmx.config import ServiceConfig
+from cmx.doors import Request
 from cmx.keys import Namespace
 from cmx.layout import KVLayout
 from cmx.links import LocalLink, actor_name
@@ -23,6 +24,7 @@ from cmx.tiers import Tier
 # runs on one machine must not share names (arena names keep a node's first 12 characters).
 RUN = uuid.uuid4().hex[:5]
 NODE_A, NODE_B, NODE_C = f"node-a-{RUN}", f"node-b-{RUN}", f"node-c-{RUN}"
+R = TypeVar("R")
 
 
 class FakeClock:
@@ -64,18 +66,18 @@ class LaggingLink(LocalLink):
 
     def __init__(self, targets: dict[str, Any]) -> None:
         super().__init__(targets)
-        self._told: list[tuple[str, str, tuple[Any, ...]]] = []
+        self._told: list[tuple[str, Request[Any]]] = []
 
-    def tell(self, name: str, method: str, *args: Any) -> None:
-        self._told.append((name, method, args))
+    def tell(self, name: str, request: Request[Any]) -> None:
+        self._told.append((name, request))
 
-    def call(self, name: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+    def call(self, name: str, request: Request[R], timeout_s: float | None = None) -> R:
         told, self._told = self._told, []
         try:
-            return super().call(name, method, *args)
+            return super().call(name, request)
         finally:
-            for t in told:
-                super().tell(*t[:2], *t[2])
+            for told_name, told_request in told:
+                super().tell(told_name, told_request)
 
 
 def make_plane(config: ServiceConfig, nodes: tuple[str, ...] = (NODE_A, NODE_B),

@@ -26,9 +26,9 @@ from cmx.actors.tiers.nvme import NvmeTierService
 from cmx.config import ServiceConfig
 from cmx.links import actor_name
 from cmx.storage.nvme.dataplane import ExtentPlane
+from cmx.storage.nvme.engines import make_io_engine
 from cmx.storage.nvme.extentio import ExtentIo
 from cmx.storage.nvme.extents import ExtentBooks
-from cmx.storage.nvme.io import make_io_engine
 from cmx.tiers import Tier
 
 # The crash plane lives with the NVMe store's tests; this replay reuses it as it is.

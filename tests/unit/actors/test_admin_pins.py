@@ -23,6 +23,7 @@ from cmx.api.app import create_app
 from cmx.api.backend import ServiceBackend
 from cmx.client import ContextMemory
 from cmx.config import AdminConfig
+from cmx.doors import PinFor, Request
 from cmx.errors import UnavailableError
 from cmx.tiers import Tier
 
@@ -142,10 +143,10 @@ class LateLink:
     def __init__(self, link: Any) -> None:
         self._link = link
 
-    def call(self, name: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
-        answer = self._link.call(name, method, *args)
-        if method == "pin_for":
-            raise UnavailableError(f"{name}.{method} did not answer in time")
+    def call(self, name: str, request: Request[Any], timeout_s: float | None = None) -> Any:
+        answer = self._link.call(name, request)
+        if isinstance(request, PinFor):
+            raise UnavailableError(f"{name}.{request.method} did not answer in time")
         return answer
 
     def __getattr__(self, attr: str) -> Any:

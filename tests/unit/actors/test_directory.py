@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 from cmx.actors.directory.shard import ApplyResult, Copy, DirectoryShard, Entry, Source, shard_of
 from cmx.actors.tiers.events import EventPublisher
+from cmx.doors import Request
 from cmx.storage.base import EventKind, StoreEvent
 from cmx.tiers import Tier
 
@@ -79,8 +81,8 @@ def make(num_shards: int = 3):
     shards = [DirectoryShard(i) for i in range(num_shards)]
     holdings = Holdings()
 
-    def send(shard: int, method: str, *args: object) -> object:
-        return getattr(shards[shard], method)(*args)
+    def send(shard: int, request: Request[Any]) -> object:
+        return getattr(shards[shard], request.method)(**request.kwargs())
 
     pub = EventPublisher(A, "e1", num_shards, send, lambda: list(holdings.entries.values()),
                          holdings.lock)
@@ -120,14 +122,15 @@ def test_restarted_shard_is_rebuilt_by_heartbeat() -> None:
 def test_unreachable_shard_is_a_failure_not_an_error() -> None:
     shards, holdings, pub = make(1)
 
-    def broken(shard: int, method: str, *args: object) -> object:
+    def broken(shard: int, request: Request[Any]) -> object:
         raise ConnectionError("down")
 
     pub._send = broken
     holdings.event(pub, 1)
     assert pub.flush() is False
     assert pub.failures == 1
-    pub._send = lambda shard, method, *args: getattr(shards[shard], method)(*args)
+    pub._send = lambda shard, request: getattr(shards[shard], request.method)(
+        **request.kwargs())
     holdings.event(pub, 2)
     assert pub.flush()  # the gap makes the shard ask for a resync: both blocks are back
     assert lookup_all(shards, [key(1), key(2)]) == [True, True]
@@ -138,11 +141,11 @@ def test_one_unreachable_shard_does_not_hold_back_the_others() -> None:
     down = shard_of(key(0), 3)
     sent: list[int] = []
 
-    def send(shard: int, method: str, *args: object) -> object:
+    def send(shard: int, request: Request[Any]) -> object:
         sent.append(shard)
         if shard == down:
             raise ConnectionError("down")
-        return getattr(shards[shard], method)(*args)
+        return getattr(shards[shard], request.method)(**request.kwargs())
 
     pub._send = send
     for i in range(12):

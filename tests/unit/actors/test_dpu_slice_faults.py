@@ -23,6 +23,7 @@ import cmx.actors.dpu.host as dpu_host
 from cmx.actors.dpu.staging import LOCAL_STAGING_SLOTS
 from cmx.actors.slices.pull import SlicePuller
 from cmx.actors.transport.base import TransferError
+from cmx.doors import Request
 from cmx.keys import BlockHash
 from cmx.selection import Selection, SlicedBlock, gather
 from cmx.storage.nvme.chunks import block_sums
@@ -163,8 +164,8 @@ def test_an_exposure_quarantines_the_copy_it_read_not_one_stored_since(
     real_call = agent.tiers.call
     stored_again: list[bool] = []
 
-    def call(tier: Tier, method: str, *args: Any, **kw: Any) -> Any:
-        if tier is Tier.NVME and method.startswith("quarantine") and not stored_again:
+    def call(tier: Tier, request: Request[Any]) -> Any:
+        if tier is Tier.NVME and request.method.startswith("quarantine") and not stored_again:
             # After the exposure's unpin, before its quarantine: the key stored again, intact.
             assert nvme.evict([victim]) == 1
             ext = nvme.reserve([(victim, None, BLOCK)], "writer")[0]
@@ -174,7 +175,7 @@ def test_an_exposure_quarantines_the_copy_it_read_not_one_stored_since(
             csum, chunks = block_sums(block)
             assert nvme.commit([(ext.lease, BLOCK, csum, chunks)]) == 1
             stored_again.append(True)
-        return real_call(tier, method, *args, **kw)
+        return real_call(tier, request)
 
     monkeypatch.setattr(agent.tiers, "call", call)
     exposure = agent.expose_selection([victim], RUNS, "a-peer")

@@ -8,17 +8,19 @@ import os
 import uuid
 from collections import Counter
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from plane import Plane, make_plane
 from scenarios import blocks, check, restart_tier, small_config
 
 from cmx.client.node_plane import NodePlane
+from cmx.doors import Request
 from cmx.links import LocalLink
 from cmx.storage.arena import SHM_DIR
 from cmx.tiers import Tier
 
+R = TypeVar("R")
 NODE = f"held-{uuid.uuid4().hex[:6]}"  # arenas named apart from other suites' on this host
 
 
@@ -29,9 +31,9 @@ class CountingLink(LocalLink):
         super().__init__(targets)
         self.calls: Counter[str] = Counter()
 
-    def call(self, name: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
-        self.calls[method] += 1
-        return super().call(name, method, *args)
+    def call(self, name: str, request: Request[R], timeout_s: float | None = None) -> R:
+        self.calls[request.method] += 1
+        return super().call(name, request)
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -14,10 +14,12 @@ from plane import Plane, make_plane, namespace_client
 from scenarios import LAYOUT, check, held, load, restart_tier, small_config
 
 from cmx.client import NamespaceClient
+from cmx.doors import Request
 from cmx.links import LocalLink
 from cmx.protocol import arena_name
 from cmx.tiers import Tier
 
+R = TypeVar("R")
 NODE = f"hits-{uuid.uuid4().hex[:6]}"  # arenas named apart from other suites' on this host
 T = LAYOUT.block_tokens
 
@@ -29,13 +31,13 @@ class CountingLink(LocalLink):
         super().__init__(targets)
         self.calls: list[tuple[str, str]] = []
 
-    def call(self, name: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
-        self.calls.append((name.split(":")[1], method))
-        return super().call(name, method, *args)
+    def call(self, name: str, request: Request[R], timeout_s: float | None = None) -> R:
+        self.calls.append((name.split(":")[1], request.method))
+        return super().call(name, request)
 
-    def tell(self, name: str, method: str, *args: Any) -> None:
-        self.calls.append((name.split(":")[1], f"tell {method}"))
-        LocalLink.call(self, name, method, *args)
+    def tell(self, name: str, request: Request[Any]) -> None:
+        self.calls.append((name.split(":")[1], f"tell {request.method}"))
+        LocalLink.call(self, name, request)
 
 
 @pytest.fixture

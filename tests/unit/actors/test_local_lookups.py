@@ -6,7 +6,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -15,9 +15,11 @@ from plane import Plane, make_plane, namespace_client
 from scenarios import LAYOUT, check, held, small_config
 
 from cmx.client import NamespaceClient
+from cmx.doors import Lookup, Request
 from cmx.links import LocalLink
 from cmx.tiers import Tier
 
+R = TypeVar("R")
 RUN = uuid.uuid4().hex[:5]
 HERE, PEER = f"lookups-h-{RUN}", f"lookups-p-{RUN}"  # arenas named apart from other suites'
 T = LAYOUT.block_tokens
@@ -30,10 +32,10 @@ class DirectoryCountingLink(LocalLink):
         super().__init__(targets)
         self.asked: list[list[bytes]] = []
 
-    def call(self, name: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
-        if name.startswith("cmx:dir:") and method == "lookup":
-            self.asked.append(list(args[0]))
-        return super().call(name, method, *args)
+    def call(self, name: str, request: Request[R], timeout_s: float | None = None) -> R:
+        if name.startswith("cmx:dir:") and isinstance(request, Lookup):
+            self.asked.append(list(request.keys))
+        return super().call(name, request)
 
     def asked_keys(self) -> list[bytes]:
         return [k for call in self.asked for k in call]

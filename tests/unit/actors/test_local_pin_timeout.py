@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from typing import Any
+from typing import TypeVar
 
 import pytest
 import torch
 from plane import Plane, make_plane, namespace_client
 from scenarios import LAYOUT, check, held, small_config
 
+from cmx.doors import Pin, Request
 from cmx.errors import UnavailableError
 from cmx.links import LocalLink
 from cmx.tiers import Tier
 
+R = TypeVar("R")
 NODE = f"pinlate-{uuid.uuid4().hex[:6]}"  # arenas named apart from other suites' on this host
 T = LAYOUT.block_tokens
 
@@ -25,11 +27,11 @@ class LateLink(LocalLink):
 
     late = False
 
-    def call(self, name: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
-        answer = super().call(name, method, *args)
-        if self.late and method == "pin" and name == f"cmx:dram:{NODE}" \
-                and str(args[1]).startswith("client:"):
-            raise UnavailableError(f"{name}.{method} did not answer: Get timed out")
+    def call(self, name: str, request: Request[R], timeout_s: float | None = None) -> R:
+        answer = super().call(name, request)
+        if self.late and isinstance(request, Pin) and name == f"cmx:dram:{NODE}" \
+                and str(request.owner).startswith("client:"):
+            raise UnavailableError(f"{name}.{request.method} did not answer: Get timed out")
         return answer
 
 

@@ -19,8 +19,9 @@ from cmx.actors.pool.node import PoolNodeService
 from cmx.links import actor_name
 from cmx.protocol import Offer
 from cmx.storage.nvme.dataplane import ExtentPlane
+from cmx.storage.nvme.engines import make_io_engine
 from cmx.storage.nvme.extentio import ExtentIo
-from cmx.storage.nvme.io import IoBatch, IoRequest, make_io_engine
+from cmx.storage.nvme.io import IoBatch, IoRequest
 from cmx.tiers import Tier
 
 N = 24  # blocks of a prefix: more than the agent's workers and the engine's queue depth

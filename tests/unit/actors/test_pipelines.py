@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -18,6 +18,7 @@ from scenarios import BLOCK, LAYOUT, check, held, small_config
 
 from cmx.client import ContextMemory, NamespaceClient
 from cmx.client.node_plane import NodePlane
+from cmx.doors import Load, Pending, Release, Request
 from cmx.errors import UnavailableError
 from cmx.keys import Namespace
 from cmx.links import LocalLink
@@ -25,6 +26,7 @@ from cmx.tiers import Tier
 
 NODE = f"pipe-{uuid.uuid4().hex[:6]}"  # arenas named apart from other suites' on this host
 T = LAYOUT.block_tokens
+R = TypeVar("R")
 BLOCKS = 6  # three windows: HBM holds 8 blocks, a window is a quarter of it (2)
 
 
@@ -42,28 +44,30 @@ class ScriptedLink(LocalLink):
         self._loads = 0
         self._late: list[Late] = []
 
-    def submit(self, name: str, method: str, *args: Any) -> Any:
-        if method == "release":
-            self.events.append(method)
-            late = Late(lambda: LocalLink.submit(self, name, method, *args))
+    def submit(self, name: str, request: Request[R]) -> Pending[R]:
+        if isinstance(request, Release):
+            self.events.append(request.method)
+            late = Late(lambda: LocalLink.submit(self, name, request))
             self._late.append(late)
-            return late
-        answer = super().submit(name, method, *args)
-        if method == "load":
+            return Pending(request, late)
+        answer = super().submit(name, request)
+        if isinstance(request, Load):
             self.events.append(f"load {self._loads}")
             hook = self.on_load.get(self._loads)
             self._loads += 1
-            if hook is not None:
-                answer = hook(answer)
+            if hook is not None:  # on the answer LocalLink keeps in the Pending's ref
+                answer = Pending(request, hook(answer.ref))
             self.flush()
         return answer
 
-    def result(self, ref: Any, timeout_s: float | None = None) -> Any:
-        return super().result(ref.run() if isinstance(ref, Late) else ref, timeout_s)
+    def result(self, pending: Pending[R], timeout_s: float | None = None) -> R:
+        if isinstance(pending.ref, Late):
+            pending = pending.ref.run()
+        return super().result(pending, timeout_s)
 
-    def tell(self, name: str, method: str, *args: Any) -> None:
-        self.events.append(method)
-        super().tell(name, method, *args)
+    def tell(self, name: str, request: Request[Any]) -> None:
+        self.events.append(request.method)
+        super().tell(name, request)
 
     def flush(self) -> None:
         for late in self._late:

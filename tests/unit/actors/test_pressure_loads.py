@@ -11,7 +11,7 @@ from __future__ import annotations
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -22,11 +22,13 @@ from scenarios import BLOCK, LAYOUT, check, held, small_config
 from cmx.client import ContextMemory, NamespaceClient
 from cmx.client.loads import DEPTH, load_window
 from cmx.client.node_plane import NodePlane
+from cmx.doors import Load, Pending, Release, Request
 from cmx.keys import Namespace
-from cmx.links import LocalLink, actor_name
+from cmx.links import Call, LocalLink, actor_name
 from cmx.storage.arena import SharedArena
 from cmx.tiers import Tier
 
+R = TypeVar("R")
 NODE = f"pressure-{uuid.uuid4().hex[:6]}"  # arenas named apart from other suites' on this host
 T = LAYOUT.block_tokens
 TIER_BLOCKS = 8  # HBM and DRAM each
@@ -65,27 +67,27 @@ class RecordingLink(LocalLink):
         self.trips: list[tuple[str, ...]] = []
         self._tiers = {actor_name(t.value, NODE): t.value for t in Tier if t is not Tier.POOL}
 
-    def call_many(self, calls: Sequence[tuple[str, str, tuple[Any, ...]]],
-                  timeout_s: float | None = None, return_exceptions: bool = False) -> list[Any]:
-        trip = tuple(f"{self._tiers[n]}.{m}" for n, m, _ in calls if n in self._tiers)
+    def call_many(self, calls: Sequence[Call], timeout_s: float | None = None,
+                  return_exceptions: bool = False) -> list[Any]:
+        trip = tuple(f"{self._tiers[n]}.{r.method}" for n, r in calls if n in self._tiers)
         if trip:
             self.trips.append(trip)
         return super().call_many(calls, timeout_s, return_exceptions)
 
-    def submit(self, name: str, method: str, *args: Any) -> Any:
-        if method == "release":
-            self.events.seen.append(method)
-        answer = super().submit(name, method, *args)
-        if method == "load":
+    def submit(self, name: str, request: Request[R]) -> Pending[R]:
+        if isinstance(request, Release):
+            self.events.seen.append(request.method)
+        answer = super().submit(name, request)
+        if isinstance(request, Load):
             hook = self.on_load.get(self.loads)
             self.loads += 1
-            if hook is not None:
-                answer = hook(answer)
+            if hook is not None:  # on the answer LocalLink keeps in the Pending's ref
+                answer = Pending(request, hook(answer.ref))
         return answer
 
-    def tell(self, name: str, method: str, *args: Any) -> None:
-        self.events.seen.append(method)
-        super().tell(name, method, *args)
+    def tell(self, name: str, request: Request[Any]) -> None:
+        self.events.seen.append(request.method)
+        super().tell(name, request)
 
 
 class RecordingPlane(NodePlane):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -15,9 +15,11 @@ from plane import Plane, make_plane
 from scenarios import BLOCK, blocks, check, load, restart_tier, small_config
 
 from cmx.client.node_plane import NodePlane
+from cmx.doors import Request, Unpin
 from cmx.links import LocalLink
 from cmx.tiers import Tier
 
+R = TypeVar("R")
 NODE = f"quar-{uuid.uuid4().hex[:6]}"  # arenas named apart from other suites' on this host
 
 
@@ -28,9 +30,9 @@ class HookLink(LocalLink):
     after_unpin: Any = None
     hook_tier = Tier.NVME
 
-    def call(self, name: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
-        answer = super().call(name, method, *args)
-        if (method == "unpin" and self.after_unpin is not None
+    def call(self, name: str, request: Request[R], timeout_s: float | None = None) -> R:
+        answer = super().call(name, request)
+        if (isinstance(request, Unpin) and self.after_unpin is not None
                 and name.split(":")[1] == self.hook_tier.value):
             hook, self.after_unpin = self.after_unpin, None
             hook()

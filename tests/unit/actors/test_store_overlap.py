@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -16,9 +16,11 @@ from plane import Plane, make_plane, namespace_client
 from scenarios import BLOCK, LAYOUT, check, held, small_config
 
 from cmx.client import NamespaceClient
+from cmx.doors import CommitStore, GrantStore, Pending, Request
 from cmx.links import LocalLink
 from cmx.tiers import Tier
 
+R = TypeVar("R")
 NODE = f"overlap-{uuid.uuid4().hex[:6]}"  # arenas named apart from other suites' on this host
 T = LAYOUT.block_tokens
 
@@ -51,29 +53,29 @@ class InterleavingLink(LocalLink):
         self._sent: list[Deferred] = []
         self._inside: Callable[[], None] | None = None
 
-    def submit(self, name: str, method: str, *args: Any) -> Any:
-        if method != "commit_store":
-            return super().submit(name, method, *args)
+    def submit(self, name: str, request: Request[R]) -> Pending[R]:
+        if not isinstance(request, CommitStore):
+            return super().submit(name, request)
         self.events.append("commit")
-        late = Deferred(lambda: LocalLink.submit(self, name, method, *args))
+        late = Deferred(lambda: LocalLink.submit(self, name, request))
         self._sent.append(late)
-        return late
+        return Pending(request, late)
 
-    def result(self, ref: Any, timeout_s: float | None = None) -> Any:
-        if isinstance(ref, Deferred):
+    def result(self, pending: Pending[R], timeout_s: float | None = None) -> R:
+        if isinstance(pending.ref, Deferred):
             self.events.append("wait")
-            ref = ref.run()
-        return super().result(ref, timeout_s)
+            pending = pending.ref.run()
+        return super().result(pending, timeout_s)
 
-    def call(self, name: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
-        if method != "grant_store":
-            return super().call(name, method, *args)
+    def call(self, name: str, request: Request[R], timeout_s: float | None = None) -> R:
+        if not isinstance(request, GrantStore):
+            return super().call(name, request)
         self.events.append("grant")
         sent = [d for d in self._sent if not d.ran]
         if not sent:
-            return super().call(name, method, *args)
+            return super().call(name, request)
         answer: list[Any] = []
-        self._inside = lambda: answer.append(LocalLink.call(self, name, method, *args))
+        self._inside = lambda: answer.append(LocalLink.call(self, name, request))
         sent[0].run()
         if self._inside is not None:  # the commit failed before its DRAM commit
             self._inside()
@@ -103,8 +105,8 @@ def plane_of(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, dram_blocks: int) -
 
 
 def _then(call: Callable[..., Any], after: Callable[[], None]) -> Callable[..., Any]:
-    def both(*args: Any) -> Any:
-        answer = call(*args)
+    def both(*args: Any, **kwargs: Any) -> Any:
+        answer = call(*args, **kwargs)
         after()
         return answer
     return both

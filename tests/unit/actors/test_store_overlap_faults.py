@@ -26,6 +26,7 @@ from test_store_overlap import (
 
 from cmx.checksum import checksum
 from cmx.client import NamespaceClient
+from cmx.doors import Pending
 from cmx.errors import UnavailableError
 from cmx.selection import Selection
 from cmx.tiers import Tier
@@ -103,11 +104,11 @@ def test_a_commit_the_writer_stops_waiting_for_is_not_committed_twice_nor_left_p
     result = link.result
     timed_out: list[bool] = []
 
-    def times_out_once(ref: Any, timeout_s: float | None = None) -> Any:
-        if isinstance(ref, Deferred) and not timed_out:
+    def times_out_once(pending: Pending[Any], timeout_s: float | None = None) -> Any:
+        if isinstance(pending.ref, Deferred) and not timed_out:
             timed_out.append(True)
             raise UnavailableError("a call did not answer: timed out")
-        return result(ref, timeout_s)
+        return result(pending, timeout_s)
 
     monkeypatch.setattr(link, "result", times_out_once)
     ns = client(tiny)

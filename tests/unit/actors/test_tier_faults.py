@@ -7,7 +7,7 @@ from __future__ import annotations
 import errno
 import uuid
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -19,13 +19,15 @@ from writers import StoreLink, during_copy
 from cmx.checksum import checksum
 from cmx.client import ContextMemory, NamespaceClient
 from cmx.client.node_plane import NodePlane
+from cmx.doors import Acquire, Request, Unpin
 from cmx.errors import UnavailableError
 from cmx.keys import Namespace
-from cmx.links import LocalLink, actor_name
+from cmx.links import Call, LocalLink, actor_name
 from cmx.protocol import arena_name
 from cmx.storage.nvme.dataplane import Extent, ExtentPlane
 from cmx.tiers import Tier
 
+R = TypeVar("R")
 NODE = f"faults-{uuid.uuid4().hex[:6]}"
 
 
@@ -38,17 +40,17 @@ class StartAllLink(LocalLink):
         super().__init__(targets)
         self.down: set[str] = set()
 
-    def call(self, name: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+    def call(self, name: str, request: Request[R], timeout_s: float | None = None) -> R:
         if name in self.down:
             raise UnavailableError(f"{name} does not answer")
-        return super().call(name, method, *args)
+        return super().call(name, request)
 
-    def call_many(self, calls: Sequence[tuple[str, str, tuple[Any, ...]]],
-                  timeout_s: float | None = None, return_exceptions: bool = False) -> list[Any]:
+    def call_many(self, calls: Sequence[Call], timeout_s: float | None = None,
+                  return_exceptions: bool = False) -> list[Any]:
         results: list[Any] = []
-        for name, method, args in calls:
+        for name, request in calls:
             try:
-                results.append(self.call(name, method, *args))
+                results.append(self.call(name, request))
             except Exception as exc:  # noqa: BLE001 - kept, raised after every call ran
                 results.append(exc)
         if not return_exceptions:
@@ -165,9 +167,9 @@ class AfterAcquire(StartAllLink):
 
     hook: Any = None
 
-    def call(self, name: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
-        answer = super().call(name, method, *args)
-        if method == "acquire" and self.hook is not None:
+    def call(self, name: str, request: Request[R], timeout_s: float | None = None) -> R:
+        answer = super().call(name, request)
+        if isinstance(request, Acquire) and self.hook is not None:
             hook, self.hook = self.hook, None
             hook()
         return answer
@@ -277,9 +279,9 @@ class HookLink(LocalLink):
 
     after_unpin: Any = None
 
-    def call(self, name: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
-        answer = super().call(name, method, *args)
-        if method == "unpin" and self.after_unpin is not None:
+    def call(self, name: str, request: Request[R], timeout_s: float | None = None) -> R:
+        answer = super().call(name, request)
+        if isinstance(request, Unpin) and self.after_unpin is not None:
             hook, self.after_unpin = self.after_unpin, None
             hook()
         return answer

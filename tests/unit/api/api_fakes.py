@@ -8,6 +8,7 @@ from typing import Any
 from cmx.actors.directory.shard import Copy
 from cmx.api.backend import Backend, NotSupportedError
 from cmx.config import AdminConfig
+from cmx.doors import PinFor, Request, Unpin
 from cmx.errors import UnavailableError
 from cmx.keys import BlockHash
 from cmx.metrics import Histogram
@@ -114,11 +115,13 @@ class FakeBackend(Backend):
                         if key in ft.blocks])
         return out
 
-    def tier_call(self, node: str, tier: Tier, method: str, keys: Sequence[BlockHash]) -> Any:
+    def tier_call(self, node: str, tier: Tier, request: Request[Any]) -> Any:
         t = self.tiers[(node, tier)]
         if t.down:
             raise UnavailableError(f"cmx:{tier.value}:{node} did not answer")
-        if method == "pin":
+        method = request.method
+        keys = list(request.leases if isinstance(request, Unpin) else request.keys)
+        if method == "pin_for":
             out: list[Any] = []
             for k in keys:
                 if k in t.blocks:
@@ -143,7 +146,8 @@ class FakeBackend(Backend):
         raise AssertionError(method)
 
     def pin(self, node: str, tier: Tier, key: BlockHash, ttl_s: float) -> bool:
-        return self.tier_call(node, tier, "pin", [key])[0] is not None
+        return self.tier_call(node, tier, PinFor(keys=[key], ttl_s=ttl_s, owner="admin"))[0] \
+            is not None
 
     def drop_namespace(self, namespace_id: str) -> int:
         if not self.can_drop:

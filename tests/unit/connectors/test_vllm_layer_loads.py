@@ -14,7 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -26,10 +26,12 @@ from vllm_plane import BOUND_S, LAYOUT, NAMES, NODE, T, blocks_of, connector, pa
 from cmx.client.layer_loads import layer_groups
 from cmx.connectors.vllm import CMXConnector
 from cmx.connectors.vllm_meta import CMXStepMetadata, CMXWorkerReport, LoadSpec
+from cmx.doors import Request
 from cmx.layout import PayloadOrder
 from cmx.links import LocalLink
 from cmx.tiers import Tier
 
+R = TypeVar("R")
 PROMPT = tuple(range(700, 700 + 3 * T))  # three full blocks
 ENGINE_BLOCKS = (5, 2, 4)
 
@@ -42,10 +44,10 @@ class CountingLink(LocalLink):
         super().__init__(targets)
         self.counts = {"load": 0, "load_slices": 0}
 
-    def call(self, name: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
-        if method in self.counts:
-            self.counts[method] += 1
-        return super().call(name, method, *args, timeout_s=timeout_s)  # submit calls it too
+    def call(self, name: str, request: Request[R], timeout_s: float | None = None) -> R:
+        if request.method in self.counts:
+            self.counts[request.method] += 1
+        return super().call(name, request, timeout_s=timeout_s)  # submit calls it too
 
 
 @pytest.fixture

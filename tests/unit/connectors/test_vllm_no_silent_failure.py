@@ -9,7 +9,7 @@ for the block, a commit whose leases ran out, a commit whose answer never came.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -32,9 +32,11 @@ from cmx.connectors.settings import ConnectorSettings, Namespaces
 from cmx.connectors.vllm_meta import CMXStepMetadata, CMXWorkerReport, SaveSpec, StoreResult
 from cmx.connectors.vllm_scheduler import SchedulerSide
 from cmx.connectors.vllm_worker import WorkerSide
+from cmx.doors import CommitStore, Pending, Request
 from cmx.errors import LayoutMismatchError, UnavailableError
 from cmx.links import LocalLink, _Answered
 
+R = TypeVar("R")
 PROMPT = tuple(range(700, 700 + 2 * T + 3))  # two full blocks and a partial one
 
 
@@ -45,13 +47,14 @@ class TroubledCommits(LocalLink):
     trouble = ""
     plane: Plane | None = None
 
-    def submit(self, name: str, method: str, *args: Any) -> Any:
-        if method == "commit_store" and self.trouble == "late":
-            return _Answered(None, UnavailableError("a call did not answer: timed out"))
-        if method == "commit_store" and self.trouble == "expired":
+    def submit(self, name: str, request: Request[R]) -> Pending[R]:
+        if isinstance(request, CommitStore) and self.trouble == "late":
+            return Pending(request, _Answered(
+                None, UnavailableError("a call did not answer: timed out")))
+        if isinstance(request, CommitStore) and self.trouble == "expired":
             assert self.plane is not None
             self.plane.clock.advance(2 * LEASE_S)
-        return super().submit(name, method, *args)
+        return super().submit(name, request)
 
 
 def test_blocks_larger_than_the_running_services_slots_refuse_the_engine(tmp_path) -> None:

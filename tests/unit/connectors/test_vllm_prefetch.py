@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from plane import Plane, make_plane
@@ -14,9 +14,11 @@ from vllm_plane import BOUND_S, LAYOUT, LEASE_S, NODE, T, client_of
 from cmx.config import ServiceConfig
 from cmx.connectors.settings import ConnectorSettings, Namespaces
 from cmx.connectors.vllm_scheduler import SchedulerSide
+from cmx.doors import Prefetch, Request
 from cmx.links import LocalLink
 from cmx.tiers import Tier
 
+R = TypeVar("R")
 BLOCK_BYTES = 8192
 
 
@@ -27,10 +29,10 @@ class PrefetchCountingLink(LocalLink):
         super().__init__(targets)
         self.prefetched: list[list[bytes]] = []
 
-    def call(self, name: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
-        if method == "prefetch":
-            self.prefetched.append(list(args[0]))
-        return super().call(name, method, *args)
+    def call(self, name: str, request: Request[R], timeout_s: float | None = None) -> R:
+        if isinstance(request, Prefetch):
+            self.prefetched.append(list(request.keys))
+        return super().call(name, request)
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import time
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from plane import Plane, make_plane
@@ -23,10 +23,12 @@ from cmx.config import ServiceConfig
 from cmx.connectors.paged import PagedLayout, block_view
 from cmx.connectors.settings import ConnectorSettings
 from cmx.connectors.vllm import CMXConnector
+from cmx.doors import Request
 from cmx.errors import UnavailableError
 from cmx.layout import KVLayout
 from cmx.links import LocalLink
 
+R = TypeVar("R")
 T, LAYERS, HEADS, DIM, BLOCKS = 8, 3, 2, 16, 8
 LAYOUT = KVLayout(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, block_tokens=T,
                   dtype="float32")  # 6,144 bytes a block
@@ -98,14 +100,14 @@ class GatedLink(LocalLink):
         self.entered = threading.Event()  # a held call is waiting
         self.opened = threading.Event()
 
-    def call(self, name: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+    def call(self, name: str, request: Request[R], timeout_s: float | None = None) -> R:
         if threading.current_thread().name.startswith("cmx-aload"):
             if self.dead:
                 raise UnavailableError(f"{name} is not running")
             if self.held:
                 self.entered.set()
                 assert self.opened.wait(BOUND_S)
-        return super().call(name, method, *args, timeout_s=timeout_s)
+        return super().call(name, request, timeout_s=timeout_s)
 
 
 def request(req_id: str, prompt: tuple[int, ...]) -> Any:

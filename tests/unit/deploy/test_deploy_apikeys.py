@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,8 @@ from cmx.deploy.tenants import (
     named_salt,
     tenant_salt,
 )
+
+HOLD_S = 1.0  # how long the first of two adds waits for the second to read
 
 
 def test_keys_are_stored_as_their_sha256_and_looked_up_to_their_tenant(tmp_path: Path) -> None:
@@ -116,6 +119,62 @@ def test_add_refuses_a_bad_tenant_or_a_malformed_file_and_changes_nothing(tmp_pa
     with pytest.raises(KeyFileError, match="line 1"):
         add_key(str(path), "alice")
     assert path.read_text() == "garbage\n"
+
+
+def test_an_add_through_a_link_writes_the_target_and_keeps_the_link(tmp_path: Path) -> None:
+    secrets_dir, link = tmp_path / "secrets", tmp_path / "keys"
+    secrets_dir.mkdir()
+    target = secrets_dir / "api-keys"
+    alice = add_key(str(target), "alice")
+    link.symlink_to(os.path.relpath(target, tmp_path))  # a managed secret linked into place
+    added = CliRunner().invoke(cli, ["keys", "add", "bob", "--file", str(link)])
+    assert added.exit_code == 0, added.output
+    assert link.is_symlink() and link.resolve() == target
+    assert target.stat().st_mode & 0o777 == 0o600
+    keys = KeyFile.load(str(link))
+    assert keys.tenant(alice) == "alice" and keys.tenant(added.stdout.strip()) == "bob"
+    assert sorted(p.name for p in secrets_dir.iterdir()) == ["api-keys"]  # no temporary left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keys", "secrets"]
+
+
+def test_two_adds_at_once_lose_no_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first add, having read the file, waits for the second to read it too: without a
+    lock both extend the same text and the later rename drops the first key. With one, the
+    second cannot read until the first has renamed; the first waits out ``HOLD_S``."""
+    from cmx.deploy import apikeys
+
+    path = str(tmp_path / "keys")
+    add_key(path, "alice")
+    real_read, reads = apikeys._read_private, []
+    second_read = threading.Event()
+
+    def read(p: str) -> str:
+        text = real_read(p)
+        reads.append(threading.current_thread().name)
+        if len(reads) == 1:  # the first add, between its read and its write
+            started.set()
+            second_read.wait(HOLD_S)
+        else:
+            second_read.set()
+        return text
+
+    monkeypatch.setattr(apikeys, "_read_private", read)
+    started, added = threading.Event(), {}
+
+    def add(tenant: str) -> None:
+        added[tenant] = add_key(path, tenant)
+
+    first = threading.Thread(target=add, args=("bob",), name="bob")
+    second = threading.Thread(target=add, args=("carol",), name="carol")
+    first.start()
+    assert started.wait(HOLD_S)
+    second.start()
+    first.join(4 * HOLD_S)
+    second.join(4 * HOLD_S)
+    assert reads == ["bob", "carol"] and set(added) == {"bob", "carol"}
+    keys = KeyFile.load(path)
+    assert keys.tenant_names == {"alice", "bob", "carol"}
+    assert all(keys.tenant(key) == tenant for tenant, key in added.items())
 
 
 def test_the_cli_prints_a_new_key_once_and_refuses_an_open_file(tmp_path: Path) -> None:

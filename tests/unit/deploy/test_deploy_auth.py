@@ -7,6 +7,7 @@ stand-in for the ``LLMServer`` handle; the ingress is the real class, built by i
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,28 @@ def test_a_known_key_reaches_the_replica_under_its_tenants_salt(served: dict[str
     assert salted.status_code == 200
     assert replica.requests[-1].salt == named_salt("deploy", "alice", "p")
     assert "deploy" not in r.text and alice.salt not in r.text
+
+
+@pytest.mark.parametrize("mode", ["key file", "key file, anonymous", "no key file"])
+def test_a_malformed_authorization_header_is_a_401_in_every_mode(
+    served: dict[str, Any], mode: str,
+) -> None:
+    ingress, client, alice = served["ingress"], served["client"], served["keys"]["alice"]
+    if mode == "key file, anonymous":
+        ingress.tenancy = dataclasses.replace(ingress.tenancy, anonymous=True)
+    elif mode == "no key file":
+        ingress.tenancy = Tenancy("deploy")
+    body = {"prompt": PROMPT, "max_tokens": 1}
+    for header in (f"Token {alice}", f"Bearer\t{alice}", "Bearer", f"Basic {alice}",
+                   f"Bearer {alice} {alice}"):
+        r = client.post("/v1/completions", headers={"Authorization": header}, json=body)
+        assert r.status_code == 401, (header.replace(alice, "<alice>"), r.text)
+        assert "Authorization header is malformed" in r.json()["error"]["message"]
+    assert served["replica"].requests == []  # no prompt ran, as no tenant
+    assert client.post("/v1/completions", headers={"Authorization": f"Bearer {alice}"},
+                       json=body).status_code == 200
+    if mode != "key file":  # no header at all: the anonymous tenant, where it is served
+        assert client.post("/v1/completions", json=body).status_code == 200
 
 
 def test_without_a_key_file_any_key_is_its_own_tenant(served: dict[str, Any]) -> None:

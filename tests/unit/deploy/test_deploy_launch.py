@@ -74,3 +74,73 @@ def test_slots_too_small_for_a_block_fail_startup_with_the_number_to_set(
     text = str(err.value)
     assert f"CMX_BLOCK_BYTES={model.layout.block_bytes}" in text
     assert "engine.block_size <= 64" in text  # 2 MiB / 23,040 bytes a token = 91 -> 64
+
+
+@pytest.fixture
+def nothing_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """``cmx serve``'s first steps that start something (a Ray head, the service, Serve's
+    proxy), each recorded and refused; the state directory is the test's own."""
+    started: list[str] = []
+
+    def cluster(*_args: object) -> tuple[str, None]:
+        started.append("cluster")
+        raise AssertionError("a cluster was looked for with a setting unchecked")
+
+    def deploy(*_args: object) -> object:
+        started.append("deploy")
+        raise AssertionError("Serve was started with a setting unchecked")
+
+    monkeypatch.setattr(launch, "_cluster", cluster)
+    monkeypatch.setattr(launch, "_deploy", deploy)
+    monkeypatch.setenv("CMX_STATE_DIR", str(tmp_path / "state"))
+    for var in ("CMX_API_KEY_FILE", "CMX_API_ANONYMOUS", "CMX_BLOCK_BYTES"):
+        monkeypatch.delenv(var, raising=False)
+    return started
+
+
+def serve(tmp_path: Path, env: dict[str, str], *args: str) -> object:
+    from typer.testing import CliRunner
+
+    from cmx.cli import app
+
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    return CliRunner().invoke(app, ["serve", "--model", _model_dir(model), "--port", "18999",
+                                    *args], env=env)
+
+
+def assert_refused(result: object, *words: str) -> None:
+    """Exit 2 with one ``error:`` line naming ``words``, and no traceback."""
+    output = result.output  # type: ignore[attr-defined]
+    assert result.exit_code == 2, output  # type: ignore[attr-defined]
+    assert isinstance(result.exception, SystemExit), result.exception  # type: ignore[attr-defined]
+    assert output.count("error:") == 1 and "Traceback" not in output, output
+    text = " ".join(output.split())  # as the console wrapped it
+    assert all(w in text for w in words), output
+
+
+def test_a_key_file_open_to_others_is_refused_before_anything_starts(
+    tmp_path: Path, nothing_starts: list[str],
+) -> None:
+    from cmx.deploy.apikeys import add_key
+
+    keys = tmp_path / "keys"
+    add_key(str(keys), "alice")
+    keys.chmod(0o644)
+    result = serve(tmp_path, {"CMX_API_KEY_FILE": str(keys)})
+    assert_refused(result, "mode 0644", "chmod 600")
+    assert nothing_starts == [] and not (tmp_path / "state" / "serve.json").exists()
+
+
+@pytest.mark.parametrize(("var", "value"), [
+    ("CMX_API_ANONYMOUS", "maybe"),  # was a traceback and exit 1
+    ("CMX_BLOCK_BYTES", "lots"),  # the service's settings
+    ("CMX_ADMIN_TOKEN", "short"),  # the state directory's settings
+])
+def test_a_bad_setting_is_one_error_line_and_exit_2(
+    tmp_path: Path, nothing_starts: list[str], var: str, value: str,
+) -> None:
+    assert_refused(serve(tmp_path, {var: value}), "error:")
+    assert nothing_starts == []
+    if var == "CMX_ADMIN_TOKEN":  # `--stop` reads it too
+        assert_refused(serve(tmp_path, {var: value}, "--stop"), "admin token")

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from cmx.deploy.messages import Delta, Summary
 from cmx.deploy.openai_bodies import Reply
 from cmx.deploy.openai_types import MAX_N, MAX_STOP_CHARS, ChatRequest, CompletionRequest
-from cmx.deploy.tenants import bearer_key, tenant_salt
+from cmx.deploy.tenants import UnknownKeyError, bearer_key, tenant_salt
 from cmx.deploy.workload import Conversation, make_workload
 
 
@@ -108,8 +108,10 @@ def test_stream_chunks_name_the_role_once_per_choice_and_end_with_the_usage() ->
 
 def test_tenants_get_their_own_salt_and_no_key_keeps_the_deployments() -> None:
     assert bearer_key("Bearer k1") == "k1" and bearer_key("bearer  k2 ") == "k2"
-    assert bearer_key(None) is None and bearer_key("Basic abc") is None
-    assert bearer_key("Bearer ") is None
+    assert bearer_key(None) is None and bearer_key("") is None  # no key: sent none
+    for malformed in ("Basic abc", "Bearer ", "Bearer", "Bearer\tk1", "Token k1", "Bearer a b"):
+        with pytest.raises(UnknownKeyError, match="malformed"):
+            bearer_key(malformed)
     assert tenant_salt("", None, None) == "" and tenant_salt("d", None, None) == "d"
     salts = {tenant_salt("", "k1", None), tenant_salt("", "k2", None),
              tenant_salt("", None, "k1"), tenant_salt("", "k1", "s"), tenant_salt("d", "k1", None)}

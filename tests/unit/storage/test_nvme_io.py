@@ -9,7 +9,8 @@ import pytest
 from nvme_helpers import BLOCK, KiB, aligned_payload, key, open_store, payload
 
 from cmx.buffers import aligned_empty
-from cmx.storage.nvme.io import ThreadIoEngine, make_io_engine
+from cmx.storage.nvme.engines import make_io_engine
+from cmx.storage.nvme.io import ThreadIoEngine
 
 
 def nixl_engine():

@@ -1,13 +1,14 @@
 """The service on Ray: the actors of every node, the directory shards, and the controller.
 
-Per node: ``cmx:hbm:<node>``, ``cmx:dram:<node>``, ``cmx:nvme:<node>`` (tier control planes,
-pinned to the node) and ``cmx:agent:<node>`` (the data plane: on the node, or on its DPU when
-a node labelled ``dpu_label`` with the same ``host_label`` value exists). Cluster-wide:
-``cmx:dir:<i>`` directory shards and ``cmx:controller``, which starts the actors of nodes that
-join and drops the copies of nodes that leave. All live in the Ray namespace ``cmx``, are
-detached (they outlive the client that started them) and are restarted by Ray when they die;
-a directory shard pinned to a labelled node (``directory_label``) that died is started again
-by the controller instead (``directory.placement``).
+Per node: a tier control plane for each registered node tier (``cmx.tiers.node_tiers``:
+``cmx:hbm:<node>``, ``cmx:dram:<node>``, ``cmx:nvme:<node>``, pinned to the node; the books of
+its kind, ``actors.tiers.books``) and ``cmx:agent:<node>`` (the data plane: on the node, or on
+its DPU when a node labelled ``dpu_label`` with the same ``host_label`` value exists).
+Cluster-wide: ``cmx:dir:<i>`` directory shards and ``cmx:controller``, which starts the actors
+of nodes that join and drops the copies of nodes that leave. All live in the Ray namespace
+``cmx``, are detached (they outlive the client that started them) and are restarted by Ray when
+they die; a directory shard pinned to a labelled node (``directory_label``) that died is started
+again by the controller instead (``directory.placement``).
 """
 
 from __future__ import annotations
@@ -24,12 +25,19 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cmx.actors.agent.core import HostParts, OffloadAgent
-from cmx.actors.directory.placement import start_shards
+from cmx.actors.directory.placement import (
+    ShardWatch,
+    ping_shards,
+    shard_node,
+    start_shards,
+    stop_shard,
+)
 from cmx.actors.directory.shard import Source
 from cmx.actors.dpu.agent import dpu_actor_parts
 from cmx.actors.pool.node import PoolNodeService
 from cmx.actors.stop import stop_service, until_gone
 from cmx.actors.tiers.arena import ArenaTierService
+from cmx.actors.tiers.books import tier_folder
 from cmx.actors.tiers.nvme import NvmeTierService
 from cmx.config import ServiceConfig
 from cmx.doors import DropSource
@@ -38,7 +46,7 @@ from cmx.links import RAY_NAMESPACE, RayLink, actor_name
 from cmx.operate.degraded import Fallback, describe
 from cmx.operate.store_dirs import NodeDisk, Orphan
 from cmx.stats import AgentStats, TierStats
-from cmx.tiers import Tier
+from cmx.tiers import Tier, node_tiers, tier_spec, tier_specs
 
 __all__ = ["alive_nodes", "ensure_service", "node_actors", "restart_agent", "service_ready",
            "stop_service", "wait_for_service"]
@@ -68,26 +76,33 @@ def _every(every_s: float, call: Any) -> None:
 
 
 class ArenaTierActor(ArenaTierService):
+    """A memory tier of one node (``Holds.MEMORY``: HBM, DRAM, ...)."""
+
     def __init__(self, tier: Tier, node: str, config: ServiceConfig) -> None:
-        capacity = config.hbm_bytes if tier is Tier.HBM else config.dram_bytes
+        spec = tier_spec(tier)
         super().__init__(
-            tier, node, capacity, config.block_bytes, RayLink(config.call_timeout_s),
-            config.directory_shards, config.eviction, emulated=tier is Tier.HBM,
-            lease_s=config.lease_s,
+            tier, node, spec.capacity(config), config.block_bytes,
+            RayLink(config.call_timeout_s), config.directory_shards, config.eviction,
+            emulated=spec.emulated, lease_s=config.lease_s,
         )
         _heartbeat(self, config.heartbeat_s)
 
 
 class NvmeTierActor(NvmeTierService):
-    """The NVMe tier of one node, on a store directory that outlives the Ray node id (the
-    node's claim under ``nvme_dir``, held while this actor runs: cmx.operate.store_dirs)."""
+    """An extents tier of one node (``Holds.EXTENTS``: NVMe, ...), on a store directory that
+    outlives the Ray node id (the node's claim under the tier's folder, ``nvme_dir`` for NVMe,
+    held while this actor runs: cmx.operate.store_dirs)."""
 
-    def __init__(self, node: str, config: ServiceConfig, store_id: str | None = None) -> None:
-        self.disk = NodeDisk(config.nvme_dir, node, store_id, config.orphan_max_age_s)
+    def __init__(self, node: str, config: ServiceConfig, store_id: str | None = None,
+                 tier: Tier = Tier.NVME) -> None:
+        spec = tier_spec(tier)
+        self.disk = NodeDisk(tier_folder(spec, config), node, store_id,
+                             config.orphan_max_age_s)
         super().__init__(
-            node, self.disk.root, config.nvme_bytes,
+            node, self.disk.root, spec.capacity(config),
             config.block_bytes, RayLink(config.call_timeout_s), config.directory_shards,
             config.eviction, segment_bytes=config.nvme_segment_bytes, lease_s=config.lease_s,
+            tier=tier,
         )
         _heartbeat(self, config.heartbeat_s)
         _every(ORPHAN_SCAN_S, self.disk.scan)
@@ -153,6 +168,9 @@ class Controller:
         self.known: set[str] = set()
         self.pool: set[str] = set()
         self.agent_on: dict[str, str] = {}  # node -> the node its agent runs on (it, or its DPU)
+        self.pool_generation = 0  # of the pool's membership view: grows, across restarts too
+        self.unforgotten: dict[str, set[tuple[int, Tier]]] = {}  # node left -> shards to tell
+        self.shard_watch = ShardWatch()  # shards silent where they were placed
         self._lock = threading.Lock()
         threading.Thread(target=self._loop, name="cmx-controller", daemon=True).start()
 
@@ -160,7 +178,7 @@ class Controller:
         with self._lock:
             alive = {n["NodeID"]: n for n in alive_nodes()}
             try:  # first: a node whose actors cannot start must not keep a shard down
-                shards = start_shards(self.config, alive, _SERVICE_WIDE)  # one lost with its node
+                shards = self._keep_shards(alive)
             except Exception as exc:  # noqa: BLE001 - tried again next round
                 log.warning("directory shards not started: %s", exc)
                 shards = []
@@ -172,12 +190,24 @@ class Controller:
             gone = sorted((self.known | self.pool) - alive.keys())
             for node_id in gone:
                 self._forget(node_id)
+            self._drop_forgotten()
             self.known = {n for n in alive if not _is_dpu(alive[n], self.config)}
             moved = self._place_agents(alive)
             pool = self._reconcile_pool(alive)
             return {"started": started, "gone": gone, "nodes": sorted(self.known),
                     "pool": pool, "agents_moved": moved,
                     "shards_started": [actor_name("dir", i) for i in shards]}
+
+    def _keep_shards(self, alive: dict[str, dict[str, Any]]) -> list[int]:
+        """Start each shard not running (one lost with its node) away from the nodes a shard
+        was silent on, and stop those silent too long where they run: the next round starts
+        them elsewhere (``directory.placement``). Returns the shards started."""
+        avoid = self.shard_watch.avoid()
+        shards = start_shards(self.config, alive, _SERVICE_WIDE, avoid)
+        self.shard_watch.started({i: shard_node(i, self.config, alive, avoid) for i in shards})
+        for shard in self.shard_watch.heard(ping_shards(self.config)):
+            stop_shard(shard)
+        return shards
 
     def _place_agents(self, alive: dict[str, dict[str, Any]]) -> list[str]:
         """Move each agent whose node's DPU joined or left since it was placed (a DPU that
@@ -206,9 +236,13 @@ class Controller:
         if pool.keys() != self.pool:
             self.pool = set(pool)
             members = sorted(self.pool)
+            # Wall-clock nanoseconds: a restarted controller's views are newer than its
+            # predecessor's, which the pool nodes may have seen (``pool.rebalance``).
+            self.pool_generation = max(self.pool_generation + 1, time.time_ns())
             for node_id in members:  # re-replicate in the background; nobody waits on it
                 ray.get_actor(actor_name("pool", node_id), namespace=RAY_NAMESPACE) \
-                    .rebalance.remote(members, self.config.pool_replication)
+                    .rebalance.remote(members, self.config.pool_replication,
+                                      self.pool_generation)
         return sorted(self.pool)
 
     def nodes(self) -> list[str]:
@@ -219,19 +253,29 @@ class Controller:
 
     def _forget(self, node_id: str) -> None:
         # Actors pinned to a node that left would wait forever for it to restart them.
-        for kind in ("hbm", "dram", "nvme", "agent", "pool"):
+        for kind in (*(t.value for t in node_tiers()), "agent", "pool"):
             try:
                 ray.kill(ray.get_actor(actor_name(kind, node_id), namespace=RAY_NAMESPACE),
                          no_restart=True)
             except ValueError:
                 pass
+        self.unforgotten[node_id] = {(shard, spec.tier) for spec in tier_specs()
+                                     for shard in range(self.config.directory_shards)}
+
+    def _drop_forgotten(self) -> None:
+        """Tell each shard to drop the copies of the nodes that left, every round until it
+        has: a shard that did not answer would list them for as long as it runs."""
         link = RayLink(self.config.call_timeout_s)
-        for shard in range(self.config.directory_shards):
-            for tier in Tier:
+        for node_id, shards in list(self.unforgotten.items()):
+            for shard, tier in sorted(shards):
                 try:
                     link.call(actor_name("dir", shard), DropSource(source=Source(node_id, tier)))
-                except UnavailableError:
-                    pass
+                except UnavailableError as exc:
+                    log.warning("shard %d still lists %s's copies: %s", shard, node_id[:8], exc)
+                    continue
+                shards.discard((shard, tier))
+            if not shards:
+                del self.unforgotten[node_id]
 
     def _loop(self) -> None:
         while True:
@@ -309,20 +353,20 @@ def restart_agent(node_id: str, config: ServiceConfig, alive: dict[str, dict[str
 def start_node_actors(
     node_id: str, config: ServiceConfig, alive: dict[str, dict[str, Any]] | None = None
 ) -> dict[str, Any]:
-    """Start (or find) the tier actors and the agent of one node; returns their handles."""
+    """Start (or find) the tier actors and the agent of one node; returns their handles.
+    Each registered node tier is the actor of its kind (``cmx.tiers.Holds``)."""
     on_node = NodeAffinitySchedulingStrategy(node_id, soft=False)
     common = {"namespace": RAY_NAMESPACE, "get_if_exists": True, "num_cpus": 0, **_RESTART}
+    labels = (alive or {}).get(node_id, {}).get("Labels") or {}
     handles: dict[str, Any] = {}
-    for tier in (Tier.HBM, Tier.DRAM):
-        handles[tier.value] = ray.remote(ArenaTierActor).options(
+    for tier in node_tiers():
+        options = ray.remote(ArenaTierActor if tier.spec.in_memory else NvmeTierActor).options(
             name=actor_name(tier.value, node_id), scheduling_strategy=on_node,
             max_concurrency=16, **common,
-        ).remote(tier, node_id, config)
-    labels = (alive or {}).get(node_id, {}).get("Labels") or {}
-    handles["nvme"] = ray.remote(NvmeTierActor).options(
-        name=actor_name("nvme", node_id), scheduling_strategy=on_node, max_concurrency=16,
-        **common,
-    ).remote(node_id, config, labels.get(config.node_id_label))
+        )
+        handles[tier.value] = (
+            options.remote(tier, node_id, config) if tier.spec.in_memory
+            else options.remote(node_id, config, labels.get(config.node_id_label), tier))
     # The agent maps the tiers' arenas when it starts: wait until they exist.
     ray.get([h.info.remote() for h in handles.values()], timeout=60)
     handles["agent"] = _start_agent(node_id, config, alive or {})
@@ -376,7 +420,7 @@ def wait_for_service(node_id: str, timeout_s: float) -> None:
 
 def node_actors(node_id: str) -> dict[str, Any]:
     out = {}
-    for kind in ("hbm", "dram", "nvme", "agent"):
+    for kind in (*(t.value for t in node_tiers()), "agent"):
         try:
             out[kind] = ray.get_actor(actor_name(kind, node_id), namespace=RAY_NAMESPACE)
         except ValueError:

@@ -12,11 +12,17 @@ from typing import Any
 import ray
 
 from cmx.links import RAY_NAMESPACE
+from cmx.tiers import tier_specs
 
 __all__ = ["stop_service", "until_gone"]
 
 _CONTROLLER = "cmx:controller"
-_CLOSABLE = {"agent", "hbm", "dram", "nvme", "pool"}  # agents first in the list: they map arenas
+
+
+def _closable() -> set[str]:
+    """The kinds of actor closed before they are killed: agents (they map arenas) and every
+    registered tier, the pool's nodes too (a closed tier unlinks its arena)."""
+    return {"agent", *(s.name for s in tier_specs())}
 
 
 def until_gone(name: str, timeout_s: float) -> None:
@@ -58,7 +64,8 @@ def stop_service(timeout_s: float = 10.0) -> int:
     except ValueError:  # not running
         pass
     handles = [(name, h) for name, h in _named() if name != _CONTROLLER]
-    closing = [h.close.remote() for name, h in handles if name.split(":")[1] in _CLOSABLE]
+    closable = _closable()
+    closing = [h.close.remote() for name, h in handles if name.split(":")[1] in closable]
     if closing:
         ray.wait(closing, num_returns=len(closing), timeout=timeout_s)
     for _, handle in handles:

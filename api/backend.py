@@ -86,7 +86,9 @@ class ServiceBackend:
         try:
             pins = self.link.call(tier_actor, PinFor(keys=[key], ttl_s=ttl_s, owner=owner))
         except Exception:
-            self.link.tell(tier_actor, ReleaseOwner(owner=owner))  # a late pin would hold for ttl_s
+            # A late pin, run before or after this release, would hold for ttl_s: the tier
+            # gives it back, or refuses it (``Leases.grant_pin``).
+            self.link.tell(tier_actor, ReleaseOwner(owner=owner))
             raise
         return bool(pins) and pins[0] is not None
 

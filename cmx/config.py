@@ -57,6 +57,12 @@ class ServiceConfig:
     def replace(self, **changes: Any) -> ServiceConfig:
         return dataclasses.replace(self, **changes)
 
+    @property
+    def resync_s(self) -> float:
+        """How long a source a directory shard asked to resync may take to: the call, or
+        the next heartbeat that asks again."""
+        return self.heartbeat_s + self.call_timeout_s
+
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: object) -> ServiceConfig:
         """Defaults, then ``CMX_<FIELD>`` variables (e.g. CMX_DRAM_BYTES), then ``overrides``."""

@@ -7,13 +7,18 @@
 ``tokens_i`` is the i-th full block of token ids as little-endian uint32. A key therefore names
 the whole prefix up to and including its block. Python's ``hash()`` is never used: it differs
 between processes, and a weak hash lets one tenant poison another's prefix cache.
+
+``block_hash`` is the definition, one block at a time; ``chain_keys`` computes the same keys for
+a whole sequence at once (each block's tokens cut out in one numpy call, each hash a copy of one
+prepared BLAKE2b state), and ``split_keys`` cuts keys sent end to end in one buffer apart again.
 """
 
 from __future__ import annotations
 
+import array
 import hashlib
 from dataclasses import dataclass
-from typing import NewType
+from typing import NewType, cast
 
 import numpy as np
 
@@ -29,6 +34,7 @@ __all__ = [
     "chain_keys",
     "check_key",
     "namespace_id",
+    "split_keys",
 ]
 
 KEY_BYTES = 32
@@ -36,6 +42,9 @@ BlockHash = NewType("BlockHash", bytes)
 
 _BLOCK_PERSON = b"cmx-block-v1"
 _NS_PERSON = b"cmx-namespace-v1"
+# The array type code of a 4-byte unsigned int: a list of token ids becomes an array in one C
+# loop that refuses a negative, a too large or a non-integer id, as the checks below do.
+_U32 = next(code for code in "IL" if array.array(code).itemsize == 4)
 
 
 @dataclass(frozen=True)
@@ -89,6 +98,12 @@ def _is_hex(text: str) -> bool:
 
 def as_token_array(token_ids: object) -> np.ndarray:
     """Token ids as a 1-D little-endian uint32 array; raise on anything else."""
+    if isinstance(token_ids, (list, tuple)) and token_ids and type(token_ids[0]) is not bool:
+        try:  # an engine's prompt: ids in [0, 2**32) pass in one C loop
+            ids = np.frombuffer(array.array(_U32, token_ids), dtype=np.uint32)
+            return ids.astype("<u4", copy=False)
+        except (TypeError, OverflowError):
+            pass  # the checks below say what is wrong
     if hasattr(token_ids, "detach"):  # torch tensor
         token_ids = token_ids.detach().cpu().numpy()
     arr = np.asarray(token_ids)
@@ -109,14 +124,34 @@ def block_hash(parent: bytes, tokens: np.ndarray) -> BlockHash:
 
 
 def chain_keys(seed: bytes, token_ids: object, block_tokens: int) -> list[BlockHash]:
-    """Keys of every full block of ``token_ids``; a partial tail block has no key."""
-    tokens = as_token_array(token_ids)
-    keys: list[BlockHash] = []
+    """Keys of every full block of ``token_ids``; a partial tail block has no key.
+
+    The keys of ``block_hash`` chained from ``seed``, byte for byte (keys are on disk): each
+    block's tokens are cut out as bytes in one numpy call, and each hash is a copy of one
+    state made with the block person, fed its parent and its tokens at once."""
+    tokens = np.ascontiguousarray(as_token_array(token_ids))
+    full = len(tokens) // block_tokens * block_tokens
+    blocks: list[bytes] = tokens[:full].view(f"V{4 * block_tokens}").tolist()
+    copy = hashlib.blake2b(digest_size=KEY_BYTES, person=_BLOCK_PERSON).copy
+    keys: list[bytes] = []
+    append = keys.append
     parent = seed
-    for i in range(len(tokens) // block_tokens):
-        parent = block_hash(parent, tokens[i * block_tokens : (i + 1) * block_tokens])
-        keys.append(BlockHash(parent))
-    return keys
+    for block in blocks:
+        h = copy()
+        h.update(parent + block)
+        parent = h.digest()
+        append(parent)
+    return cast("list[BlockHash]", keys)
+
+
+def split_keys(keys: bytes) -> list[BlockHash]:
+    """The keys of ``keys``, ``KEY_BYTES`` each end to end (as ``b"".join`` of them sends
+    them: one object through a link, not one a key)."""
+    if len(keys) % KEY_BYTES:
+        raise InvalidKeyError(f"keys end to end are a multiple of {KEY_BYTES} bytes, got "
+                              f"{len(keys)}")
+    # numpy's void items come back as bytes, every byte kept (an "S" item drops trailing zeros)
+    return cast("list[BlockHash]", np.frombuffer(keys, f"V{KEY_BYTES}").tolist())
 
 
 def check_key(key: object) -> BlockHash:

@@ -17,13 +17,16 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from cmx.keys import BlockHash
 from cmx.tiers import Tier
 
 __all__ = [
     "RAY_NAMESPACE", "Copy", "LoadResult", "Loaded", "Offer", "Pinned", "Priority", "Staged",
     "StoreCommit",
-    "actor_name", "arena_name", "best_copy", "copy_tag", "held_table_name", "shard_of",
+    "actor_name", "arena_name", "best_copy", "copy_tag", "held_table_name", "preference",
+    "shard_of", "shards_of",
 ]
 
 RAY_NAMESPACE = "cmx"
@@ -53,6 +56,11 @@ def shard_of(key: bytes, num_shards: int) -> int:
     return int.from_bytes(key[:4], "little") % num_shards
 
 
+def shards_of(keys: np.ndarray, num_shards: int) -> np.ndarray:
+    """``shard_of`` of each row of ``keys`` (uint8, one key a row), at once."""
+    return keys[:, :4].copy().view("<u4")[:, 0] % num_shards
+
+
 @dataclass(frozen=True)
 class Copy:
     """A committed copy of a block somewhere in the cluster."""
@@ -68,7 +76,13 @@ def best_copy(copies: Sequence[Copy], node: str) -> Copy:
     fastest tier. ValueError for no copies."""
     if not copies:
         raise ValueError("no copies to choose from")
-    return min(copies, key=lambda c: (c.node != node, c.tier.rank))
+    return min(copies, key=lambda c: preference(c.tier, c.node, node))
+
+
+def preference(tier: Tier, where: str, node: str) -> tuple[bool, float]:
+    """The order in which a reader on ``node`` takes copies, smaller first (``best_copy``; a
+    ``CopyTable`` orders its places by it): on its own node first, then the fastest tier."""
+    return where != node, tier.rank
 
 
 def copy_tag(named: str, source: str) -> str:

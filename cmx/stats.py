@@ -32,7 +32,7 @@ from cmx.errors import UnavailableError
 from cmx.protocol import actor_name
 from cmx.storage.base import StoreStats
 from cmx.storage.nvme.dataplane import PlaneStats
-from cmx.tiers import Tier
+from cmx.tiers import Tier, node_tiers
 
 __all__ = [
     "AgentStats", "DirectoryStats", "DiskStats", "HostAccessStats", "LatencyStats",
@@ -40,7 +40,9 @@ __all__ = [
     "TierStats", "TransportStats", "Unreachable", "collect", "transport_of",
 ]
 
-NODE_TIERS = (Tier.HBM, Tier.DRAM, Tier.NVME)  # the tiers every node runs
+# The built-in tiers every node runs, those the admin API's models name (``api.models.NodeTier``);
+# ``collect`` gathers every registered one (``cmx.tiers.node_tiers``).
+NODE_TIERS = (Tier.HBM, Tier.DRAM, Tier.NVME)
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ class LeaseStats:
     pinned: int  # pins held
     reserved: int  # reservations held
     expired: int  # leases taken back because they ran out, since the tier started
-    released: int  # leases given back by ``release_owner``
+    released: int  # leases given back by ``release_owner``, and late pins of owners it released
 
 
 @dataclass(frozen=True)
@@ -230,7 +232,7 @@ class DirectoryStats:
 @dataclass(frozen=True)
 class NodeStats:
     node: str
-    tiers: Mapping[Tier, TierStats | Unreachable]  # HBM, DRAM, NVMe
+    tiers: Mapping[Tier, TierStats | Unreachable]  # each node tier: HBM, DRAM, NVMe, ...
     agent: AgentStats | Unreachable
 
 
@@ -280,15 +282,16 @@ def collect(link: Any, shards: int, replication: int) -> ServiceStats:
                        if isinstance(a, Exception)), None)
     nodes, members = ([], []) if controller is not None else answered
     want = min(replication, len(members)) if members else 0
+    on_node = node_tiers()
     calls: list[tuple[str, Request[Any]]] = [
-        (actor_name(t.value, n), TierStatsOf()) for n in nodes for t in NODE_TIERS]
+        (actor_name(t.value, n), TierStatsOf()) for n in nodes for t in on_node]
     calls += [(actor_name("agent", n), AgentStatsOf()) for n in nodes]
     calls += [(actor_name("dir", i), ShardStatsOf()) for i in range(shards)]
     calls += [(actor_name("pool", m), TierStatsOf()) for m in members]
     calls += [(actor_name("dir", i), PoolReplicas(want=want)) for i in range(shards)]
     answers = iter([_answer(call, a) for call, a in
                     zip(calls, link.call_many(calls, return_exceptions=True))])
-    tiers = {n: {t: next(answers) for t in NODE_TIERS} for n in nodes}
+    tiers = {n: {t: next(answers) for t in on_node} for n in nodes}
     by_node = {n: NodeStats(n, tiers[n], next(answers)) for n in nodes}
     directory = tuple(next(answers) for _ in range(shards))
     pool_members = {m: next(answers) for m in members}

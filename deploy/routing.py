@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from cmx.policies.breakeven import BreakEven, PrefillCost
-from cmx.tiers import Tier
+from cmx.tiers import tier_specs
 
 __all__ = ["CopySeen", "ReplicaView", "Route", "best_source", "known_replicas",
            "publish_replicas", "rank_replicas"]
@@ -67,7 +67,7 @@ class Route:
 
 def best_source(copies: Sequence[CopySeen], node: str) -> str | None:
     """The source class a load on ``node`` would use: this node's fastest, else a peer's."""
-    rank = {t.value: t.rank for t in Tier}
+    rank = {s.name: s.rank for s in tier_specs()}
     local = sorted((rank.get(c.tier, 9), c.tier) for c in copies if c.node == node)
     if local:
         return local[0][1]

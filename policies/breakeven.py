@@ -5,8 +5,9 @@ recompute them. SGLang saw an L3 hit slower than recompute (#26305); here each d
 from two models measured on the replica that decides, and refitted as requests run:
 
 - ``LinkCost``, one per *source class* (where a block's copy is, seen from the loading node:
-  ``hbm``, ``dram``, ``nvme`` on this node; ``dram@peer``, ``nvme@peer`` ... on another):
-  ``seconds = latency + bytes / bandwidth``, fitted to the last loads' (bytes, seconds).
+  a tier's name on this node, ``hbm``, ``dram``, ``nvme``; ``dram@peer``, ``nvme@peer`` ... on
+  another): ``seconds = latency + bytes / bandwidth``, fitted to the last loads' (bytes,
+  seconds), from the priors of the tier's spec (``prior``).
 - ``PrefillCost``: the seconds to compute positions ``[start, end)`` of a prompt,
   ``a * n + b * n * (start + end) / 2 + c * passes`` with ``n = end - start``: a per-token cost
   (the linear layers), a per-token-pair cost (attention over the context so far) and a cost per
@@ -30,7 +31,10 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["DEFAULT_LINKS", "BreakEven", "LinkCost", "Plan", "PrefillCost", "source_class"]
+from cmx.tiers import tier_spec, tier_specs
+
+__all__ = ["DEFAULT_LINKS", "BreakEven", "LinkCost", "Plan", "PrefillCost", "prior",
+           "source_class"]
 
 GB = 1e9
 
@@ -77,18 +81,26 @@ class LinkCost:
         return (self.latency_s, self.bandwidth)
 
 
-# Priors, measured on 2-core machines without a GPU (memcpy 5-13 GB/s; NIXL UCX between two
-# actors 3-5 GB/s; O_DIRECT reads 0.6-1.4 GB/s) and lowered for the Ray calls around each move.
-# The latencies are the control calls around a move (pin, reserve, commit, each a Ray call).
+UNKNOWN_LINK = (0.02, 0.3 * GB)  # the prior of a source class of no registered tier
+
+
+def prior(source: str) -> tuple[float, float]:
+    """(latency s, bytes/s) to assume for ``source`` until loads are measured: its tier's, read
+    here or from a peer (``cmx.tiers``: each spec carries its priors); a guess for a class of
+    no registered tier."""
+    tier, _, peer = source.partition("@")
+    try:
+        spec = tier_spec(tier)
+    except ValueError:
+        return UNKNOWN_LINK
+    return spec.link_peer if peer else spec.link_here
+
+
+# The priors of the tiers registered when this module is imported (the four built in); a
+# tier registered later gets its own the first time it is a source (``BreakEven.link``).
 DEFAULT_LINKS: Mapping[str, tuple[float, float]] = {
-    "hbm": (0.010, 4.0 * GB),
-    "dram": (0.015, 2.0 * GB),
-    "nvme": (0.025, 0.6 * GB),
-    "pool": (0.050, 0.3 * GB),
-    "hbm@peer": (0.040, 1.0 * GB),
-    "dram@peer": (0.040, 1.0 * GB),
-    "nvme@peer": (0.060, 0.4 * GB),
-    "pool@peer": (0.060, 0.3 * GB),
+    **{s.name: s.link_here for s in tier_specs()},
+    **{f"{s.name}@peer": s.link_peer for s in tier_specs()},
 }
 
 
@@ -181,8 +193,7 @@ class BreakEven:
 
     def link(self, source: str) -> LinkCost:
         if source not in self.links:
-            base = source.split("@")[0]
-            lat, bw = DEFAULT_LINKS.get(source, DEFAULT_LINKS.get(base, (0.02, 0.3 * GB)))
+            lat, bw = prior(source)
             self.links[source] = LinkCost(lat, bw)
         return self.links[source]
 

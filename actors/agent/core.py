@@ -73,7 +73,7 @@ from cmx.policies.placement import make_placement
 from cmx.protocol import Loaded, LoadResult, Staged, StoreCommit
 from cmx.selection import Runs, SlicedBlock
 from cmx.stats import AgentStats
-from cmx.tiers import Tier
+from cmx.tiers import Holds, Tier, node_tiers
 
 __all__ = ["HostParts", "LoadResult", "Loaded", "LocalHost", "OffloadAgent"]
 
@@ -122,7 +122,7 @@ class OffloadAgent:
         self.transport = make_transport(self.name, config.transport, self._fetch_from_peer)
         self.counters = Counters()
         self.tiers = parts.node_tiers(node, link, self.owner, self.transport)
-        for tier in (Tier.HBM, Tier.DRAM):
+        for tier in node_tiers(Holds.MEMORY):  # every arena a move may read or write
             self.tiers.attach_when_up(tier)
         self.host = parts.host_bytes(self.name, config, self.tiers, self.peers,
                                      self.scheduler, self.transport)

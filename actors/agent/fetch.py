@@ -27,7 +27,7 @@ from cmx.keys import BlockHash
 from cmx.links import Call, actor_name
 from cmx.protocol import Loaded, Staged
 from cmx.storage.nvme.dataplane import Extent
-from cmx.tiers import Tier
+from cmx.tiers import Tier, node_tiers, tier_spec
 
 __all__ = ["RemoteFills", "StagedAhead"]
 
@@ -99,16 +99,19 @@ class RemoteFills:
         self.owner = tiers.owner
 
     def sources(self, copies: Sequence[Copy]) -> list[tuple[Tier, str]]:
-        """Where to look for a block, fastest first: this node's DRAM and NVMe, then the
-        other nodes' copies, memory before NVMe, and the pool last.
+        """Where to look for a block, fastest first: this node's tiers below HBM (DRAM and
+        NVMe, and any registered between or below them), then the other nodes' copies, memory
+        before NVMe, and the pool last.
 
         This node's tiers are asked where the directory knows a copy here, in any tier, and
-        then both are asked: the directory may lag a demotion (HBM to DRAM, DRAM to NVMe)
+        then all are asked: the directory may lag a demotion (HBM to DRAM, DRAM to NVMe)
         that just happened. Where it knows none, the load goes to the others at once."""
-        here = any(c.node == self.node and c.tier is not Tier.POOL for c in copies)
-        local = [(Tier.DRAM, self.node), (Tier.NVME, self.node)] if here else []
+        here = any(c.node == self.node and tier_spec(c.tier).on_node for c in copies)
+        # HBM is where the load lands: a copy there is a hit, not a source.
+        local = [(t, self.node) for t in node_tiers() if t is not Tier.HBM] if here else []
         remote = sorted(
-            {(c.tier, c.node) for c in copies if c.node != self.node or c.tier is Tier.POOL},
+            {(c.tier, c.node) for c in copies
+             if c.node != self.node or not tier_spec(c.tier).on_node},
             key=lambda s: (s[0].rank, s[1]),
         )
         return local + remote
@@ -120,7 +123,7 @@ class RemoteFills:
         whose first source (``sources``, per key, from ``sources``) is that peer."""
         first: dict[int, str] = {}
         for i, options in enumerate(sources):
-            if options and options[0][1] != self.node and options[0][0] is not Tier.POOL:
+            if options and options[0][1] != self.node and tier_spec(options[0][0]).on_node:
                 first[i] = options[0][1]
         if not first:
             return None

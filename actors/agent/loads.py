@@ -24,6 +24,7 @@ from typing import Any
 from cmx.actors.agent.demote import Demotion
 from cmx.actors.agent.fetch import RemoteFills, StagedAhead
 from cmx.actors.agent.host import HostBytes
+from cmx.actors.agent.inflight import InFlight
 from cmx.actors.agent.pool import PoolWrites
 from cmx.actors.agent.scheduler import Priority
 from cmx.actors.agent.shared import Counters, NodeTiers, pin_tag
@@ -46,7 +47,7 @@ from cmx.keys import BlockHash
 from cmx.links import actor_name
 from cmx.protocol import Loaded, LoadResult, copy_tag
 from cmx.storage.nvme.dataplane import Extent
-from cmx.tiers import Tier
+from cmx.tiers import Tier, tier_spec
 
 __all__ = ["Loads", "LocalReads"]
 
@@ -64,9 +65,10 @@ class LocalReads:
     def read(self, tier: Tier, pins: Sequence[Pinned | Extent], grants: Sequence[Grant],
              priority: Priority) -> list[bool]:
         """Copy each block pinned in this node's ``tier`` into the front of its granted slot;
-        per block whether it checked out. NVMe reads are all in flight at once; a block that
-        failed its checksum is quarantined at the tier (a miss here, never served)."""
-        if tier is not Tier.NVME:
+        per block whether it checked out. Extent reads (NVMe) are all in flight at once; a
+        block that failed its checksum is quarantined at the tier (a miss here, never
+        served)."""
+        if tier_spec(tier).in_memory:
             memory = [(p, g) for p, g in zip(pins, grants) if isinstance(p, Pinned)]
             return self.host.read_memory([p for p, _ in memory], [g for _, g in memory],
                                          priority)
@@ -74,9 +76,9 @@ class LocalReads:
         extents = [p for p, _ in reads]
         ok = self.host.read_extents(extents, [g for _, g in reads], priority)
         if bad := [e for e, good in zip(extents, ok) if not good]:
-            log.warning("%d NVMe blocks failed their checksum; quarantined", len(bad))
-            self.counters.corrupt["nvme"] += len(bad)
-            self.tiers.call(Tier.NVME, QuarantineExtents(extents=bad))  # these copies, not keys
+            log.warning("%d %s blocks failed their checksum; quarantined", len(bad), tier.value)
+            self.counters.corrupt[tier.value] += len(bad)
+            self.tiers.call(tier, QuarantineExtents(extents=bad))  # these copies, not keys
         return ok
 
 
@@ -94,6 +96,7 @@ class Loads:
         self.pool = pool
         self.counters = counters
         self._given_up: dict[str, float] = {}  # load owners that stopped waiting -> until
+        self.in_flight = InFlight()  # keys being filled into HBM by a load or prefetch now
 
     def is_scan(self, of_blocks: int) -> bool:
         """Whether a window of a load of ``of_blocks`` blocks is a scan's: a load of more
@@ -122,18 +125,26 @@ class Loads:
         held, ahead = self.fills.acquire(keys, sources, copies, owner)
         hits = {i: p for i, p in enumerate(held) if isinstance(p, Pinned)}
         granted = {i: g for i, g in enumerate(held) if isinstance(g, Grant)}
+        self.in_flight.start([keys[i] for i in granted])
+        loaded: dict[int, Loaded] = {}  # the blocks filled here, committed and pinned
         try:
-            loaded: dict[int, Loaded] = {
-                i: Loaded(keys[i], p.slot, p.size, Tier.HBM, self.node, "local", p.checksum,
-                          p.lease, p.namespace)
-                for i, p in hits.items()
-            }
-            if granted:
-                loaded.update(self._fill_hbm(keys, sources, granted, priority, ahead, owner,
-                                             namespace, self.is_scan(of_blocks)))
+            try:
+                if granted:
+                    loaded.update(self._fill_hbm(keys, sources, granted, priority, ahead,
+                                                 owner, namespace, self.is_scan(of_blocks)))
+            finally:
+                self.in_flight.end([keys[i] for i in granted])
+            stop = next((i for i in granted if i not in loaded), len(keys))  # a failed fill
+            taken = [i for i, h in enumerate(held[:stop]) if h is None]
+            if taken:  # slots another fill of this agent holds: wait for it, pin its result
+                hits.update(self._merge(keys, taken, owner, start_time))
+            loaded.update({i: Loaded(keys[i], p.slot, p.size, Tier.HBM, self.node, "local",
+                                     p.checksum, p.lease, p.namespace)
+                           for i, p in hits.items()})
         except BaseException:
-            tiers.give_back(Tier.HBM, unpin=[p.lease for p in hits.values()],
-                            abort=[g.lease for g in granted.values()])
+            pinned = {p.lease for p in hits.values()} | {b.lease for b in loaded.values()}
+            tiers.give_back(Tier.HBM, unpin=sorted(pinned),
+                            abort=[g.lease for i, g in granted.items() if i not in loaded])
             raise
         finally:
             self.fills.release_ahead(ahead)
@@ -152,6 +163,20 @@ class Loads:
         epoch = next((h.epoch for h in held if h is not None), tiers.current(Tier.HBM)[0].epoch)
         info = tiers.info(epoch)
         return LoadResult(info.arena if info is not None else "", prefix)
+
+    def _merge(self, keys: Sequence[BlockHash], idx: list[int], owner: str,
+               started: float) -> dict[int, Pinned]:
+        """Pins of ``keys[idx]`` once the fills of this agent that hold their HBM slots are
+        over (waited for within the load's bound); a fill that committed nothing pins nothing."""
+        wanted = [keys[i] for i in idx]
+        # Half the load's bound: the caller's own clock started before this call did.
+        until = started + self.config.load_timeout_s / 2
+        for event in self.in_flight.waits(wanted):
+            if not event.wait(max(0.0, until - time.perf_counter())):
+                break
+        pins = self.tiers.call(Tier.HBM, Pin(keys=wanted, owner=owner))
+        self.tiers.check_epoch(Tier.HBM, pins)
+        return {i: p for i, p in zip(idx, pins) if p is not None}
 
     def release(self, leases: Sequence[int], corrupt: Sequence[Loaded] = ()) -> None:
         """End the pins of a load's blocks; quarantine the copies the caller found corrupt
@@ -181,7 +206,7 @@ class Loads:
             if node == self.node:
                 self.tiers.call(tier, QuarantineKeys(keys=keys))
             else:
-                kind = "pool" if tier is Tier.POOL else "agent"
+                kind = "agent" if tier_spec(tier).on_node else "pool"
                 self.link.tell(actor_name(kind, node), QuarantineCopies(keys=keys, tier=tier))
 
     def prefetch(self, keys: Sequence[BlockHash], copies: Sequence[Sequence[Copy]],
@@ -229,7 +254,7 @@ class Loads:
         self, tier: Tier, node: str, keys: Sequence[BlockHash], idx: list[int],
         granted: dict[int, Grant], priority: Priority, ahead: StagedAhead,
     ) -> dict[int, Loaded]:
-        if tier is Tier.POOL:
+        if not tier_spec(tier).on_node:
             return self.fills.fill(actor_name("pool", node), node, keys, idx, granted, priority)
         if node != self.node:
             return self.fills.fill(actor_name("agent", node), node, keys, idx, granted,
@@ -240,7 +265,7 @@ class Loads:
             ok = self.reads.read(tier, [p for _, p in got], [granted[i] for i, _ in got],
                                  priority)
             out: dict[int, Loaded] = {}
-            via = "nvme" if tier is Tier.NVME else "local"
+            via = "local" if tier_spec(tier).in_memory else tier.value
             for (i, pin), good in zip(got, ok):
                 if good:
                     out[i] = Loaded(keys[i], granted[i].slot, pin.size, tier, node, via,
@@ -261,8 +286,8 @@ class Loads:
         rest = [i for i in idx if i not in pre]
         wanted, owner = [keys[i] for i in rest], self.tiers.owner
         pins: list[Pinned | Extent | None] = list(self.tiers.call(
-            tier, PinExtents(keys=wanted, owner=owner) if tier is Tier.NVME
-            else Pin(keys=wanted, owner=owner)))
+            tier, Pin(keys=wanted, owner=owner) if tier_spec(tier).in_memory
+            else PinExtents(keys=wanted, owner=owner)))
         pre.update(zip(rest, pins))
         return [pre[i] for i in idx]
 

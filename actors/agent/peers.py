@@ -12,7 +12,7 @@ from cmx.actors.agent.shared import Counters, NodeTiers
 from cmx.doors import PinExtents, QuarantineKeys, ReserveSlots
 from cmx.keys import BlockHash
 from cmx.protocol import Staged
-from cmx.tiers import Tier
+from cmx.tiers import Holds, Tier, node_tiers
 
 __all__ = ["PeerServing"]
 
@@ -27,11 +27,11 @@ class PeerServing:
 
     def stage(self, keys: Sequence[BlockHash], owner: str) -> list[Staged | None]:
         """Pin each block in a memory arena here for ``owner`` (a peer agent), promoting NVMe
-        blocks into DRAM. The pins are leases: a peer that dies before ``unstage`` holds them
-        only until they expire."""
+        blocks (and those of any other extents tier, fastest first) into DRAM. The pins are
+        leases: a peer that dies before ``unstage`` holds them only until they expire."""
         start_time = time.perf_counter()
         out: list[Staged | None] = [None] * len(keys)
-        # Both memory tiers are asked at once; a block in both is read from HBM.
+        # The memory tiers are asked at once; a block in several is read from the fastest.
         for tier, pins in self.tiers.pin_memory(keys, owner):
             unused = []  # pins of blocks staged from HBM already, or of an arena gone since
             for i, p in enumerate(pins):
@@ -46,9 +46,12 @@ class PeerServing:
             if unused:
                 self.tiers.give_back(tier, unpin=unused)
         todo = [i for i, s in enumerate(out) if s is None]
-        if todo:
-            for i, s in self._promote([keys[i] for i in todo], owner).items():
+        for tier in node_tiers(Holds.EXTENTS):
+            if not todo:
+                break
+            for i, s in self._promote(tier, [keys[i] for i in todo], owner).items():
                 out[todo[i]] = s
+            todo = [i for i in todo if out[i] is None]
         self.counters.latency["stage"].observe(time.perf_counter() - start_time)
         return out
 
@@ -71,11 +74,12 @@ class PeerServing:
         """A reader found the copies of ``tier`` here corrupt where it used them."""
         self.tiers.call(tier, QuarantineKeys(keys=list(keys)))
 
-    def _promote(self, keys: list[BlockHash], owner: str) -> dict[int, Staged]:
-        """NVMe -> DRAM for blocks a peer wants; each returned block is pinned in DRAM for
-        ``owner``. The DRAM copy keeps the NVMe copy's namespace id (a drop finds it)."""
+    def _promote(self, tier: Tier, keys: list[BlockHash], owner: str) -> dict[int, Staged]:
+        """``tier`` (NVMe, an extents tier) -> DRAM for blocks a peer wants; each returned
+        block is pinned in DRAM for ``owner``. The DRAM copy keeps the extent's namespace id
+        (a drop finds it)."""
         tiers = self.tiers
-        pins = tiers.call(Tier.NVME, PinExtents(keys=keys, owner=tiers.owner))
+        pins = tiers.call(tier, PinExtents(keys=keys, owner=tiers.owner))
         present = [(i, p) for i, p in enumerate(pins) if p is not None]
         grants = []
         try:
@@ -84,7 +88,7 @@ class PeerServing:
             self.demotion.demote_victims(Tier.DRAM, grants)
             todo = [(i, p, g) for (i, p), g in zip(present, grants) if g is not None]
             good = self.reads.read(  # all at once, verified
-                Tier.NVME, [p for _, p, _ in todo], [g for _, _, g in todo], Priority.LOAD)
+                tier, [p for _, p, _ in todo], [g for _, _, g in todo], Priority.LOAD)
             ok = [t for t, fine in zip(todo, good) if fine]
             done = {g.lease for _, _, g in ok}
             tiers.give_back(Tier.DRAM, abort=[g.lease for g in grants
@@ -93,14 +97,15 @@ class PeerServing:
             repinned = tiers.commit_tagged(
                 Tier.DRAM, [(p.tag, (g.lease, p.size, p.checksum)) for _, p, g in ok], True,
                 owner)
-            self.counters.count_move("nvme->dram", "nvme", sum(p.size for _, p, _ in ok))
+            self.counters.count_move(f"{tier.value}->dram", tier.value,
+                                     sum(p.size for _, p, _ in ok))
             regions = {rp.epoch: tiers.info(rp.epoch) for rp in repinned if rp is not None}
             return {
                 i: Staged(g.key, Tier.DRAM, info.arena, rp.slot, rp.size, rp.checksum,
-                          Tier.NVME, rp.lease, rp.namespace)
+                          tier, rp.lease, rp.namespace)
                 for (i, _, g), rp in zip(ok, repinned)
                 if rp is not None and (info := regions[rp.epoch]) is not None
             }
         finally:
             tiers.give_back(Tier.DRAM, abort=[g.lease for g in grants if g is not None])
-            tiers.give_back(Tier.NVME, unpin=[p.lease for _, p in present])
+            tiers.give_back(tier, unpin=[p.lease for _, p in present])

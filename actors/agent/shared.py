@@ -39,7 +39,7 @@ from cmx.links import actor_name
 from cmx.metrics import Histogram
 from cmx.storage.arena import SharedArena
 from cmx.storage.nvme.dataplane import Extent
-from cmx.tiers import Tier
+from cmx.tiers import Holds, Tier, node_tiers
 
 __all__ = ["Counters", "NodeTiers", "Peers", "StaleEpochError", "pin_tag"]
 
@@ -112,10 +112,11 @@ class NodeTiers:
 
     def pin_memory(self, keys: Sequence[BlockHash], owner: str
                    ) -> list[tuple[Tier, list[Pinned | None]]]:
-        """Pin ``keys`` in HBM and DRAM at once, for ``owner``. A tier that fails holds
-        nothing for this call, and the other's pins are still handed back: raising would
-        leave them held (until they expire) and lose the copies that tier has."""
-        tiers = (Tier.HBM, Tier.DRAM)
+        """Pin ``keys`` in every memory tier here (HBM, DRAM, ...) at once, for ``owner``,
+        fastest first. A tier that fails holds nothing for this call, and the others' pins are
+        still handed back: raising would leave them held (until they expire) and lose the
+        copies that tier has."""
+        tiers = node_tiers(Holds.MEMORY)
         answers = self.call_many([(t, Pin(keys=list(keys), owner=owner)) for t in tiers],
                                  return_exceptions=True)
         out = []

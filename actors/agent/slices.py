@@ -43,7 +43,7 @@ from cmx.links import actor_name
 from cmx.protocol import Copy
 from cmx.selection import Runs, SlicedBlock, check_runs, runs_bytes
 from cmx.storage.nvme.dataplane import Extent
-from cmx.tiers import Tier
+from cmx.tiers import Tier, tier_spec
 
 __all__ = ["SliceServing"]
 
@@ -109,10 +109,10 @@ class SliceServing:
         """Where to read a block's selection, fastest first: this node (any of its tiers; the
         directory may lag a demotion, so all are asked), then other nodes, memory before
         NVMe, then the pool."""
-        here = any(c.node == self.node and c.tier is not Tier.POOL for c in copies)
-        best: dict[tuple[str, str], int] = {}
+        here = any(c.node == self.node and tier_spec(c.tier).on_node for c in copies)
+        best: dict[tuple[str, str], float] = {}
         for c in copies:
-            if c.tier is Tier.POOL:
+            if not tier_spec(c.tier).on_node:
                 source = ("pool", c.node)
             elif c.node != self.node:
                 source = ("agent", c.node)

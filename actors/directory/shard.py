@@ -11,7 +11,15 @@ their events:
    epoch, a source it does not know, as after the shard itself restarted) it answers
    ``NEED_RESYNC`` and the source sends ``resync(source, epoch, seq, entries)``: everything it
    holds for this shard, replacing what the shard knew of it.
-3. ``lookup(keys)`` answers, for each key, the copies the shard knows (empty for a miss).
+3. ``lookup(keys)`` answers, for each key, the copies the shard knows (empty for a miss);
+   ``find_copies(keys)`` answers the same as one ``CopyTable`` (``cmx.copy_table``), for keys
+   sent end to end in one buffer: a long prefix's lookup makes no object per key.
+
+A shard knows too little for a while after it started (empty), until every live source has
+heartbeated once (two ``heartbeat_s``), and after it asked a source to resync, until that one
+has (within ``resync_s``): meanwhile a listing of a namespace may miss copies, so
+``namespace_blocks`` raises ``UnavailableError`` rather than answer short (a drop would report
+a success it did not have). Lookups answer what is known: a missing copy is a miss.
 
 A shard that answers nothing is a miss for the caller, never a wrong block: copies carry the
 checksum, and every mover verifies it.
@@ -20,11 +28,17 @@ checksum, and every mover verifies it.
 from __future__ import annotations
 
 import enum
+import itertools
 import struct
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from cmx.keys import BlockHash
+import numpy as np
+
+from cmx.copy_table import CopyTable
+from cmx.errors import UnavailableError
+from cmx.keys import BlockHash, split_keys
 from cmx.protocol import Copy, shard_of
 from cmx.stats import DirectoryStats
 from cmx.tiers import Tier
@@ -62,8 +76,13 @@ class ApplyResult(str, enum.Enum):
 class DirectoryShard:
     """One shard's state. Plain class; ``actors.service`` wraps it in a Ray actor."""
 
-    def __init__(self, shard_id: int = 0) -> None:
+    def __init__(self, shard_id: int = 0, heartbeat_s: float = 0.0, resync_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.shard_id = shard_id
+        self.resync_s = resync_s  # how long a source asked to resync may take to
+        self._clock = clock
+        self._contacted_at = clock() + 2 * heartbeat_s  # every live source has been in touch
+        self._asked: dict[Source, float] = {}  # sources told to resync -> until when awaited
         # source index -> source; a source dropped (its node left) frees its index for the next
         # one, which is safe because dropping removed the index from every record.
         self._sources: list[Source | None] = []
@@ -86,6 +105,7 @@ class DirectoryShard:
         if known is None or known[0] != epoch or known[1] + 1 != first:
             if known is not None and known[0] == epoch and seq <= known[1]:
                 return ApplyResult.OK  # a duplicate of what was applied
+            self._asked[source] = self._clock() + self.resync_s
             return ApplyResult.NEED_RESYNC
         idx = self._index(source)
         for entry in entries:
@@ -103,11 +123,13 @@ class DirectoryShard:
         for entry in entries:
             self._add(idx, entry)
         self._cursor[source] = (epoch, seq)
+        self._asked.pop(source, None)
         self.resyncs += 1
 
     def drop_source(self, source: Source) -> int:
         """Forget every copy held by ``source`` (its node left); returns how many."""
         self._cursor.pop(source, None)
+        self._asked.pop(source, None)
         idx = self._source_index.get(source)
         if idx is None:
             return 0
@@ -134,13 +156,46 @@ class DirectoryShard:
             out.append([self._copy(i, size, csum) for i in srcs])
         return out
 
-    def _copy(self, idx: int, size: int, csum: int) -> Copy:
+    def find_copies(self, keys: bytes) -> CopyTable:
+        """``lookup`` of the keys in ``keys`` (end to end, ``cmx.keys.split_keys``), as one table:
+        the same copies in the same order, read from the records in bulk."""
+        self.lookups += 1
+        asked = split_keys(keys)
+        records = list(map(self._blocks.get, asked, itertools.repeat(b"", len(asked))))
+        words = np.frombuffer(b"".join(records), dtype="<u4")
+        lengths = np.fromiter(map(len, records), np.int64, len(records)) // _SOURCE_BYTES
+        head = _HEAD.size // _SOURCE_BYTES
+        at = (np.cumsum(lengths) - lengths)[lengths > 0]  # each found record's first word
+        counts = np.maximum(lengths - head, 0)
+        found = counts[lengths > 0]
+        first = np.repeat(at + head - (np.cumsum(found) - found), found)
+        source = words[first + np.arange(len(first))]
+        # checksum u64 (two words), size u32, namespace u32, then the sources: see _pack
+        checksum = words[at].astype(np.uint64) | (words[at + 1].astype(np.uint64) << 32)
+        used, place = np.unique(source, return_inverse=True)
+        return CopyTable(tuple(self._place(int(i)) for i in used), counts,
+                         place.astype(np.int64), np.repeat(words[at + 2].astype(np.int64), found),
+                         np.repeat(checksum, found))
+
+    def _place(self, idx: int) -> tuple[Tier, str]:
         source = self._sources[idx]
         assert source is not None, "a record lists a dropped source"  # check_integrity's rule
-        return Copy(source.tier, source.node, size, csum)
+        return source.tier, source.node
+
+    def _copy(self, idx: int, size: int, csum: int) -> Copy:
+        tier, node = self._place(idx)
+        return Copy(tier, node, size, csum)
 
     def namespace_blocks(self, namespace: str) -> list[tuple[bytes, list[Copy]]]:
-        """Every block tagged with ``namespace``, and its copies."""
+        """Every block tagged with ``namespace``, and its copies; ``UnavailableError``
+        while this shard may not know every source's (see the module docstring)."""
+        now = self._clock()
+        waiting = sorted(str(s) for s, until in self._asked.items() if until > now)
+        if now < self._contacted_at or waiting:
+            raise UnavailableError(
+                f"directory shard {self.shard_id} is still learning its sources' copies "
+                f"({'started' if not waiting else 'resyncing ' + ', '.join(waiting)}); "
+                f"a namespace listed now could be short")
         idx = self._ns_index.get(namespace)
         if not idx:
             return []

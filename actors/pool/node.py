@@ -11,9 +11,10 @@ registered with its transport, and the same pull protocol as the offload agents:
 - ``stage(keys, owner)`` / ``unstage(staged)``: for a reader: pin each block in the staging
   arena (reading it from NVMe and verifying it first), so the reader pulls it with one
   transfer. The pins are leases: a reader that dies holds them only until they expire.
-- ``rebalance(members, replicas)``: after membership or replication changed, push every block
-  held here to its owners (rendezvous hashing over the live members) that lack it, and drop
-  the copies held here past their owners once the owners confirm theirs (``pool.rebalance``).
+- ``rebalance(members, replicas, generation)``: after membership or replication changed, push
+  every block held here to its owners (rendezvous hashing over the live members) that lack it,
+  and drop the copies held here past their owners once the owners confirm theirs; a rebalance
+  of an older membership view than one seen here does nothing (``pool.rebalance``).
 
 The store lives under ``<nvme_dir>/pool-<pool id>``, the pool id being the node's label value,
 so a node that comes back with the same label offers what its disk still holds.
@@ -316,9 +317,12 @@ class PoolNodeService:
     def contains(self, keys: Sequence[BlockHash]) -> list[bool]:
         return [k in self.store for k in keys]
 
-    def checksums(self, keys: Sequence[BlockHash]) -> list[int | None]:
+    def checksums(self, keys: Sequence[BlockHash], generation: int = 0) -> list[int | None]:
         """The checksum of the committed copy of each key held here (None: none is), for a
-        rebalance that drops its own copy only with the owners' confirmed."""
+        rebalance of ``generation`` that drops its own copy only with the owners' confirmed.
+        To a rebalance of an older view than one seen here, none is confirmed."""
+        if not self.surplus.advance(generation):
+            return [None] * len(keys)
         entries = [self.store.entry_of(k) for k in keys]
         return [None if e is None else e.checksum for e in entries]
 
@@ -333,16 +337,22 @@ class PoolNodeService:
         self.publisher.flush()
         return gone
 
-    def rebalance(self, members: Sequence[str], replicas: int) -> Rebalanced:
+    def rebalance(self, members: Sequence[str], replicas: int, generation: int = 0
+                  ) -> Rebalanced:
         """Push blocks held here to the owners that lack them, then drop each copy held here
-        past its owners once they all hold one of its checksum (``pool.rebalance``)."""
+        past its owners once they all hold one of its checksum (``pool.rebalance``). Under an
+        older view (``generation``) than one seen here, nothing is done."""
+        if not self.surplus.advance(generation):
+            log.info("rebalance of generation %d ignored: a newer one was seen", generation)
+            return Rebalanced(0, 0, len(self.surplus))
         held = list(self.store.keys())
         want, surplus = placement(held, members, replicas, self.node)
         self.surplus.keep(set(held).difference(surplus))  # owned here now: none of it goes
         pushed = sum(self._push(owner, keys) for owner, keys in want.items())
         entries = {key: self.store.entry_of(key) for key in surplus}
         sums = {key: e.checksum for key, e in entries.items() if e is not None}
-        dropped = self.surplus.drop(confirmed(self.link, sums, members, replicas))
+        dropped = self.surplus.drop(confirmed(self.link, sums, members, replicas, generation),
+                                    generation)
         return Rebalanced(pushed, dropped, len(self.surplus))
 
     def _push(self, owner: str, keys: list[BlockHash]) -> int:

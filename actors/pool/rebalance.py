@@ -9,6 +9,14 @@ answer confirms nothing, so the last copy of a block is never the one dropped. A
 pinned by a reader at that moment stays, listed in ``SurplusCopies``, and goes when its pin
 ends (the reader's unstage, or the node's next heartbeat); a block offered to the node again
 in the meantime is wanted again and stays.
+
+Each rebalance carries the generation of its membership view (the controller's, larger for a
+later view). Ray delivers a rebalance late or out of order, so two nodes may trim under
+different views, each dropping its copy on the other's word. A node therefore trims only under
+the newest generation it has seen, and confirms copies only to a rebalance of that generation;
+a rebalance or a confirmation of a newer one forgets the drops listed under older views. The
+checks and the drops hold one lock (``SurplusCopies``): a node's answer about a copy and its
+drop of that copy are in one order.
 """
 
 from __future__ import annotations
@@ -59,9 +67,10 @@ def placement(
 
 
 def confirmed(link: Any, sums: dict[BlockHash, int], members: Sequence[str],
-              replicas: int) -> list[BlockHash]:
+              replicas: int, generation: int = 0) -> list[BlockHash]:
     """The keys of ``sums`` every owner of which holds a copy of checksum ``sums[key]``
-    (``PoolNodeService.checksums``); an owner that fails to answer confirms none of its."""
+    (``PoolNodeService.checksums``) in the view of ``generation``; an owner that fails to
+    answer, or has seen a newer view, confirms none of its."""
     by_owner: dict[str, list[BlockHash]] = {}
     for key in sums:
         for owner in owners(key, members, replicas):
@@ -69,7 +78,8 @@ def confirmed(link: Any, sums: dict[BlockHash, int], members: Sequence[str],
     good = {key: bool(by_owner) for key in sums}
     for owner, keys in by_owner.items():
         try:
-            held = list(link.call(actor_name("pool", owner), Checksums(keys=keys)))
+            held = list(link.call(actor_name("pool", owner),
+                                  Checksums(keys=keys, generation=generation)))
         except Exception as exc:  # noqa: BLE001 - an owner that cannot say confirms nothing
             log.warning("rebalance: %s did not confirm its copies: %s", owner[:8], exc)
             held = [None] * len(keys)
@@ -82,7 +92,8 @@ class SurplusCopies:
     """Copies a pool node holds past their owners, each confirmed on all of them: dropped from
     its NVMe store and its staging cache where unpinned; one pinned stays listed until it is
     dropped (``retry``) or wanted again (``keep``). ``announce`` makes a drop durable and tells
-    the directory."""
+    the directory. Drops are listed under the newest rebalance generation seen (``advance``);
+    a newer one forgets them."""
 
     def __init__(self, store: ExtentBooks, staging: DramStore,
                  announce: Callable[[], None]) -> None:
@@ -91,11 +102,28 @@ class SurplusCopies:
         self.announce = announce
         self._lock = threading.Lock()
         self._keys: set[BlockHash] = set()
+        self._generation = 0  # the newest rebalance generation seen here
 
-    def drop(self, keys: Iterable[BlockHash]) -> int:
-        """Drop these copies, or list them to drop once unpinned; how many left the store."""
+    def advance(self, generation: int) -> bool:
+        """Note a rebalance (or a confirmation asked by one) of ``generation``; whether it is
+        the newest seen here. A newer one forgets the copies listed to drop: their owners were
+        confirmed under a membership that has changed since."""
+        with self._lock:
+            if generation < self._generation:
+                return False
+            if generation > self._generation:
+                self._generation = generation
+                self._keys.clear()
+            return True
+
+    def drop(self, keys: Iterable[BlockHash], generation: int = 0) -> int:
+        """Drop these copies, confirmed under ``generation``, or list them to drop once
+        unpinned; how many left the store. Under an older generation than the newest seen
+        here, nothing is dropped."""
         keys = list(keys)
         with self._lock:
+            if generation != self._generation:
+                return 0
             self._keys.update(keys)
         return self.retry(keys)
 

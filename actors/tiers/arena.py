@@ -247,7 +247,10 @@ class ArenaTierService:
         if ref is None or csum is None:  # removed between pin and locate: not under a pin
             self._unpin_key(key)
             return None
-        lease = self.leases.grant(owner, LeaseKind.PIN, key, self.leased.unpin_later(key))
+        lease = self.leases.grant_pin(owner, key, self.leased.unpin_later(key))
+        if lease is None:  # a late pin of an owner already released: nobody would end it
+            self._unpin_key(key)
+            return None
         return Pinned(key, ref.slot, ref.size, csum, self.epoch, lease, ref.copy,
                       self._tags.get(key, ""))
 

@@ -5,9 +5,12 @@ restarts, an owner (``client:<id>``, ``agent:<name>``, ``peer:<name>``, ``pool:<
 expiry. The holder ends it (unpin, commit, abort) by id. What its holder never ends, because
 it timed out, failed part-way or died, the tier takes back when the lease expires (``expire``,
 run on every call that takes a slot and on every heartbeat) or when its owner's leases are
-given back at once (``release_owner``). An operator's pin (owner ``ADMIN``, ``pin_for``)
-expires after the TTL it was taken with (at most ``ADMIN_PIN_MAX_S``), not the tier's lease
-time, and is ended by key. Time is injected: tests drive a fake clock.
+given back at once (``release_owner``). A released owner is remembered for a lease time: a
+pin asked for it after (a late call of a caller that stopped waiting, which a threaded actor
+may run after the release sent behind it) is refused (``grant_pin``). An operator's pin
+(owner ``ADMIN``, ``pin_for``) expires after the TTL it was taken with (at most
+``ADMIN_PIN_MAX_S``), not the tier's lease time, and is ended by key. Time is injected: tests
+drive a fake clock.
 """
 
 from __future__ import annotations
@@ -58,16 +61,31 @@ class Leases:
         self._next_id = secrets.randbits(62)
         self._next_expiry = float("inf")
         self._expired = self._released = 0
+        self._gone: dict[str, float] = {}  # owners given back (``release_owner``) -> until
 
     def grant(
         self, owner: str, kind: LeaseKind, key: BlockHash, undo: Callable[[int], None]
     ) -> int:
         with self._lock:
-            self._next_id += 1
-            expires = self._clock() + self.ttl_s
-            self._held[self._next_id] = Held(owner, kind, key, expires, undo)
-            self._next_expiry = min(self._next_expiry, expires)
-            return self._next_id
+            return self._grant(owner, kind, key, undo)
+
+    def grant_pin(self, owner: str, key: BlockHash, undo: Callable[[int], None]) -> int | None:
+        """``grant`` a pin, unless ``owner`` was released within the last lease time: then
+        None, and the caller gives back what it took. The check and the grant are one step,
+        as ``release_owner``'s are, so a pin and its release may run in either order."""
+        with self._lock:
+            if self._gone.get(owner, float("-inf")) > self._clock():
+                self._released += 1
+                return None
+            return self._grant(owner, LeaseKind.PIN, key, undo)
+
+    def _grant(self, owner: str, kind: LeaseKind, key: BlockHash,
+               undo: Callable[[int], None]) -> int:
+        self._next_id += 1
+        expires = self._clock() + self.ttl_s
+        self._held[self._next_id] = Held(owner, kind, key, expires, undo)
+        self._next_expiry = min(self._next_expiry, expires)
+        return self._next_id
 
     def hold(self, leases: Iterable[int], ttl_s: float) -> int:
         """Make each lease expire ``ttl_s`` seconds from now (an operator's pin, which lives as
@@ -127,8 +145,17 @@ class Leases:
             return len(ids)
 
     def release_owner(self, owner: str) -> int:
-        """Give back everything ``owner`` holds (it gave up, or is known to be gone)."""
+        """Give back everything ``owner`` holds (it gave up, or is known to be gone), and
+        refuse its pins for a lease time (``grant_pin``): an owner names one caller's call."""
         with self._lock:
+            now = self._clock()
+            while self._gone:  # oldest first: each is remembered ttl_s
+                first = next(iter(self._gone))
+                if self._gone[first] > now:
+                    break
+                del self._gone[first]
+            self._gone.pop(owner, None)
+            self._gone[owner] = now + self.ttl_s
             ids = [i for i, h in self._held.items() if h.owner == owner]
         n = self.end(ids)
         with self._lock:

@@ -60,8 +60,9 @@ class NvmeTierService:
         segment_bytes: int = 256 << 20,
         lease_s: float = DEFAULT_LEASE_S,
         clock: Clock = time.monotonic,
+        tier: Tier = Tier.NVME,  # an extents tier's name: NVMe, or one registered (cmx.tiers)
     ) -> None:
-        self.tier = Tier.NVME
+        self.tier = tier
         self.node = node
         self.epoch = uuid.uuid4().hex[:8]
         self.store = ExtentBooks(
@@ -73,7 +74,7 @@ class NvmeTierService:
         self._pending: dict[int, PendingExtent] = {}  # lease -> space held for a write
         self._lock = threading.Lock()
         self.publisher = EventPublisher(
-            Source(node, Tier.NVME),
+            Source(node, tier),
             self.epoch,
             num_shards,
             lambda shard, request: directory.call(f"cmx:dir:{shard}", request),
@@ -140,7 +141,11 @@ class NvmeTierService:
                 self._unpin_key(key)
                 out.append(None)
                 continue
-            lease = self.leases.grant(owner, LeaseKind.PIN, key, self.leased.unpin_later(key))
+            lease = self.leases.grant_pin(owner, key, self.leased.unpin_later(key))
+            if lease is None:  # a late pin of an owner already released: nobody would end it
+                self._unpin_key(key)
+                out.append(None)
+                continue
             out.append(Extent(key, self.store.segment_path(entry.seg), entry.offset,
                               entry.length, entry.checksum, lease, entry.chunk_sums, entry.tag))
         return out

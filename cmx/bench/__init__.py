@@ -14,8 +14,12 @@ here. Every figure is a ratio to a baseline measured in the same run (see ``core
     xhost    "transfer-hosts": that load between two hosts with only TCP between them, against
              one TCP stream (xhost_run measures, tcp_copy copies)
     lookups  "lookups": 1,000-block lookups under 16 callers, node plane against the directory
+    million  "million": a 1M-token prefix (62,500 blocks of 16 KiB) stored, looked up (as
+             ContextMemory and as the vLLM scheduler) and loaded, each beside a warm memcpy
     heads    "heads": one KV head of eight through the service against a whole load, per tier
     hits     "service": local hits against Ray round trips; the client's checksum of a load
+    copies   "copies": a 512 MiB DRAM hit into the caller's buffer and a new tensor: the
+             caller's CPU and wall against a warm memcpy
     pressure "pressure": a prefix eight times HBM and DRAM loaded from NVMe, against fio
     layers   "layers": the vLLM connector's loads in groups of layers, layer 0's wait against
              the last's and against the whole prefix first
@@ -48,10 +52,12 @@ SUITES: dict[str, str] = {
     "transfer-hosts": "cmx.bench.xhost:run_transfer_hosts",
     "directory": "cmx.bench.service:run_directory",
     "lookups": "cmx.bench.lookups:run_lookups",
+    "million": "cmx.bench.million:run_million",
     "pool": "cmx.bench.service:run_pool",
     "heads": "cmx.bench.heads:run_heads",
     "layers": "cmx.bench.layers:run_layers",
     "service": "cmx.bench.hits:run_service",
+    "copies": "cmx.bench.copies:run_copies",
     "pressure": "cmx.bench.pressure:run_pressure",
     "lmcache": "cmx.bench.peer:run_lmcache",
     "prefetch": "cmx.bench.prefetch:run_prefetch",

@@ -7,10 +7,9 @@ A ``LayerLoad`` is asked for its groups in order, contiguous from layer 0 (``gro
 from:
 
 - What this node's memory holds is pinned once, at the start, in one round trip to its tiers,
-  and each group is copied out of their shared memory. The layers of a layer-major payload are
-  consecutive runs of it, so each block's checksum is fed group by group as it is copied
-  (``ChecksumStream``) and is known once the last group is copied; a head-major payload is
-  checked whole before the first group and again after the last.
+  checked whole there (``copy_out.checked``), before any group is handed over, and each group
+  is copied out of their shared memory. ``finish`` checks each block again: a pin whose lease
+  ended while the groups were copied may have let its slot take another block.
 - The rest (NVMe, a peer, the pool) comes whole with the first group, through this node's
   agent into its HBM as a whole load's does (``cmx.client.loads``), each block verified as it
   is copied out, and stays there for the next load; the later groups are cut from it. Fetched
@@ -18,11 +17,12 @@ from:
   group's bytes by value), a 256 MiB prefix on NVMe took 2.7 times as long in all and its
   first group was ready little sooner (``cmx bench layers``, docs/BENCHMARKS.md).
 
-So a group may carry a block whose checksum is not yet known. The first group may also bring
-fewer blocks than were found (a block went since the lookup). Only ``finish``'s count is
-the load's: a block past it was handed over in an earlier group and must not be used, which
-the caller says to the engine (vLLM recomputes such blocks, then overwrites them). Pins are
-let go at ``finish`` or ``close``, or expire with their lease.
+So no group carries a block before its checksum was found right. The first group may bring
+fewer blocks than were found (a block went since the lookup, or failed its check). Only
+``finish``'s count is the load's: a block past it (its slot reused after its lease ended)
+was handed over in an earlier group and must not be used, which the caller says to the
+engine (vLLM recomputes such blocks, then overwrites them). Pins are let go at ``finish`` or
+``close``, or expire with their lease.
 """
 
 from __future__ import annotations
@@ -33,8 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cmx.checksum import ChecksumStream, checksum
-from cmx.client.copy_out import empty_kv, kv_array
+from cmx.client.copy_out import checked, empty_kv, kv_array
 from cmx.client.loads import load_through_agent
 from cmx.client.matches import Match, held_here
 from cmx.errors import CmxError
@@ -78,7 +77,6 @@ class LayerLoad:
             except (CmxError, OSError, ValueError) as exc:  # a tier restarted: its arena is gone
                 log.warning("a local block's arena is gone: %s", exc)
                 self._release(self._pins)
-        self._streams: list[ChecksumStream] = []
         self._away_kv: Any = None  # what was away, every layer, once the first group came
         self._next = 0  # the first layer of the next group
         try:
@@ -128,14 +126,10 @@ class LayerLoad:
         layer was asked); the pins are let go."""
         blocks = self._blocks if self._next == self.layout.num_layers else 0
         if self.ns.verify and blocks:
+            # Checked before the first group and again now, so a slot taken back and reused
+            # while the groups were copied (a lease that ended) is not believed.
             for i, (pin, payload) in enumerate(zip(self._pins, self._payloads[:blocks])):
-                # Layer-major: the bytes each group copied, hashed as they were copied.
-                # Head-major: checked whole before the first group and again now, so a slot
-                # taken back and reused while the groups were copied is not believed.
-                got = self._streams[i].value() if self._streams else checksum(payload)
-                if got != pin.pin.checksum:
-                    log.warning("block %s failed its checksum where it was used",
-                                pin.pin.key.hex()[:12])
+                if not checked(pin.pin.key, payload, pin.pin.checksum):
                     self._plane.quarantine([pin])
                     blocks = i
                     break
@@ -148,16 +142,12 @@ class LayerLoad:
     # -- here ----------------------------------------------------------------------------------
 
     def _verify_whole_first(self) -> None:
-        """Streams for a layer-major payload; a head-major one is checked whole now."""
+        """Each block here checked whole, before any group of it is handed over; the load
+        ends before the first that fails."""
         if not self.ns.verify or not self._payloads:
             return
-        if self.layout.order is PayloadOrder.LAYER_MAJOR:
-            self._streams = [ChecksumStream() for _ in self._payloads]
-            return
         for i, (pin, payload) in enumerate(zip(self._pins, self._payloads)):
-            if checksum(payload) != pin.pin.checksum:
-                log.warning("block %s failed its checksum where it was used",
-                            pin.pin.key.hex()[:12])
+            if not checked(pin.pin.key, payload, pin.pin.checksum):
                 self._plane.quarantine([pin])
                 self._payloads = self._payloads[:i]
                 self._away = []
@@ -167,18 +157,15 @@ class LayerLoad:
     def _copy_local(self, layers: range, dst: np.ndarray, count: int) -> None:
         L = self.layout
         T = L.block_tokens
-        unit = L.block_bytes // L.num_layers  # one layer of a layer-major payload
         for i, payload in enumerate(self._payloads[:count]):
             src = payload.view(dst.dtype).reshape(L.payload_shape)
             place = dst[:, :, :, i * T : (i + 1) * T]
             if L.order is PayloadOrder.LAYER_MAJOR:
                 np.copyto(place, src[layers.start : layers.stop])
-                if self._streams:
-                    self._streams[i].feed(payload[layers.start * unit : layers.stop * unit])
             else:
                 np.copyto(place, src.transpose(1, 2, 0, 3, 4)[layers.start : layers.stop])
 
     def _release(self, pins: list[LocalPin]) -> None:
         if pins:
             self._plane.unpin(pins)
-        self._pins, self._payloads, self._streams = [], [], []
+        self._pins, self._payloads = [], []

@@ -17,6 +17,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any, Literal
 
+import numpy as np
+
 from cmx.client.namespaces import (
     BlockLocation,
     Match,
@@ -27,13 +29,14 @@ from cmx.client.namespaces import (
 )
 from cmx.client.node_plane import NodePlane
 from cmx.config import ServiceConfig
-from cmx.doors import Evict, Lookup, NamespaceBlocks, Nodes
+from cmx.copy_table import CopyTable
+from cmx.doors import Evict, FindCopies, NamespaceBlocks, Nodes
 from cmx.errors import LayoutMismatchError, UnavailableError
-from cmx.keys import BlockHash, Namespace, namespace_id
+from cmx.keys import KEY_BYTES, BlockHash, Namespace, namespace_id
 from cmx.layout import KVLayout
 from cmx.links import RayLink
 from cmx.operate.ray_cluster import DEFAULT_JOIN_TIMEOUT_S, join_or_start
-from cmx.protocol import Copy, actor_name, shard_of
+from cmx.protocol import Copy, actor_name, shards_of
 from cmx.stats import ServiceStats, collect
 from cmx.tiers import Tier
 
@@ -129,13 +132,20 @@ class ContextMemory:
         again when a restarted directory shard asks; NVMe tiers and pool nodes keep it on
         disk, so it outlives their own restarts too. docs/RELIABILITY.md names the few copies
         that carry none.
+
+        A shard that does not answer, or is still learning its sources' copies (restarted, or
+        resyncing one), cannot list the namespace whole, and a tier that does not answer keeps
+        its copies: what could be is evicted, and then ``UnavailableError`` says the drop is
+        not done (drop again), never a count that reads as success.
         """
         ns_id = namespace_id(namespace)  # an id, or the 64-hex digest: blocks carry the id
         by_holder: dict[tuple[Tier, str], list[bytes]] = {}
+        short: list[str] = []  # why a shard's listing is missing or may be short
         for shard in range(self.config.directory_shards):
             try:
                 found = self.link.call(actor_name("dir", shard), NamespaceBlocks(namespace=ns_id))
-            except UnavailableError:
+            except UnavailableError as exc:
+                short.append(f"shard {shard}: {exc}")
                 continue
             for key, copies in found:
                 for c in copies:
@@ -144,8 +154,11 @@ class ContextMemory:
         for (tier, node), keys in by_holder.items():
             try:
                 evicted += int(self.link.call(actor_name(tier.value, node), Evict(keys=keys)))
-            except UnavailableError:
-                pass
+            except UnavailableError as exc:
+                short.append(f"{tier.value} of node {node[:8]}: {exc}")
+        if short:
+            raise UnavailableError(f"namespace {ns_id} was not dropped whole ({evicted} copies "
+                                   f"evicted); drop it again: {'; '.join(short)}")
         return evicted
 
     def shutdown(self, stop_service: bool | None = None) -> None:
@@ -163,26 +176,26 @@ class ContextMemory:
     # -- used by namespaces --------------------------------------------------------------------
 
     def copies(self, keys: Sequence[BlockHash]) -> list[list[Copy]]:
-        """Every committed copy of each key (empty: a miss, or a shard that did not answer);
-        one batched call per shard, all in flight together."""
-        n = self.config.directory_shards
-        by_shard: dict[int, list[int]] = {}
-        for i, key in enumerate(keys):
-            by_shard.setdefault(shard_of(key, n), []).append(i)
+        """Every committed copy of each key (empty: a miss, or a shard that did not answer)."""
+        return self.copy_table(keys).lists()
+
+    def copy_table(self, keys: Sequence[BlockHash]) -> CopyTable:
+        """``copies`` as one table (``cmx.copy_table``): one batched call per shard, all in
+        flight together, each sending its keys in one buffer and answered by one table."""
+        together = np.frombuffer(b"".join(keys), np.uint8).reshape(len(keys), KEY_BYTES)
+        shard_of_key = shards_of(together, self.config.directory_shards)
         refs = {}
-        for shard, idx in by_shard.items():
+        for shard in np.unique(shard_of_key).tolist():
+            at = np.flatnonzero(shard_of_key == shard)
             try:
-                refs[shard] = self.link.submit(actor_name("dir", shard),
-                                               Lookup(keys=[keys[i] for i in idx]))
+                refs[shard] = at, self.link.submit(actor_name("dir", shard),
+                                                   FindCopies(keys=together[at].tobytes()))
             except UnavailableError:
                 pass
-        out: list[list[Copy]] = [[] for _ in keys]
-        for shard, ref in refs.items():
+        parts = []
+        for shard, (at, ref) in refs.items():
             try:
-                answer = self.link.result(ref, self.config.call_timeout_s)
+                parts.append((at, self.link.result(ref, self.config.call_timeout_s)))
             except Exception as exc:  # noqa: BLE001 - an unreachable shard answers misses
                 log.warning("directory shard %d did not answer: %s", shard, exc)
-                continue
-            for i, copies in zip(by_shard[shard], answer):
-                out[i] = copies
-        return out
+        return CopyTable.merge(parts, len(keys))

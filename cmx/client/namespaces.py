@@ -20,14 +20,22 @@ import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from cmx.client.copy_out import copy_payloads, copy_verified, empty_kv
+from cmx.client.copy_out import Sink, as_sink, copy_payloads, copy_verified, empty_kv
 from cmx.client.loads import load_through_agent, window_blocks
-from cmx.client.matches import BlockLocation, Client, Match, held_here, in_memory_here
-from cmx.client.stores import StoreHandle, store_into_dram
+from cmx.client.matches import (
+    BlockLocation,
+    Blocks,
+    Client,
+    Match,
+    held_here,
+    in_memory_here,
+)
+from cmx.client.stores import Source, StoreHandle, TensorSource, store_into_dram
+from cmx.copy_table import CopyTable
 from cmx.doors import Prefetch
 from cmx.errors import CmxError, LayoutMismatchError
 from cmx.keys import BlockHash, Namespace, chain_keys
-from cmx.protocol import Copy, actor_name, best_copy
+from cmx.protocol import actor_name
 from cmx.selection import IndexSpec, Selection
 
 if TYPE_CHECKING:
@@ -56,22 +64,28 @@ class NamespaceClient:
     def keys(self, token_ids: object) -> list[BlockHash]:
         return chain_keys(self.namespace.digest, token_ids, self.layout.block_tokens)
 
-    def store(self, token_ids: object, kv: Any, start: int = 0) -> StoreHandle:
+    def store(self, token_ids: object, kv: Any, start: int = 0,
+              grant_timeout_s: float | None = None) -> StoreHandle:
         """Copy the full blocks of ``kv`` once into DRAM slots this node's agent grants
         (``cmx.client.stores``); returns once the bytes are there, the commit going on behind.
 
-        ``kv`` holds the KV of ``token_ids[start:]``; ``start`` is a multiple of the block
-        size, so an engine that already stored a prefix hands over only what is new.
+        ``kv`` holds the KV of ``token_ids[start:]``: a [layers, 2, kv_heads, tokens, head_dim]
+        tensor, or a ``cmx.client.stores.Source`` (an engine's paged cache, copied from where
+        it lies); ``start`` is a multiple of the block size, so an engine that already stored
+        a prefix hands over only what is new. ``grant_timeout_s`` bounds the wait for DRAM
+        slots (default ``load_timeout_s``): UnavailableError past it, nothing kept.
         """
         T = self.layout.block_tokens
         if start < 0 or start % T:
             raise LayoutMismatchError(f"start {start} is not a multiple of {T} tokens")
         keys = self.keys(token_ids)
         first = start // T
-        self.layout.check_kv(kv)
-        if first > len(keys) or kv.shape[3] < (len(keys) - first) * T:
+        if not isinstance(kv, Source):
+            self.layout.check_kv(kv)
+            kv = TensorSource(self.layout, kv)
+        if first > len(keys) or kv.blocks < len(keys) - first:
             raise LayoutMismatchError(
-                f"kv holds {kv.shape[3]} tokens from {start}; token_ids have "
+                f"kv holds {kv.blocks * T} tokens from {start}; token_ids have "
                 f"{len(keys) * T} in full blocks"
             )
         if first >= len(keys):
@@ -79,7 +93,7 @@ class NamespaceClient:
         new = keys[first:]
         parents = [keys[first - 1] if first else None, *new[:-1]]
         return store_into_dram(self.cm, self.layout, new, parents, kv, self.namespace.id,
-                               f"client:{uuid.uuid4().hex}", self.replication)
+                               f"client:{uuid.uuid4().hex}", self.replication, grant_timeout_s)
 
     def lookup(self, token_ids: object, here_first: bool = False) -> Match:
         """The longest committed prefix of ``token_ids``, each block with every copy the
@@ -90,24 +104,20 @@ class NamespaceClient:
         blocks = self._locate(self.keys(token_ids), here_first)
         return Match(len(blocks) * self.layout.block_tokens, blocks)
 
-    def _locate(self, keys: Sequence[BlockHash], ask_here: bool = True
-                ) -> tuple[BlockLocation, ...]:
+    def _locate(self, keys: Sequence[BlockHash], ask_here: bool = True) -> Blocks:
         """The longest prefix of ``keys`` held: first what this node's memory holds (unless
         ``ask_here`` is False: its tiers were just asked), each with its copies here only,
-        then what the directory knows of the rest, each with every copy it knows."""
-        node = self.cm.node_id
+        then what the directory knows of the rest, each with every copy it knows. Columns
+        throughout (``cmx.copy_table``): no object per block until one is read."""
         here = self.cm.plane.held(keys) if ask_here and keys else None
         first = here.prefix if here is not None else 0
-        blocks = [_location(key, found, node)
-                  for key, found in zip(keys[:first], here.copies if here else ())]
-        rest = keys[first:]
-        for i, found in enumerate(self.cm.copies(rest) if rest else [], start=first):
-            if here is not None:
-                found = here.confirmed(i, found)
-            if not found:
-                break
-            blocks.append(_location(keys[i], found, node))
-        return tuple(blocks)
+        found = [here.table.head(first)] if here is not None else []
+        if first < len(keys):
+            rest = self.cm.copy_table(keys[first:])
+            found.append(here.confirmed(rest, first) if here is not None else rest)
+        table = CopyTable.stack(found)
+        held = table.prefix()
+        return Blocks(keys[:held], table.head(held), self.cm.node_id)
 
     def load(self, token_ids: object, match: Match | None = None, layers: IndexSpec = None,
              heads: IndexSpec = None) -> Any:
@@ -125,18 +135,50 @@ class NamespaceClient:
             selection = Selection.of(self.layout, layers, heads)
             return load_selection(self, selection, match or self.lookup(token_ids))
 
-        keys = [b.key for b in match.blocks] if match is not None else self.keys(token_ids)
+        keys = self._load_keys(token_ids, match)
+        out = empty_kv(self.layout, len(keys) * self.layout.block_tokens)
+        return out[:, :, :, : self._load_into(keys, match, out)]
+
+    def load_into(self, token_ids: object, out: Any, match: Match | None = None) -> int:
+        """Load the longest cached prefix into ``out``, the caller's CPU tensor [layers, 2,
+        kv_heads, tokens, head_dim] of the layout's dtype (any strides but a contiguous
+        head_dim): at most its
+        ``tokens``, from token 0. Returns how many tokens it holds now; nothing is allocated
+        for the bytes, so a buffer used again costs no page faults. ``match`` as ``load``.
+        LayoutMismatchError (and nothing written) for a tensor of another shape, dtype or
+        device."""
+        self.layout.check_kv(out)
+        if out.device.type != "cpu":
+            raise LayoutMismatchError(f"load_into takes a CPU tensor, got one on {out.device}")
+        if out.stride(-1) != 1:
+            raise LayoutMismatchError(f"load_into takes a tensor whose head_dim is contiguous, "
+                                      f"got strides {out.stride()}")
+        return self._load_into(self._load_keys(token_ids, match), match, out)
+
+    def load_to(self, sink: Sink, token_ids: object, match: Match | None = None) -> int:
+        """``load_into`` a ``Sink`` of ``cmx.client.copy_out`` (an engine's paged cache: each
+        byte crosses this process once); returns the blocks it holds now, a prefix."""
+        blocks = self._load_into(self._load_keys(token_ids, match), match, sink)
+        return blocks // self.layout.block_tokens
+
+    def _load_keys(self, token_ids: object, match: Match | None) -> list[BlockHash]:
+        return [b.key for b in match.blocks] if match is not None else self.keys(token_ids)
+
+    def _load_into(self, keys: list[BlockHash], match: Match | None, out: Any) -> int:
+        """``load_into`` without its checks: tokens of ``keys`` loaded into ``out`` (a KV
+        tensor, or a ``Sink``)."""
         T = self.layout.block_tokens
-        out = empty_kv(self.layout, len(keys) * T)
-        here = len(keys) if match is None else held_here(match, self.cm.node_id)
+        out = as_sink(self.layout, out)
+        keys = keys[: out.blocks]
+        here = len(keys) if match is None else min(held_here(match, self.cm.node_id), len(keys))
         loaded, whole = self._load_local(keys[:here], out)
         if whole and loaded < len(keys):
             if match is not None and loaded >= here:
-                rest = match.blocks[loaded:]
+                rest = match.blocks[loaded : len(keys)]
             else:  # what memory here lacks now, asked of the directory: NVMe, peers, the pool
                 rest = self._locate(keys[loaded:], ask_here=False)
             loaded += load_through_agent(self, list(rest), out, loaded)
-        return out[:, :, :, : loaded * T]
+        return loaded * T
 
     def load_layers(self, token_ids: object, match: Match | None = None) -> LayerLoad:
         """The cached prefix in groups of layers, asked in order (``LayerLoad.group``), so
@@ -193,8 +235,3 @@ class NamespaceClient:
         return self.cm.link.submit(actor_name("agent", self.cm.node_id), Prefetch(
             keys=[b.key for b in blocks], copies=[list(b.copies) for b in blocks],
             namespace=self.namespace.id)).ref
-
-
-def _location(key: BlockHash, copies: Sequence[Copy], node: str) -> BlockLocation:
-    best = best_copy(copies, node)
-    return BlockLocation(key, best.tier, best.node, tuple(copies))

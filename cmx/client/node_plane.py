@@ -8,7 +8,8 @@ Protocol, in call order:
    held keys is returned, and every other pin is let go one way. A prefix in DRAM is one
    round trip, with no directory: a tier pins only committed blocks. A tier that fails or
    answers late is told to give back all ``owner`` holds there (``release_owner``, one way):
-   ``owner`` names one load, and a late call may have pinned before its answer was lost.
+   ``owner`` names one load, and a late call may have pinned before its answer was lost, or
+   may run after the release; the tier refuses ``owner``'s pins from then on.
 2. ``payload(pin)``: the block's bytes, read where they lie, in the shared-memory arena of the
    pin's epoch (``arena_name``), mapped here once per tier incarnation. A tier that restarted
    unlinked that name, so a read of its pin fails (OSError), never reads another block. The
@@ -39,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from cmx.copy_table import CopyTable
 from cmx.doors import ArenaInfoOf, Held, Pin, QuarantinePinned, ReleaseOwner, Unpin
 from cmx.protocol import Copy, Pinned, actor_name, arena_name, held_table_name
 from cmx.storage.arena import SHM_DIR, SharedArena
@@ -61,26 +63,40 @@ class LocalPin:
     pin: Pinned
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class HeldHere:
     """What this node's memory tiers hold of some keys, by their own books."""
 
     node: str
-    copies: tuple[tuple[Copy, ...], ...]  # per key, its committed copies here (none: empty)
+    table: CopyTable  # per key, its committed copies here, DRAM's before HBM's (none: no rows)
     answered: frozenset[Tier]  # the tiers that answered; of the others nothing is known
+
+    @property
+    def copies(self) -> tuple[tuple[Copy, ...], ...]:
+        """Per key, its committed copies here (empty: none), made when asked."""
+        return tuple(tuple(c) for c in self.table.lists())
 
     @property
     def prefix(self) -> int:
         """How many leading keys this node's memory holds."""
-        return next((i for i, c in enumerate(self.copies) if not c), len(self.copies))
+        return self.table.prefix()
 
-    def confirmed(self, i: int, copies: Sequence[Copy]) -> list[Copy]:
-        """``copies`` of key ``i`` (the directory's), less those in this node's answering
-        tiers that their books do not hold: evicted, quarantined or replaced here before the
-        directory heard."""
-        mine = {c.tier for c in self.copies[i]}
-        return [c for c in copies
-                if c.node != self.node or c.tier not in self.answered or c.tier in mine]
+    def confirmed(self, found: CopyTable, first: int) -> CopyTable:
+        """``found``, the directory's copies of the keys from key ``first`` on, less those in
+        this node's answering tiers that their books do not hold: evicted, quarantined or
+        replaced here before the directory heard."""
+        bit = {t: 1 << i for i, t in enumerate(sorted(self.answered))}
+        checked = np.array([bit[t] if n == self.node and t in bit else 0
+                            for t, n in found.places] or [0], np.int64)[found.place]
+        if not checked.any():
+            return found
+        mine = self.table
+        held = np.array([bit.get(t, 0) for t, _ in mine.places] or [0], np.int64)[mine.place]
+        # a key's tiers here as bits: a tier holds a key once, so the sum is the union
+        bits = np.bincount(np.repeat(np.arange(len(mine)), mine.counts), weights=held,
+                           minlength=len(mine)).astype(np.int64)
+        key = np.repeat(np.arange(first, first + len(found)), found.counts)
+        return found.where((checked == 0) | ((bits[key] & checked) != 0))
 
 
 class NodePlane:
@@ -123,11 +139,12 @@ class NodePlane:
         asked at once; of a tier that fails or does not answer in time nothing is known."""
         tiers = (Tier.DRAM, Tier.HBM)
         if not keys:
-            return HeldHere(self.node, (), frozenset(tiers))
-        found: dict[Tier, list[tuple[int, int] | None]] = {}
+            return HeldHere(self.node, CopyTable.empty(), frozenset(tiers))
+        together = b"".join(keys)
+        found: dict[Tier, Columns] = {}
         for tier in tiers:
             table = self._table(tier)
-            answer = table.find(keys) if table is not None else None
+            answer = table.find_columns(together) if table is not None else None
             if answer is not None:
                 found[tier] = answer
         ask = [t for t in tiers if t not in found]
@@ -138,12 +155,10 @@ class NodePlane:
             if isinstance(answer, BaseException) or len(answer) != len(keys):
                 log.debug("%s did not answer a lookup: %s", tier.value, answer)
             else:
-                found[tier] = answer
-        none: list[tuple[int, int] | None] = [None] * len(keys)
-        copies = tuple(
-            tuple(Copy(t, self.node, h[0], h[1]) for t, h in zip(tiers, per_key) if h is not None)
-            for per_key in zip(*(found.get(t, none) for t in tiers)))
-        return HeldHere(self.node, copies, frozenset(found))
+                found[tier] = _columns(answer)
+        answered = [t for t in tiers if t in found]
+        return HeldHere(self.node, _held(self.node, answered, found, len(keys)),
+                        frozenset(found))
 
     def _table(self, tier: Tier) -> HeldTable | None:
         """``tier``'s held table of its current incarnation, mapped here; None where it cannot
@@ -178,8 +193,10 @@ class NodePlane:
             answer = self.link.call(actor_name(tier.value, self.node),
                                     Pin(keys=list(keys), owner=owner), timeout_s=self.timeout_s)
         except Exception as exc:  # noqa: BLE001 - a tier that fails holds nothing for this load
-            # A call that timed out may still have run: what it pinned is given back now, not
-            # when the leases expire (the owner is this load's alone).
+            # A call that timed out may have run, or may run yet (a threaded tier keeps no call
+            # order): what it pinned is given back now and what it pins later is refused
+            # (``Leases.grant_pin``), not held until the leases expire. The owner is this
+            # load's alone.
             log.debug("%s did not pin: %s", tier.value, exc)
             self.link.tell(actor_name(tier.value, self.node), ReleaseOwner(owner=owner))
             return [None] * len(keys)
@@ -219,6 +236,32 @@ class NodePlane:
             for table in self._tables.values():
                 table.arena.close()
             self._tables.clear()
+
+
+Columns = tuple[np.ndarray, np.ndarray, np.ndarray]  # held, size, checksum per key
+
+
+def _columns(answer: Sequence[tuple[int, int] | None]) -> Columns:
+    """A tier's ``held`` answer as ``HeldTable.find_columns`` gives it."""
+    return (np.array([a is not None for a in answer], bool),
+            np.array([a[0] if a else 0 for a in answer], np.int64),
+            np.array([a[1] if a else 0 for a in answer], np.uint64))
+
+
+def _held(node: str, tiers: Sequence[Tier], found: dict[Tier, Columns], keys: int) -> CopyTable:
+    """The copies ``found`` in ``tiers`` of ``node`` as one table, each key's in tier order."""
+    tiers = [t for t in tiers if found[t][0].any()]  # a tier that holds none adds no row
+    if not tiers:
+        return CopyTable.empty(keys)
+    if len(tiers) == 1:
+        held, size, checksum = found[tiers[0]]
+        return CopyTable(((tiers[0], node),), held.astype(np.int64),
+                         np.zeros(int(held.sum()), np.int64), size[held], checksum[held])
+    held = np.stack([found[t][0] for t in tiers], axis=1)  # key by tier; read row by row
+    column = np.broadcast_to(np.arange(len(tiers), dtype=np.int64), held.shape)
+    return CopyTable(tuple((t, node) for t in tiers), held.sum(axis=1).astype(np.int64),
+                     column[held], np.stack([found[t][1] for t in tiers], axis=1)[held],
+                     np.stack([found[t][2] for t in tiers], axis=1)[held])
 
 
 def _by_tier(pins: Sequence[LocalPin], what: Any) -> dict[Tier, list[Any]]:

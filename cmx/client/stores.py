@@ -33,7 +33,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -44,7 +44,35 @@ from cmx.layout import KVLayout
 from cmx.protocol import StoreCommit, actor_name, arena_name
 from cmx.tiers import Tier
 
-__all__ = ["StoreHandle", "StoreTimes", "copy_block", "store_into_dram"]
+__all__ = ["Source", "StoreHandle", "StoreTimes", "TensorSource", "copy_block",
+           "store_into_dram"]
+
+
+@runtime_checkable
+class Source(Protocol):
+    """Where a store's blocks come from, block ``i`` of the store at its own place: a KV
+    tensor (``TensorSource``) or an engine's paged cache (``cmx.connectors.paged.PagedSource``).
+    ``copy_block`` may raise (the engine took its blocks back): the store ends there."""
+
+    blocks: int  # how many blocks it holds
+
+    def copy_block(self, i: int, slot: np.ndarray) -> Checksum:
+        """Copy block ``i`` into ``slot`` in payload order; the checksum of its bytes in that
+        order, taken of the source as it is copied."""
+
+
+class TensorSource:
+    """A KV tensor [L, 2, H, n * T, D] (CPU or GPU): block ``i`` is its tokens ``[i * T,
+    (i + 1) * T)``."""
+
+    def __init__(self, layout: KVLayout, kv: Any) -> None:
+        self.layout = layout
+        self.kv = kv
+        self.blocks = kv.shape[3] // layout.block_tokens
+
+    def copy_block(self, i: int, slot: np.ndarray) -> Checksum:
+        T = self.layout.block_tokens
+        return copy_block(self.layout, slot, self.kv[:, :, :, i * T : (i + 1) * T])
 
 
 @dataclass(frozen=True)
@@ -100,12 +128,13 @@ class StoreHandle:
 
 def store_into_dram(
     cm: Any, layout: KVLayout, keys: Sequence[BlockHash], parents: Sequence[BlockHash | None],
-    kv: Any, namespace: str, owner: str, replication: int | None,
+    kv: Source, namespace: str, owner: str, replication: int | None,
+    grant_timeout_s: float | None = None,
 ) -> StoreHandle:
-    """Store ``keys`` whose KV [L, 2, H, len(keys)*T, D] is ``kv``; returns once the bytes
-    are in DRAM, before the last window is committed (the module's protocol)."""
+    """Store ``keys`` whose blocks are ``kv``'s, in order; returns once the bytes are in DRAM,
+    before the last window is committed (the module's protocol). ``grant_timeout_s`` bounds
+    each ``grant_store`` (default ``load_timeout_s``): UnavailableError past it."""
     window = max(1, cm.config.dram_bytes // cm.config.block_bytes // 2)
-    T = layout.block_tokens
     commits = _Commits(cm)
     copying = 0.0
     for start in range(0, len(keys), window):
@@ -113,8 +142,8 @@ def store_into_dram(
         window_keys, window_parents = list(keys[start:stop]), list(parents[start:stop])
         commits.wait_until(1)  # window k-1's, before window k+1's grants
         t0, waited = time.perf_counter(), commits.waiting_s
-        done = _copy_window(cm, layout, window_keys, window_parents,
-                            kv[:, :, :, start * T : stop * T], owner, commits)
+        done = _copy_window(cm, layout, window_keys, window_parents, kv, start, owner,
+                            commits, grant_timeout_s)
         copying += time.perf_counter() - t0 - (commits.waiting_s - waited)
         commits.submit(window_keys, window_parents, done, namespace, replication, owner)
     commits.wait_until(1)
@@ -164,17 +193,17 @@ def _agent(cm: Any) -> str:
 
 def _copy_window(
     cm: Any, layout: KVLayout, keys: list[BlockHash], parents: list[BlockHash | None],
-    kv: Any, owner: str, commits: _Commits,
+    kv: Source, first: int, owner: str, commits: _Commits, grant_timeout_s: float | None,
 ) -> list[tuple[Any, int, int]]:
-    """Copy the blocks of ``kv`` into the DRAM slots granted for them: (grant, size,
-    checksum) of each written. What was granted is given back if a copy fails."""
-    grants = _grant(cm, keys, parents, owner)
-    T = layout.block_tokens
+    """Copy blocks ``first`` on of ``kv`` into the DRAM slots granted for ``keys``: (grant,
+    size, checksum) of each written. What was granted is given back if a copy fails."""
+    grants = _grant(cm, keys, parents, owner, grant_timeout_s)
     done: list[tuple[Any, int, int]] = []
     try:
         short = [i for i, g in enumerate(grants) if g is None]
         if short and commits.wait_until(0):  # the window before may hold the slots: ask again
-            again = _grant(cm, [keys[i] for i in short], [parents[i] for i in short], owner)
+            again = _grant(cm, [keys[i] for i in short], [parents[i] for i in short], owner,
+                           grant_timeout_s)
             for i, grant in zip(short, again):
                 grants[i] = grant
         for i, grant in enumerate(grants):
@@ -182,7 +211,7 @@ def _copy_window(
                 continue
             arena = cm.plane.arena(arena_name(Tier.DRAM, cm.node_id, grant.epoch))
             slot = arena.slot_view(grant.slot)[: layout.block_bytes]
-            csum = copy_block(layout, slot, kv[:, :, :, i * T : (i + 1) * T])
+            csum = kv.copy_block(first + i, slot)
             done.append((grant, layout.block_bytes, csum))
     except BaseException:
         cm.link.tell(actor_name(Tier.DRAM.value, cm.node_id),
@@ -192,9 +221,9 @@ def _copy_window(
 
 
 def _grant(cm: Any, keys: list[BlockHash], parents: list[BlockHash | None],
-           owner: str) -> list[Any]:
+           owner: str, timeout_s: float | None = None) -> list[Any]:
     return list(cm.link.call(_agent(cm), GrantStore(keys=keys, parents=parents, owner=owner),
-                             timeout_s=cm.config.load_timeout_s))
+                             timeout_s=timeout_s or cm.config.load_timeout_s))
 
 
 def copy_block(layout: KVLayout, slot: Any, kv: Any) -> Checksum:

@@ -21,15 +21,23 @@ Plain torch on whatever device the cache lives on: the same code runs on CPU and
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
+import numpy as np
+
+from cmx.checksum import Checksum, ChecksumStream
 from cmx.errors import LayoutMismatchError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["PagedLayout", "block_view", "gather_layer", "scatter_layer"]
+    from cmx.layout import KVLayout
+
+__all__ = ["LoadCancelled", "PagedLayout", "PagedSink", "PagedSource", "WriteGate",
+           "block_view", "gather_layer", "scatter_layer"]
 
 
 class PagedLayout(str, enum.Enum):
@@ -131,3 +139,112 @@ def _check_out(kv: torch.Tensor, view: torch.Tensor, n: int) -> None:
         raise LayoutMismatchError(f"KV dtype {kv.dtype} != cache dtype {view.dtype}")
     if not kv.is_contiguous():
         raise LayoutMismatchError("KV of a layer must be contiguous")
+
+
+class LoadCancelled(Exception):  # noqa: N818 - a state the loader ends in, not a fault
+    """A load into the paged cache was cancelled: its blocks may belong to another request."""
+
+
+class WriteGate:
+    """Writers into blocks an engine may take back: each write enters and leaves; once
+    ``close`` returns no write is inside and none enters again (it raises ``LoadCancelled``).
+    Writes run side by side: only ``close`` waits, for those inside."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._inside = 0
+        self.closed = False
+
+    @contextmanager
+    def enter(self) -> Iterator[None]:
+        with self._cond:
+            if self.closed:
+                raise LoadCancelled("the load was cancelled")
+            self._inside += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._inside -= 1
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
+            self._cond.wait_for(lambda: self._inside == 0)
+
+
+class PagedSink:
+    """The blocks of one load written straight into an engine's paged cache on the host
+    (``cmx.client.copy_out.Sink``): block ``i`` of the load to block ``block_ids[i]`` of every
+    layer, from the shared-memory slots where the service holds it, checked in the same pass
+    (each byte crosses the engine's process once; no host tensor between them). Every write
+    goes through ``gate``: once it is closed, nothing more is written. CPU caches only; a GPU
+    cache is written layer by layer from a host tensor (``scatter_layer``)."""
+
+    def __init__(self, caches: Sequence[torch.Tensor], layout: PagedLayout, head_dim: int,
+                 block_ids: Sequence[int], gate: WriteGate) -> None:
+        from cmx.client.copy_out import kv_bytes
+
+        if any(c.device.type != "cpu" for c in caches):
+            raise LayoutMismatchError("a PagedSink writes host caches only")
+        self.views = [kv_bytes(block_view(c, layout, head_dim)) for c in caches]
+        self.ids = list(block_ids)
+        blocks = self.views[0].shape[0] if self.views else 0
+        if any(not 0 <= b < blocks for b in self.ids):
+            raise LayoutMismatchError(f"block ids must lie in [0, {blocks}), got {self.ids}")
+        self.itemsize = self.views[0].itemsize if self.views else 1
+        self.blocks = len(self.ids)
+        self.gate = gate
+
+    def put(self, i: int, index: tuple[slice, ...], src: np.ndarray) -> None:
+        layers = range(len(self.views))[index[0]]
+        with self.gate.enter():
+            for j, layer in enumerate(layers):
+                # [kv_heads, 2, T, dim] of the paged block, seen as the payload's [2, kv_heads]
+                place = self.views[layer][self.ids[i]].transpose(1, 0, 2, 3)
+                np.copyto(place[index[1:]], src[j])
+
+    def clear(self, i: int) -> None:
+        with self.gate.enter():
+            for view in self.views:
+                view[self.ids[i]].fill(0)
+
+
+class PagedSource:
+    """The blocks of one save read straight from an engine's paged cache on the host
+    (``cmx.client.stores.Source``): block ``i`` of the save is block ``block_ids[i]`` of every
+    layer, gathered one layer (or one head) at a time into the slot's payload order and
+    hashed as it goes, so each byte crosses the engine's process once on its way to the
+    service's DRAM (no host tensor between them). Every read goes through ``gate``: once it
+    is closed (vLLM reuses the blocks), nothing more is read."""
+
+    def __init__(self, caches: Sequence[torch.Tensor], paged: PagedLayout,
+                 layout: KVLayout, block_ids: Sequence[int], gate: WriteGate) -> None:
+        from cmx.client.copy_out import kv_bytes
+
+        if any(c.device.type != "cpu" for c in caches):
+            raise LayoutMismatchError("a PagedSource reads host caches only")
+        self.layout = layout
+        self.views = [kv_bytes(block_view(c, paged, layout.head_dim)) for c in caches]
+        self.ids = list(block_ids)
+        self.blocks = len(self.ids)
+        self.gate = gate
+
+    def copy_block(self, i: int, slot: np.ndarray) -> Checksum:
+        from cmx.layout import PayloadOrder
+
+        L = self.layout
+        dst = slot[: L.block_bytes].reshape(*L.payload_shape[:-1], -1)
+        stream = ChecksumStream()
+        with self.gate.enter():
+            blocks = [view[self.ids[i]] for view in self.views]  # [kv_heads, 2, T, dim]
+            if L.order is PayloadOrder.LAYER_MAJOR:
+                pieces = (b.transpose(1, 0, 2, 3) for b in blocks)  # [2, kv_heads, T, dim]
+            else:
+                pieces = (np.stack([b[h] for b in blocks]) for h in range(L.num_kv_heads))
+            for at, piece in enumerate(pieces):
+                piece = np.ascontiguousarray(piece)  # gathered once, in the CPU's cache
+                np.copyto(dst[at], piece)
+                stream.feed(piece)
+        return stream.value()

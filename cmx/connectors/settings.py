@@ -77,20 +77,19 @@ class ConnectorSettings:
     lookup_wait_s: float = 0.005  # the scheduler waits this long for a lookup, then polls
     load_timeout_s: float = 0.0  # bound on one step's loads; 0 means service.load_timeout_s
     max_pending_stores: int = 64  # stores in flight before new ones are dropped (and logged)
-    load_mode: LoadMode = LoadMode.SYNC  # when a step's loads land (LoadMode)
+    load_mode: LoadMode = LoadMode.ASYNC  # when a step's loads land (LoadMode)
     load_threads: int = 2  # async mode: loads that run at once; more wait their turn
     load_layer_groups: int = 4  # sync mode: a step's loads are fetched and written in this
     #                            many groups of layers, so attention over the first layers
     #                            waits for their bytes only (1: the whole prefix first)
-    save_mode: SaveMode = SaveMode.SYNC  # when a step's blocks are copied out (SaveMode;
+    save_mode: SaveMode = SaveMode.ASYNC  # when a step's blocks are copied out (SaveMode;
     #                                      ASYNC: vllm_gather)
     staging_bytes: int = 256 << 20  # async saves: bytes of copied blocks not yet stored;
     #                                 a save that does not fit is dropped and counted
-    prefetch: bool = False  # a lookup finding blocks away from this node's memory (NVMe, a
-    #                         peer, the pool) starts moving them here at once. Off by default:
-    #                         the agent does not merge a load with a prefetch of the same
-    #                         blocks still in flight, so a load that overtakes it comes back
-    #                         short (those tokens are recomputed, never wrong)
+    prefetch: bool = True  # a lookup finding blocks away from this node's memory (NVMe, a
+    #                        peer, the pool) starts moving them here at once; the load that
+    #                        follows waits for a move of its blocks still under way and pins
+    #                        its result (the agent's ``InFlight``), never coming back short
     block_tokens: int = 0  # if set, must equal the engine's block size (a check, no more)
     paged_layout: str = ""  # the engine's KV layout (cmx.connectors.paged); "" means detect
 

@@ -87,11 +87,11 @@ def engine_layout(kv_cache_config: KVCacheConfig) -> tuple[KVLayout, list[str]]:
 class CMXConnector(KVConnectorBase_V1):
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        # Loads are written into the paged cache layer by layer, each layer's attention waiting
-        # for its own (``wait_for_layer_load``; the prefix is fetched whole before layer 0), and
-        # saves copy each layer out (``save_kv_layer``), whatever the settings: hooks a full
-        # CUDA graph would replay without, letting attention read blocks before they land.
-        # vLLM then captures piecewise graphs, which run the hooks between the pieces.
+        # Sync loads are written into the paged cache in groups of layers, each layer's
+        # attention waiting for its own (``wait_for_layer_load``), and sync saves copy each
+        # layer out (``save_kv_layer``): hooks a full CUDA graph would replay without, letting
+        # attention read blocks before they land. vLLM then captures piecewise graphs, which
+        # run the hooks between the pieces.
         return True
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,

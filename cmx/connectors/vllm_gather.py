@@ -7,14 +7,19 @@ Per save, in vLLM's call order:
    staging budget, or is refused (the caller drops it and counts it; the step never waits for
    room), and is queued; the step returns at once.
 2. The gather thread copies the save's blocks of every layer into a host tensor and hands it
-   to ``hand`` (the store); ``release`` gives its bytes back when that store has ended.
+   to ``hand`` (the store); ``release`` gives its bytes back when that store has ended. With
+   host caches and ``direct`` set, the gather thread instead hands ``direct`` a
+   ``paged.PagedSource``: the store copies each block from the paged cache straight into its
+   DRAM slot there and then (one copy), its commit waited for elsewhere; every read passes
+   the copy's gate.
 3. vLLM must not reuse the blocks before their copy. It lets a connector keep a finished
    request's blocks: ``request_finished`` returns True and vLLM frees them once the worker
    names the request in ``get_finished``'s sending set, which it does when ``idle`` says no
    copy of the request is queued. A preemption frees the blocks at once, with no such hook, but
    vLLM calls ``handle_preemptions`` before the step that may reuse them: ``flush`` waits there
    for the preempted requests' copies; one not done within the bound is cancelled (under its
-   lock, so none is mid-copy after ``flush`` returns) and handed on as None.
+   lock, and its gate closed, so none is mid-copy after ``flush`` returns) and handed on as
+   None.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from cmx.connectors.paged import PagedLayout, gather_layer
+from cmx.connectors.paged import PagedLayout, PagedSource, WriteGate, gather_layer
 from cmx.connectors.vllm_meta import SaveSpec
 from cmx.layout import KVLayout
 
@@ -43,6 +48,7 @@ class _Copy:
     lock: threading.Lock = field(default_factory=threading.Lock)
     over: threading.Event = field(default_factory=threading.Event)  # copied or cancelled
     cancelled: bool = False  # set under lock before the copy starts: it never reads
+    gate: WriteGate = field(default_factory=WriteGate)  # a direct copy's reads pass it
 
 
 class Gatherer:
@@ -56,6 +62,8 @@ class Gatherer:
         self._used = 0  # bytes reserved: queued, copied, or in a store not ended
         self._queued: dict[str, list[_Copy]] = {}  # req_id -> its copies not over
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="cmx-gather")
+        # Host caches: (save, source) copied straight into the service on the gather thread.
+        self.direct: Callable[[SaveSpec, PagedSource], bool] | None = None
 
     def queue(self, save: SaveSpec, caches: list[Any]) -> bool:
         """Queue the copy of ``save``'s blocks; False (nothing queued) if the budget is full.
@@ -93,6 +101,7 @@ class Gatherer:
             with copy.lock:
                 if not copy.over.is_set():
                     copy.cancelled = True
+            copy.gate.close()  # a direct copy's block being read lands; no read after it
             log.warning("copy of %d tokens of request %s cancelled: its blocks are reused",
                         copy.save.end - copy.save.start, copy.save.req_id)
 
@@ -107,6 +116,9 @@ class Gatherer:
     # -- on the gather thread ------------------------------------------------------------------
 
     def _copy(self, copy: _Copy, caches: list[Any]) -> None:
+        if self.direct is not None:
+            self._copy_direct(self.direct, copy, caches)
+            return
         kv = None
         try:
             if copy.ready is not None:
@@ -119,14 +131,44 @@ class Gatherer:
             log.warning("copy of request %s's blocks failed: %s", copy.save.req_id, exc)
             kv = None
         finally:
-            copy.over.set()
-            with self._lock:
-                left = [c for c in self._queued.get(copy.save.req_id, ()) if c is not copy]
-                if left:
-                    self._queued[copy.save.req_id] = left
-                else:
-                    self._queued.pop(copy.save.req_id, None)
+            self._over(copy)
         self._hand(copy.save, kv)
+
+    def _copy_direct(self, direct: Callable[[SaveSpec, PagedSource], bool], copy: _Copy,
+                     caches: list[Any]) -> None:
+        """The save's blocks straight from the paged cache into the service, through the
+        copy's gate; not under the copy's lock (it waits on the service), so ``flush``
+        cancels it by closing the gate. A service that grants no slots in time (``direct``
+        says False) gets the save through a host tensor, as from a GPU cache."""
+        kv, handed = None, False
+        try:
+            if copy.ready is not None:
+                copy.ready.synchronize()
+            with copy.lock:
+                go = not copy.cancelled
+            if go:
+                handed = direct(copy.save, PagedSource(caches, self.paged, self.layout,
+                                                       copy.save.block_ids, copy.gate))
+                if not handed:
+                    with copy.lock:
+                        if not copy.cancelled:
+                            kv = self._gather(copy.save, caches)
+        except Exception as exc:  # noqa: BLE001 - a lost copy is a later miss, never an error
+            log.warning("copy of request %s's blocks failed: %s", copy.save.req_id, exc)
+            kv = None
+        finally:
+            self._over(copy)
+        if not handed:
+            self._hand(copy.save, kv)
+
+    def _over(self, copy: _Copy) -> None:
+        copy.over.set()
+        with self._lock:
+            left = [c for c in self._queued.get(copy.save.req_id, ()) if c is not copy]
+            if left:
+                self._queued[copy.save.req_id] = left
+            else:
+                self._queued.pop(copy.save.req_id, None)
 
     def _gather(self, save: SaveSpec, caches: list[Any]) -> Any:
         import torch

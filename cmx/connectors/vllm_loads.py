@@ -3,18 +3,21 @@ bounded pool of threads while vLLM keeps the request in WAITING_FOR_REMOTE_KVS a
 
 Per load, in vLLM's call order:
 
-1. ``submit`` (``start_load_kv``): the load runs on the pool: ``fetch`` looks the prefix up
-   afresh and brings what is still there to the host, then ``write`` puts it into the paged
-   cache one layer at a time, each layer under the job's lock (a layer's write returns once
-   its bytes are in the cache: ``paged.scatter_layer``). A load cut before a thread took it
-   fetches nothing.
+1. ``submit`` (``start_load_kv``): the load runs on the pool: with host caches, ``direct``
+   looks the prefix up afresh and copies each block from the service's shared memory straight
+   into the paged cache, checked as it lands, every write through the job's gate
+   (``paged.PagedSink``); otherwise ``fetch`` brings it to a host tensor and ``write`` puts it
+   into the paged cache one layer at a time, each layer under the job's lock (a layer's write
+   returns once its bytes are in the cache: ``paged.scatter_layer``). A load cut before a
+   thread took it fetches nothing.
 2. ``poll`` (``get_finished``, every step): each load that ended, or was cancelled, is returned
    once with the blocks that landed (a prefix of its blocks; none unless every layer was
    written); the worker puts its request in the receiving set and its other blocks in the
    failed set in that same pass, as vLLM requires. A load past ``bound_s`` is cancelled; so is
    one whose request vLLM names finished (an abort): vLLM frees an aborted request's blocks
    only once it is reported, so it is reported at once.
-3. ``cancel`` takes the job's lock: once it returns the thread writes nothing more, so blocks
+3. ``cancel`` takes the job's lock and closes its gate: once it returns the thread writes
+   nothing more, so blocks
    vLLM frees or gives to another request are never written behind its back. A thread stuck in
    a service call holds its pool slot until the call's own timeout; the pool bounds how many.
 """
@@ -29,7 +32,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from cmx.client.copy_out import Sink
 from cmx.client.matches import Match
+from cmx.connectors.paged import LoadCancelled, WriteGate
 from cmx.connectors.settings import Namespaces
 from cmx.connectors.vllm_meta import LoadSpec
 from cmx.policies.breakeven import source_class
@@ -106,6 +111,21 @@ class Fetcher:
             log.warning("load of %d tokens failed: %s", spec.end - spec.start, exc)
             return Loaded(spec, None, 0)
 
+    def fetch_to(self, spec: LoadSpec, sink: Sink) -> Loaded:
+        """The whole prefix straight into ``sink`` (the engine's paged cache), each block
+        checked as it lands; ``kv`` is None, ``blocks`` the prefix that landed whole."""
+        try:
+            match, sources = self.match(spec)
+            if not match.blocks:
+                return Loaded(spec, None, 0)
+            blocks = self.namespaces.get(spec.salt).load_to(sink, spec.token_ids, match)
+            return Loaded(spec, None, blocks, sources)
+        except LoadCancelled:
+            return Loaded(spec, None, 0)
+        except Exception as exc:  # noqa: BLE001 - a failed load is recomputed, never fatal
+            log.warning("load of %d tokens failed: %s", spec.end - spec.start, exc)
+            return Loaded(spec, None, 0)
+
     def in_groups(self, spec: LoadSpec) -> GroupLoad:
         """The prefix one group of layers at a time (``GroupLoad.next``)."""
         try:
@@ -147,14 +167,17 @@ class _Job:
     cancelled: str = ""  # why, set under lock: the thread writes no layer after it
     written: bool = False  # every layer landed, set under lock
     future: Future[Loaded] | None = None
+    gate: WriteGate = field(default_factory=WriteGate)  # a direct load's writes pass it
 
 
 class AsyncLoads:
     def __init__(self, fetch: Callable[[LoadSpec], Loaded],
                  write: Callable[[int, list[Loaded]], None], layers: int, bound_s: float,
-                 threads: int, clock: Callable[[], float] = time.monotonic) -> None:
+                 threads: int, clock: Callable[[], float] = time.monotonic,
+                 direct: Callable[[LoadSpec, WriteGate], Loaded] | None = None) -> None:
         self._fetch = fetch
         self._write = write
+        self.direct = direct  # loads straight into the paged cache (host caches), if set
         self._layers = layers
         self._bound_s = bound_s
         self._clock = clock
@@ -203,6 +226,11 @@ class AsyncLoads:
         with job.lock:
             if job.cancelled:  # cut while it waited for a thread: nothing is fetched for it
                 return Loaded(job.spec, None, 0)
+        if self.direct is not None:  # written as fetched, through the job's gate
+            loaded = self.direct(job.spec, job.gate)
+            with job.lock:
+                job.written = not job.cancelled
+            return loaded
         loaded = self._fetch(job.spec)
         if loaded.blocks:
             for layer in range(self._layers):
@@ -218,8 +246,10 @@ class AsyncLoads:
 
     def _cancel(self, job: _Job, why: str) -> None:
         with job.lock:  # waits out a layer being written: none is written after this
-            if not job.cancelled and not job.written:
-                job.cancelled = why
+            if job.cancelled or job.written:
+                return
+            job.cancelled = why
+        job.gate.close()  # waits out a direct load's block being written, and stops the rest
 
     def _end(self, job: _Job, now: float) -> Ended:
         assert job.future is not None

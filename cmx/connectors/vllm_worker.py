@@ -47,19 +47,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cmx.client.layer_loads import layer_groups
-from cmx.connectors.paged import PagedLayout, block_view, gather_layer, scatter_layer
+from cmx.connectors.paged import (
+    PagedLayout,
+    PagedSink,
+    WriteGate,
+    block_view,
+    gather_layer,
+    scatter_layer,
+)
 from cmx.connectors.settings import ConnectorSettings, Namespaces
-from cmx.connectors.vllm_gather import Gatherer
 from cmx.connectors.vllm_loads import AsyncLoads, Fetcher, Loaded
 from cmx.connectors.vllm_meta import (
     CMXStepMetadata,
     CMXWorkerReport,
     LoadResult,
     LoadSpec,
-    SaveSpec,
-    StoreResult,
 )
 from cmx.connectors.vllm_stats import CMXConnectorStats, Counters
+from cmx.connectors.vllm_stores import StorePipeline
 from cmx.errors import LayoutMismatchError
 
 __all__ = ["WorkerSide"]
@@ -75,6 +80,7 @@ class _Step:
     ready: list[threading.Event] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     cancelled: bool = False  # set under lock: the loader writes no layer after it
+    gate: WriteGate = field(default_factory=WriteGate)  # direct writes pass it; closed at cancel
     loader: Future[list[Loaded]] | None = None
     async_started: bool = False
     staged: dict[int, Any] = field(default_factory=dict)  # save index -> host KV
@@ -97,15 +103,11 @@ class WorkerSide:
         self._failed: set[int] = set()
         self._report = CMXWorkerReport()
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="cmx-load")
-        self._storer = ThreadPoolExecutor(1, thread_name_prefix="cmx-store")
-        self._pending = 0  # stores handed to the store thread and not finished
-        self._ended: list[StoreResult] = []  # stores finished since the last report
-        self._pending_lock = threading.Lock()  # guards _pending and _ended
         self.counters = Counters()
         self.loads = AsyncLoads(self.fetcher.fetch, self._write_layer, len(layer_names),
                                 settings.load_bound_s, settings.load_threads)
-        self.gatherer = Gatherer(self.layout, paged_layout, settings.staging_bytes,
-                                 self._gathered)
+        self.stores = StorePipeline(settings, lambda: self.namespaces, paged_layout,
+                                    self.counters)
         self._held: set[str] = set()  # finished requests whose blocks vLLM keeps for us
 
     @property
@@ -132,6 +134,12 @@ class WorkerSide:
                     f"a paged cache of shape {tuple(cache.shape)} does not hold "
                     f"{self.layout.num_kv_heads} heads x {self.layout.block_tokens} tokens")
         self.caches = caches
+        # Host caches take each block straight from the service's shared memory, and give
+        # each saved block straight to a DRAM slot.
+        on_host = all(getattr(c, "device", None) is not None and c.device.type == "cpu"
+                      for c in caches)
+        self.loads.direct = self._load_direct if on_host else None
+        self.stores.direct(on_host)
 
     # -- a step --------------------------------------------------------------------------------
 
@@ -186,9 +194,11 @@ class WorkerSide:
                 loaded = []
             self._report_loads(step, loaded)
         if step.meta.saves and self.settings.async_saves:
-            self._queue_saves(step.meta.saves)
+            self.stores.queue(step.meta.saves, self.caches)
         elif step.meta.saves:
-            self._hand_to_store(step)
+            self.stores.hand([(save, step.staged.get(i)) for i, save in
+                              enumerate(step.meta.saves)],
+                             complete=step.layers_saved == len(self.caches))
         self._report.step_s = time.monotonic() - step.started
         self._report.computed = list(step.meta.computed)
 
@@ -196,7 +206,7 @@ class WorkerSide:
         """``get_finished``: requests whose kept blocks vLLM may free now (sending), and
         requests whose asynchronous loads are over (receiving), their failed blocks already in
         ``take_failed``."""
-        sending = self.gatherer.idle(self._held)
+        sending = self.stores.gatherer.idle(self._held)
         self._held -= sending
         receiving = set()
         for ended in self.loads.poll(finished_req_ids):
@@ -207,7 +217,7 @@ class WorkerSide:
     def preempted(self, meta: CMXStepMetadata) -> None:
         """``handle_preemptions``: vLLM freed these requests' blocks; no copy reads them now."""
         if meta.preempted:
-            self.gatherer.flush(meta.preempted, self.settings.load_bound_s)
+            self.stores.gatherer.flush(meta.preempted, self.settings.load_bound_s)
 
     def take_failed(self) -> set[int]:
         failed, self._failed = self._failed, set()
@@ -215,8 +225,7 @@ class WorkerSide:
 
     def take_report(self) -> CMXWorkerReport | None:
         report, self._report = self._report, CMXWorkerReport()
-        with self._pending_lock:
-            report.stores, self._ended = self._ended, []
+        report.handed, report.dropped, report.stores = self.stores.take()
         if not (report.loads or report.handed or report.stores or report.dropped
                 or report.computed):
             return None
@@ -228,8 +237,7 @@ class WorkerSide:
     def shutdown(self) -> None:
         self.loads.shutdown()
         self._loader.shutdown(wait=True, cancel_futures=True)
-        self.gatherer.shutdown()
-        self._storer.shutdown(wait=True)
+        self.stores.shutdown()
 
     # -- loads ---------------------------------------------------------------------------------
 
@@ -238,6 +246,8 @@ class WorkerSide:
         group of layers at a time (``load_layer_groups``; one group: the whole prefix first)."""
         try:
             groups = layer_groups(len(self.caches), self.settings.load_layer_groups)
+            if len(groups) == 1 and self.loads.direct is not None:
+                return [self.loads.direct(spec, step.gate) for spec in step.meta.loads]
             if len(groups) == 1:
                 loaded = [self.fetcher.fetch(spec) for spec in step.meta.loads]
                 self._write_group(step, groups[0], loaded)
@@ -253,6 +263,15 @@ class WorkerSide:
         finally:
             for event in step.ready:
                 event.set()
+
+    def _load_direct(self, spec: LoadSpec, gate: WriteGate) -> Loaded:
+        """One load into the paged cache, each block straight from the service's memory."""
+        try:
+            sink = PagedSink(self.caches, self.paged, self.layout.head_dim, spec.block_ids, gate)
+        except LayoutMismatchError as exc:
+            log.warning("load of %d tokens refused: %s", spec.end - spec.start, exc)
+            return Loaded(spec, None, 0)
+        return self.fetcher.fetch_to(spec, sink)
 
     def _write_group(self, step: _Step, layers: range, loaded: list[Loaded]) -> bool:
         """Write ``layers`` of every arrived load (each ``kv`` holds those layers), marking each
@@ -278,6 +297,7 @@ class WorkerSide:
             if step.cancelled:
                 return
             step.cancelled = True
+        step.gate.close()  # a direct load's block being written lands; none after it
         log.warning("loads of this step cancelled (%s); vLLM recomputes their blocks", why)
         for spec in step.meta.loads:
             self._failed.update(spec.block_ids)
@@ -301,90 +321,3 @@ class WorkerSide:
                                              got * nbytes, seconds, found))
         self.counters.add(loads=1, loaded_tokens=got * T, load_s=seconds,
                           load_failed_tokens=spec.end - spec.start - got * T)
-
-    # -- stores --------------------------------------------------------------------------------
-
-    def _hand_to_store(self, step: _Step) -> None:
-        for i, save in enumerate(step.meta.saves):
-            kv = step.staged.get(i)
-            tokens = save.end - save.start
-            with self._pending_lock:
-                full = self._pending >= self.settings.max_pending_stores
-                if not full and kv is not None and step.layers_saved == len(self.caches):
-                    self._pending += 1
-                else:
-                    full = True
-            if full:
-                log.warning("store of %d tokens dropped: %d stores in flight", tokens,
-                            self._pending)
-                self._report.dropped[save.req_id] = (
-                    self._report.dropped.get(save.req_id, 0) + tokens)
-                self.counters.add(store_dropped_tokens=tokens)
-                continue
-            self._storer.submit(self._store, save, kv)
-            self._report.handed[save.req_id] = self._report.handed.get(save.req_id, 0) + tokens
-
-    def _queue_saves(self, saves: list[SaveSpec]) -> None:
-        """Async saves: each is queued for its copy, or dropped if stores or staging are full."""
-        for save in saves:
-            tokens = save.end - save.start
-            with self._pending_lock:
-                room = self._pending < self.settings.max_pending_stores
-                if room:
-                    self._pending += 1
-            if room and not self.gatherer.queue(save, self.caches):
-                with self._pending_lock:
-                    self._pending -= 1
-                room = False
-            if not room:
-                log.warning("store of %d tokens dropped: %d stores in flight, %d bytes staged",
-                            tokens, self._pending, self.gatherer.used_bytes)
-                _add(self._report.dropped, save.req_id, tokens)
-                self.counters.add(store_dropped_tokens=tokens)
-                continue
-            _add(self._report.handed, save.req_id, tokens)
-
-    def _gathered(self, save: SaveSpec, kv: Any) -> None:
-        """On the gather thread: the copy of ``save`` is done (None: it was cancelled)."""
-        nbytes = len(save.block_ids) * self.layout.block_bytes
-        if kv is None:
-            tokens = save.end - save.start
-            self.counters.add(store_failed_tokens=tokens)
-            with self._pending_lock:
-                self._pending -= 1
-                self._ended.append(StoreResult(save.req_id, tokens, 0, tokens, save.start))
-            self.gatherer.release(nbytes)
-            return
-
-        def store() -> None:
-            try:
-                self._store(save, kv)
-            finally:
-                self.gatherer.release(nbytes)
-
-        self._storer.submit(store)
-
-    def _store(self, save: SaveSpec, kv: Any) -> None:
-        """On the store thread: store, wait (bounded) for the commit, and say how it ended."""
-        T, tokens = self.layout.block_tokens, save.end - save.start
-        committed = failed = 0
-        try:
-            ns = self.namespaces.get(save.salt)
-            handle = ns.store(list(save.token_ids), kv, start=save.start)
-            committed = handle.wait() * T
-            failed = len(handle.refused) * T
-            if failed:
-                log.warning("store of %d tokens: the service refused %d", tokens, failed)
-        except Exception as exc:  # noqa: BLE001 - a lost store is a later miss, never an error
-            log.warning("store of %d tokens failed: %s", tokens, exc)
-            committed, failed = 0, tokens  # what it may have committed before is not known
-        finally:
-            result = StoreResult(save.req_id, tokens, committed, failed, save.start)
-            self.counters.add(stored_tokens=committed, store_failed_tokens=failed)
-            with self._pending_lock:
-                self._pending -= 1
-                self._ended.append(result)
-
-
-def _add(figures: dict[str, int], req_id: str, tokens: int) -> None:
-    figures[req_id] = figures.get(req_id, 0) + tokens

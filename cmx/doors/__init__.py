@@ -30,6 +30,7 @@ from cmx.doors.directory import (
     Checksums,
     DropSource,
     DropStaging,
+    FindCopies,
     Ingest,
     Lookup,
     NamespaceBlocks,
@@ -65,7 +66,8 @@ from cmx.doors.tiers import (
 __all__ = [
     "Abort", "Acquire", "AgentStatsOf", "Apply", "ArenaInfoOf", "Checksums", "Commit",
     "CommitExtents", "CommitPinned", "CommitStore", "Contains", "DropSource", "DropStaging",
-    "Evict", "ExposeSelection", "GiveUp", "GrantStore", "Held", "Ingest", "Load", "LoadSlices",
+    "Evict", "ExposeSelection", "FindCopies", "GiveUp", "GrantStore", "Held", "Ingest", "Load",
+    "LoadSlices",
     "Lookup", "MoveExtents", "NamespaceBlocks", "Nodes", "PeerInfoOf", "Pending", "Pin",
     "PinExtents", "PinFor", "PoolMembers", "PoolReplicas", "Prefetch", "QuarantineCopies",
     "QuarantineExtents", "QuarantineKeys", "QuarantinePinned", "QuarantineStaged", "ReadSelection",

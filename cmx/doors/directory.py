@@ -15,6 +15,7 @@ if TYPE_CHECKING:
         Entry,
         Source,
     )
+    from cmx.copy_table import CopyTable  # noqa: F401 - named in quoted answer types
     from cmx.protocol import (
         Copy,  # noqa: F401 - named in quoted answer types
         Offer,
@@ -22,8 +23,8 @@ if TYPE_CHECKING:
     from cmx.stats import DirectoryStats  # noqa: F401 - named in quoted answer types
 
 __all__ = [
-    "Apply", "Checksums", "DropSource", "DropStaging", "Ingest", "Lookup", "NamespaceBlocks",
-    "Nodes", "PoolMembers", "PoolReplicas", "Resync", "ShardStatsOf",
+    "Apply", "Checksums", "DropSource", "DropStaging", "FindCopies", "Ingest", "Lookup",
+    "NamespaceBlocks", "Nodes", "PoolMembers", "PoolReplicas", "Resync", "ShardStatsOf",
 ]
 
 SHARD = ("cmx.actors.directory.shard.DirectoryShard",)
@@ -38,6 +39,16 @@ class Lookup(Request["list[list[Copy]]"]):
     method = "lookup"
     served_by = SHARD
     keys: Sequence[bytes]
+
+
+@dataclass(frozen=True)
+class FindCopies(Request["CopyTable"]):
+    """``Lookup`` of many keys at once: ``keys`` end to end in one buffer, the answer one
+    table (``cmx.copy_table``), so neither side makes an object per key."""
+
+    method = "find_copies"
+    served_by = SHARD
+    keys: bytes
 
 
 @dataclass(frozen=True)
@@ -135,8 +146,10 @@ class DropStaging(Request[int]):
 
 @dataclass(frozen=True)
 class Checksums(Request["list[int | None]"]):
-    """The checksum of each key a pool node holds, None where it holds none."""
+    """The checksum of each key a pool node holds, None where it holds none, asked by a
+    rebalance of ``generation`` (none is confirmed to an older view than the node's)."""
 
     method = "checksums"
     served_by = POOL
     keys: Sequence[bytes]
+    generation: int = 0

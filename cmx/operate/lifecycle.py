@@ -30,6 +30,7 @@ from cmx.operate.local_ray import (
 )
 from cmx.operate.ray_cluster import join, locate, match_ray_auth, stop_local_head
 from cmx.operate.state import ServiceState
+from cmx.tiers import tier_specs
 
 __all__ = ["DownResult", "UpOptions", "UpResult", "down", "match_auth_for", "orphans", "up"]
 
@@ -194,7 +195,7 @@ def _close_stores(timeout_s: float = 30.0) -> None:
 
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
              if a.get("namespace") == RAY_NAMESPACE]
-    for kinds in (("agent",), ("hbm", "dram", "nvme", "pool")):
+    for kinds in (("agent",), tuple(s.name for s in tier_specs())):  # the pool's nodes too
         refs: list[Any] = []
         for name in names:
             if name.split(":")[1:2] and name.split(":")[1] in kinds:

@@ -19,6 +19,10 @@ and ``cmx serve``.
 - **Forgetting a head** (``forget_head(address)``): a stopped head's address left in Ray's
   current-cluster file makes the next plain ``ray.init()`` on the machine wait for it; the file is
   removed only while it names that address and nothing answers there.
+- **Trusting the file** (``current_cluster()``): it lies in a temp folder every user may write
+  (Ray makes ``/tmp/ray`` 0777), so it is followed only where the file read (opened without
+  following a symlink, then checked) is a regular file this user or root owns that other users
+  may not write: another user's could send this process's blocks to a cluster of theirs.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import stat
 import time
 from typing import Any
 
@@ -87,11 +92,42 @@ def needs_token(address: str) -> bool:
     return False
 
 
-def current_cluster() -> str | None:
-    """The address in Ray's current-cluster file (the last ``ray start`` here), if any."""
-    from ray._private.utils import read_ray_address
+def current_cluster(temp_dir: str | None = None) -> str | None:
+    """The address in Ray's current-cluster file (the last ``ray start`` here), if any;
+    ClusterUnreachableError where the file is not one to trust (see the module docstring)."""
+    from ray._common.utils import get_ray_address_file
 
-    return read_ray_address() or None
+    path = get_ray_address_file(temp_dir)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:  # ELOOP: a symlink
+        raise ClusterUnreachableError(
+            f"Ray's current-cluster file {path} cannot be opened as a file of its own "
+            f"({exc.strerror}); refusing to follow it: give the address (host:port)") from None
+    try:
+        problem = _not_trusted(os.fstat(fd))
+        if problem:
+            raise ClusterUnreachableError(
+                f"Ray's current-cluster file {path} {problem}; refusing to follow it: give "
+                f"the address (host:port)")
+        with os.fdopen(fd, "r", closefd=False) as f:
+            return f.read(4096).strip() or None
+    finally:
+        os.close(fd)
+
+
+def _not_trusted(file: os.stat_result) -> str | None:
+    """Why the current-cluster file opened (``file``) may hold another user's words; None
+    where it cannot. Its folder does not matter: what was read is this file."""
+    if not stat.S_ISREG(file.st_mode):
+        return "is not a regular file"
+    if file.st_uid not in (0, os.geteuid()):
+        return f"is owned by uid {file.st_uid}, not by this user (uid {os.geteuid()}) or root"
+    if file.st_mode & 0o002:
+        return f"may be written by any user (mode {stat.S_IMODE(file.st_mode):o})"
+    return None
 
 
 def resolve(address: str) -> str:
@@ -204,9 +240,11 @@ def forget_head(address: str, temp_dir: str | None = None) -> bool:
     """Remove Ray's current-cluster file if it names ``address`` and nothing answers there any
     more (a head that was stopped); True if removed. Another cluster's entry is left alone."""
     from ray._common.utils import get_ray_address_file
-    from ray._private.utils import read_ray_address
 
-    recorded = read_ray_address(temp_dir)
+    try:
+        recorded = current_cluster(temp_dir)
+    except ClusterUnreachableError:  # not this user's file: not this user's to remove
+        return False
     if not recorded:
         return False
     try:

@@ -33,6 +33,7 @@ from cmx.storage.arena import SharedArena
 __all__ = ["READ_TRIES", "HeldTable"]
 
 READ_TRIES = 16
+_FEW = 512  # keys still probing past their home, probed to the end of their runs at once
 _VERSION, _CAPACITY, _CLOSED, _PROBE, _COUNT = range(5)
 _HEAD_WORDS = 8
 _KEY_WORDS = KEY_BYTES // 8
@@ -146,35 +147,60 @@ class HeldTable:
     def find(self, keys: Sequence[bytes]) -> list[tuple[int, int] | None] | None:
         """Per key, (size, checksum) if held, else None; None for the whole answer when the
         table is closed or kept changing under every try (ask the tier)."""
-        if not keys:
-            return []
-        q = np.frombuffer(b"".join(keys), dtype="<u8").reshape(len(keys), _KEY_WORDS)
+        found = self.find_columns(b"".join(keys))
+        if found is None:
+            return None
+        held, sizes, sums = found
+        return [(int(s), int(c)) if h else None
+                for h, s, c in zip(held.tolist(), sizes.tolist(), sums.tolist())]
+
+    def find_columns(self, keys: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """``find`` of the keys in ``keys`` (end to end, ``cmx.keys.split_keys``) as columns:
+        held (bool), size (int64) and checksum (uint64) per key, 0 where not held; None as
+        ``find``."""
+        q = np.frombuffer(keys, dtype="<u8").reshape(-1, _KEY_WORDS)
+        if not len(q):
+            return np.zeros(0, bool), np.zeros(0, np.int64), np.zeros(0, np.uint64)
         for _ in range(READ_TRIES):
             version = int(self._head[_VERSION])
             if self._head[_CLOSED]:
                 return None
             if version & 1:
                 continue
-            at = self._probe(q, min(int(self._head[_PROBE]), self.capacity))
+            longest = min(int(self._head[_PROBE]), self.capacity) if self._head[_COUNT] else 0
+            at = self._probe(q, longest)
             hit = at >= 0
-            sizes = np.where(hit, self._state[np.where(hit, at, 0)], 0)
-            sums = np.where(hit, self._sums[np.where(hit, at, 0)], 0)
+            entry = np.maximum(at, 0)
+            sizes = np.where(hit, self._state.take(entry), 0)
+            sums = np.where(hit, self._sums.take(entry), 0)
             if int(self._head[_VERSION]) != version:
                 continue
-            return [(int(s) - 1, int(c)) if s else None for s, c in zip(sizes, sums)]
+            held = sizes != 0
+            return held, np.where(held, sizes.astype(np.int64) - 1, 0), sums.astype(np.uint64)
         return None
 
     def _probe(self, q: np.ndarray, longest: int) -> np.ndarray:
-        """Each key's entry, or -1: all keys probed together, one step of every run a pass."""
+        """Each key's entry, or -1: all keys probed together, one step of every run a pass;
+        once ``_FEW`` or fewer go on, the rest of their runs in one (a pass costs numpy's
+        overhead whatever its keys)."""
         mask = self.capacity - 1
         at = np.full(len(q), -1, dtype=np.int64)
         live = np.arange(len(q))
         pos = (q[:, 0] & np.uint64(mask)).astype(np.int64)
-        for _ in range(longest):
-            state = self._state[pos]
-            hit = (state != 0) & (self._keys[pos] == q[live]).all(axis=1)
-            at[live[hit]] = pos[hit]
-            going = (state != 0) & ~hit
+        for step in range(longest):
+            mine = q if not step else q[live]
+            if step and live.size <= _FEW:
+                window = (pos[:, None] + np.arange(longest - step)) & mask
+                # an entry counts up to the run's end: the first empty entry
+                hit = (np.cumsum(self._state.take(window) == 0, axis=1) == 0) & \
+                    _same(self._keys.take(window, axis=0), mine[:, None, :])
+                found = hit.any(axis=1)
+                at[live[found]] = window[found, hit[found].argmax(axis=1)]
+                break
+            full = self._state.take(pos) != 0
+            hit = full & _same(self._keys.take(pos, axis=0), mine)
+            at[live[hit] if step else hit] = pos[hit]
+            going = full & ~hit
             live, pos = live[going], (pos[going] + 1) & mask
             if not live.size:
                 break
@@ -192,6 +218,15 @@ class HeldTable:
 
     def _home(self, q: np.ndarray) -> int:
         return int(q[0]) & (self.capacity - 1)
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Whether keys ``a`` and ``b`` (their last axis the words) are the same, word by word
+    (numpy's ``all`` over an axis this short costs twice as much)."""
+    same = a[..., 0] == b[..., 0]
+    for w in range(1, _KEY_WORDS):
+        same &= a[..., w] == b[..., w]
+    return same
 
 
 def _words(key: bytes) -> np.ndarray:

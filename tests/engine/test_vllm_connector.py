@@ -201,7 +201,7 @@ def test_a_request_that_opts_out_is_kept_out_of_the_cache(
     assert report(skipped) == {}  # neither looked up nor stored
     worker = worker_side()
     deadline = time.monotonic() + 60
-    while worker._pending:  # a store handed over would be running now
+    while worker.stores.pending:  # a store handed over would be running now
         assert time.monotonic() < deadline, "a store never finished"
         time.sleep(0.1)
     assert ns.lookup(skipped.prompt_token_ids).num_tokens == 0
@@ -245,3 +245,48 @@ def evict(cm: Any, keys: list[bytes]) -> None:
     while any(cm.copies(keys)):
         assert time.monotonic() < deadline, "evicted blocks are still listed"
         time.sleep(0.05)
+
+
+def test_a_corrupt_block_in_the_service_never_reaches_the_engine(
+    engine: Any, baseline: Any, cm: Any,
+) -> None:
+    """A byte of a stored block's last layer flipped in the service's DRAM: the engine's
+    load checks each block before any of its layers is written, loads the blocks before it,
+    recomputes the rest and answers exactly as vLLM alone; the copy is quarantined."""
+    prompt = prompts()[2]
+    salt = "corrupt"
+    first = generate(engine, prompt, salt=salt)
+    ns = namespace(cm, engine, salt)
+    tokens = full_blocks(first)
+    wait_stored(ns, first.prompt_token_ids, tokens)
+    keys = ns.keys(first.prompt_token_ids)
+    plane = ns.cm.plane
+    before = quarantined(ns)
+    pins = plane.pin_prefix(keys, "test-corrupt")
+    try:
+        assert len(pins) == tokens // BLOCK_SIZE
+        payload = plane.payload(pins[1])
+        payload[-1] ^= 0xFF
+    finally:
+        plane.unpin(pins)
+    again = generate(engine, prompt, salt=salt)
+    assert list(again.outputs[0].token_ids) == baseline[prompt]
+    got = report(again)
+    assert got["loaded_tokens"] == BLOCK_SIZE  # the block before the bad one, no more
+    assert got["load_failed_tokens"] == tokens - BLOCK_SIZE
+    # The bad copy is quarantined (sent one way, after the load); the engine then stores the
+    # blocks it recomputed, so a good copy may take its place.
+    deadline = time.monotonic() + 60
+    while quarantined(ns) == before:
+        assert time.monotonic() < deadline, "the corrupt copy was never quarantined"
+        time.sleep(0.1)
+    assert quarantined(ns) == before + 1
+
+
+def quarantined(ns: Any) -> int:
+    """Copies this node's DRAM tier dropped as corrupt so far."""
+    from cmx.doors import TierStatsOf
+    from cmx.links import actor_name
+
+    stats = ns.cm.link.call(actor_name("dram", ns.cm.node_id), TierStatsOf())
+    return int(stats.store.quarantined)

@@ -83,7 +83,7 @@ def test_what_the_controller_starts_while_it_is_stopped_is_stopped_too(
     monkeypatch.setattr(ray, "kill", kill)
     monkeypatch.setattr(ray.util, "list_named_actors", lambda all_namespaces=False: [
         {"name": n, "namespace": "cmx"} for n in running])
-    monkeypatch.setattr(stop, "_CLOSABLE", set())  # stand-ins have no close to call
+    monkeypatch.setattr(stop, "_closable", set)  # stand-ins have no close to call
     assert stop.stop_service(timeout_s=1.0) == 3
     assert killed[0] == "cmx:controller" and sorted(killed[1:]) == ["cmx:dir:0", "cmx:hbm:a"]
     assert running == {}

@@ -22,7 +22,9 @@ Both paths then make the segment files agree with the index:
    truncated there: a write that never committed is discarded, never seen.
 4. Each live segment's record log is reopened; a live entry it lacks (a store written before
    record logs existed) is appended, and records no entry owns are remembered as ended
-   (``Segment.killed``). The newest segment becomes the active one again.
+   (``Segment.killed``). Every reopened segment stays sealed: a write granted before the
+   reopening may still land past a head set back in step 3, so appends go to a new segment,
+   of an id never used before (``segments``).
 """
 
 from __future__ import annotations
@@ -77,7 +79,11 @@ def recover(root: str, snapshot_path: str, journal: Journal, segs: SegmentSet,
         index, gen, valid, unknown = _rebuild(root, ids, journal, segs, files)
         clean = False
         next_seq = max([1] + [e.seq + 1 for e in index.values()])
-    segs.next_id = max([snap.next_segment if snap else 1] + [i + 1 for i in ids])
+    # Past every id handed out before, whose file a crash may have left deleted while a
+    # write granted in it is still under way (``segments``: ids are never reused).
+    segs.next_id = max([snap.next_segment if snap else 1, segs.reserved_ids()]
+                       + [i + 1 for i in ids])
+    segs.reserve(segs.next_id, again=True)
     index, dropped = _attach(root, [i for i in ids if i not in unknown], index, segs,
                              damage is not None, unknown)
     # Entries from before sequence numbers existed get theirs now (recorded below).
@@ -234,13 +240,4 @@ def _reopen_records(segs: SegmentSet, index: dict[bytes, BlockEntry]) -> bool:
             records.append(encode_put(e, seg.id) for e in missing)
             records.sync()
             complete = False
-    _activate_newest(segs)
     return complete
-
-
-def _activate_newest(segs: SegmentSet) -> None:
-    live = [s for s in segs.segs.values() if not s.retired]
-    if live:
-        newest = max(live, key=lambda s: s.id)
-        if newest.head < segs.segment_bytes and newest.id == max(segs.segs):
-            segs.activate(newest)

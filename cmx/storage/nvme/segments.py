@@ -15,6 +15,12 @@ A sealed segment with nothing live or pending is *retired*. Its file is deleted 
 journal records that emptied it are durable (``mark_durable``) and no I/O holds it
 (``io_refs``), so a crash can never replay a record into a deleted file whose id was reused.
 
+Ids are never reused across crashes either: a write granted by an incarnation that died may
+still land at its path and offset, so a recreated file of that id would take it over another
+block. Before a segment is created, ``next-segment`` records (atomically, synced) an id past
+it, a few ids ahead at a time (``RESERVE_IDS``); reopening starts past it (``reserved_ids``)
+even where the snapshot is older than a file since deleted, and records it again.
+
 Beside each segment file lies its record log ``seg-<id>.rec`` (``journal.RecordLog``): a PUT
 record for every block committed there, appended at each flush after the segment's data is
 fdatasync'ed, and synced before the next snapshot (until then the journal holds the same
@@ -42,9 +48,12 @@ from cmx.storage.nvme.files import FileOps
 from cmx.storage.nvme.io import IoEngine
 from cmx.storage.nvme.journal import SEGMENT_MAGIC, RecordLog
 
-__all__ = ["Segment", "SegmentSet", "segment_ids"]
+__all__ = ["RESERVE_IDS", "Segment", "SegmentSet", "segment_ids"]
 
 log = logging.getLogger(__name__)
+
+HIGH_WATER = "next-segment"  # the id no segment created so far reaches: ascii digits
+RESERVE_IDS = 16  # ids recorded ahead at a time: one synced write per 16 segments
 
 _NAME = re.compile(r"^seg-(\d{6,})\.dat$")
 
@@ -90,6 +99,7 @@ class SegmentSet:
         self.segs: dict[int, Segment] = {}
         self.active: Segment | None = None
         self.next_id = 1
+        self.reserved = 0  # ids below it are recorded in ``HIGH_WATER`` (``reserve``)
         self.direct = True  # False where the filesystem refuses O_DIRECT (tmpfs)
         self.dirty: set[int] = set()  # segments written since the last fdatasync
 
@@ -104,6 +114,8 @@ class SegmentSet:
     def open(self, seg_id: int, create: bool = False) -> Segment:
         """Open (or create) a segment file; its record log is created with it, or left for
         the caller (recovery) to open."""
+        if create:
+            self.reserve(seg_id)
         path = self.path(seg_id)
         flags = os.O_RDWR | (os.O_CREAT | os.O_TRUNC if create else 0)
         fd = -1
@@ -130,6 +142,36 @@ class SegmentSet:
         self.segs[seg_id] = seg
         self.next_id = max(self.next_id, seg_id + 1)
         return seg
+
+    def reserved_ids(self) -> int:
+        """The id past every segment created here before (0: none recorded, or a record
+        that does not parse, which is logged)."""
+        data = self.files.read_file(os.path.join(self.root, HIGH_WATER))
+        if data is None:
+            return 0
+        try:
+            return int(data.decode("ascii"))
+        except ValueError:
+            log.error("%s: %s does not parse (%r); segment ids restart past the files and "
+                      "the snapshot", self.root, HIGH_WATER, data[:32])
+            return 0
+
+    def reserve(self, seg_id: int, again: bool = False) -> None:
+        """Record, durably, an id past ``seg_id`` before its file is created (unless one is;
+        ``again``: in any case): replaced atomically, the directory synced by the creation
+        that follows."""
+        if seg_id < self.reserved and not again:
+            return
+        upto = seg_id + RESERVE_IDS
+        path = os.path.join(self.root, HIGH_WATER)
+        fd = self.files.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            self.files.pwrite_all(fd, str(upto).encode("ascii"), 0)
+            self.files.fsync(fd)
+        finally:
+            self.files.close(fd)
+        self.files.replace(path + ".tmp", path)
+        self.reserved = upto
 
     def activate(self, seg: Segment) -> None:
         """Make ``seg`` the segment appends go to, its file allocated ahead (see above).

@@ -9,8 +9,7 @@ from typing import Any, TypeVar
 
 from cmx.actors.agent.core import OffloadAgent
 from cmx.actors.directory.shard import Copy, DirectoryShard, shard_of
-from cmx.actors.tiers.arena import ArenaTierService
-from cmx.actors.tiers.nvme import NvmeTierService
+from cmx.actors.tiers.books import make_books
 from cmx.client import ContextMemory, NamespaceClient
 from cmx.client.node_plane import NodePlane
 from cmx.config import ServiceConfig
@@ -18,7 +17,7 @@ from cmx.doors import Request
 from cmx.keys import Namespace
 from cmx.layout import KVLayout
 from cmx.links import LocalLink, actor_name
-from cmx.tiers import Tier
+from cmx.tiers import Tier, TierSpec, node_tiers, tier_spec
 
 # Node names of this run: a tier unlinks every arena its node's name left in /dev/shm, so two
 # runs on one machine must not share names (arena names keep a node's first 12 characters).
@@ -81,25 +80,22 @@ class LaggingLink(LocalLink):
 
 
 def make_plane(config: ServiceConfig, nodes: tuple[str, ...] = (NODE_A, NODE_B),
-               link_type: type[LocalLink] = LocalLink) -> Plane:
+               link_type: type[LocalLink] = LocalLink,
+               specs: Sequence[TierSpec] | None = None) -> Plane:
+    """Each node's tiers (``specs``, default every registered node tier: ``cmx.tiers``), its
+    agent, and the directory, wired as the service wires them."""
     clock = FakeClock()
     targets: dict[str, Any] = {}
     link = link_type(targets)
     shards = [DirectoryShard(i) for i in range(config.directory_shards)]
     for i, shard in enumerate(shards):
         targets[actor_name("dir", i)] = shard
+    specs = [tier_spec(t) for t in node_tiers()] if specs is None else specs
     tiers: dict[tuple[str, Tier], Any] = {}
     for node in nodes:
-        for tier, capacity in ((Tier.HBM, config.hbm_bytes), (Tier.DRAM, config.dram_bytes)):
-            svc = ArenaTierService(tier, node, capacity, config.block_bytes, link,
-                                   config.directory_shards, emulated=tier is Tier.HBM,
-                                   lease_s=config.lease_s, clock=clock)
-            tiers[(node, tier)] = targets[actor_name(tier.value, node)] = svc
-        nvme = NvmeTierService(node, f"{config.nvme_dir}/{node}", config.nvme_bytes,
-                               config.block_bytes, link, config.directory_shards,
-                               segment_bytes=config.nvme_segment_bytes,
-                               lease_s=config.lease_s, clock=clock)
-        tiers[(node, Tier.NVME)] = targets[actor_name("nvme", node)] = nvme
+        for spec in specs:
+            books = make_books(spec, node, config, link, clock=clock)
+            tiers[(node, spec.tier)] = targets[actor_name(spec.name, node)] = books
     agents = {}
     for node in nodes:
         agents[node] = targets[actor_name("agent", node)] = OffloadAgent(node, config, link)

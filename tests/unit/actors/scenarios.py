@@ -8,12 +8,13 @@ import numpy as np
 from plane import Plane
 
 from cmx.actors.tiers.arena import ArenaTierService
+from cmx.actors.tiers.books import make_books
 from cmx.config import ServiceConfig
 from cmx.keys import BlockHash, Namespace, chain_keys
 from cmx.layout import KVLayout
 from cmx.links import actor_name
 from cmx.protocol import Loaded
-from cmx.tiers import Tier
+from cmx.tiers import Tier, tier_spec
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16", block_tokens=16)
 BLOCK = LAYOUT.block_bytes  # 8 KiB
@@ -50,11 +51,8 @@ def load(plane: Plane, node: str, keys: list[BlockHash]) -> tuple[np.ndarray, li
 def restart_tier(plane: Plane, node: str, tier: Tier) -> ArenaTierService:
     """A fresh incarnation of a memory tier in place of the running one (as Ray restarts a
     dead actor): a new epoch, a new arena, empty."""
-    cfg = plane.config
-    capacity = cfg.hbm_bytes if tier is Tier.HBM else cfg.dram_bytes
-    svc = ArenaTierService(tier, node, capacity, cfg.block_bytes, plane.link,
-                           cfg.directory_shards, emulated=tier is Tier.HBM,
-                           lease_s=cfg.lease_s, clock=plane.clock)
+    svc = make_books(tier_spec(tier), node, plane.config, plane.link, clock=plane.clock)
+    assert isinstance(svc, ArenaTierService)
     plane.link._targets[actor_name(tier.value, node)] = svc  # type: ignore[index]
     plane.tiers[(node, tier)] = svc
     return svc

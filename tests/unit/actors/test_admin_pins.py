@@ -23,7 +23,7 @@ from cmx.api.app import create_app
 from cmx.api.backend import ServiceBackend
 from cmx.client import ContextMemory
 from cmx.config import AdminConfig
-from cmx.doors import PinFor, Request
+from cmx.doors import PinFor, ReleaseOwner, Request
 from cmx.errors import UnavailableError
 from cmx.tiers import Tier
 
@@ -161,3 +161,38 @@ def test_a_pin_whose_answer_came_too_late_is_given_back(admin: Admin) -> None:
         ServiceBackend(cm).pin(NODES[0], Tier.DRAM, bytes.fromhex(admin.key), TTL_S)
     assert dram.stats().leases.pinned == 0 and dram.stats().pinned == 0
     assert admin.evict(Tier.DRAM) == 1
+
+
+class ReorderedLink(LateLink):
+    """The plane's link, but each ``pin_for`` times out before it runs, and runs only after
+    the ``release_owner`` sent behind it: the order a threaded tier actor may take."""
+
+    def __init__(self, link: Any) -> None:
+        super().__init__(link)
+        self.held_back: list[tuple[str, PinFor]] = []
+
+    def call(self, name: str, request: Request[Any], timeout_s: float | None = None) -> Any:
+        if isinstance(request, PinFor):
+            self.held_back.append((name, request))
+            raise UnavailableError(f"{name}.{request.method} did not answer in time")
+        return self._link.call(name, request)
+
+    def tell(self, name: str, request: Request[Any]) -> None:
+        self._link.tell(name, request)
+        if isinstance(request, ReleaseOwner):
+            for held_name, pin in [(n, p) for n, p in self.held_back if p.owner == request.owner]:
+                self.held_back.remove((held_name, pin))
+                self._link.call(held_name, pin)
+
+
+@pytest.mark.parametrize("tier", [Tier.DRAM, Tier.NVME])
+def test_a_pin_that_runs_after_its_release_is_refused(admin: Admin, tier: Tier) -> None:
+    cm = ContextMemory(admin.plane.config, NODES[0], owns_ray=False)
+    link = ReorderedLink(admin.plane.link)
+    cm.link = link  # type: ignore[assignment]
+    store = admin.plane.tiers[(NODES[0], tier)]
+    with pytest.raises(UnavailableError):
+        ServiceBackend(cm).pin(NODES[0], tier, bytes.fromhex(admin.key), TTL_S)
+    assert not link.held_back  # the pin ran, after its release
+    assert store.stats().leases.pinned == 0 and store.stats().pinned == 0
+    assert admin.evict(tier) == 1

@@ -55,6 +55,20 @@ def test_leases_expire_on_the_clock_and_count() -> None:
         Leases(0)
 
 
+def test_a_released_owners_pins_are_refused_for_a_lease_time() -> None:
+    now = [0.0]
+    given_back: list[int] = []
+    leases = Leases(10.0, clock=lambda: now[0])
+    assert leases.release_owner("client:late") == 0  # the release ran before the pin
+    assert leases.grant_pin("client:late", b"k" * 32, given_back.append) is None
+    assert leases.grant_pin("client:other", b"k" * 32, given_back.append) is not None
+    now[0] = 10.0  # the owner is forgotten: its memory is bounded
+    leases.release_owner("client:next")
+    assert list(leases._gone) == ["client:next"]
+    assert leases.grant_pin("client:late", b"k" * 32, given_back.append) is not None
+    assert given_back == [] and leases.stats().released == 1
+
+
 def test_a_load_failing_part_way_leaves_nothing_held(plane: Plane) -> None:
     keys, payload = blocks(6, seed=31)
     plane.agents[NODE_A].store(keys, [None, *keys[:-1]], payload)

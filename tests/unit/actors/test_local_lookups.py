@@ -15,7 +15,8 @@ from plane import Plane, make_plane, namespace_client
 from scenarios import LAYOUT, check, held, small_config
 
 from cmx.client import NamespaceClient
-from cmx.doors import Lookup, Request
+from cmx.doors import FindCopies, Lookup, Request
+from cmx.keys import split_keys
 from cmx.links import LocalLink
 from cmx.tiers import Tier
 
@@ -35,6 +36,8 @@ class DirectoryCountingLink(LocalLink):
     def call(self, name: str, request: Request[R], timeout_s: float | None = None) -> R:
         if name.startswith("cmx:dir:") and isinstance(request, Lookup):
             self.asked.append(list(request.keys))
+        if name.startswith("cmx:dir:") and isinstance(request, FindCopies):
+            self.asked.append(split_keys(request.keys))
         return super().call(name, request)
 
     def asked_keys(self) -> list[bytes]:

@@ -13,7 +13,9 @@ from plane import NODE_A, NODE_B, Plane, make_plane
 from scenarios import BLOCK, blocks, check, small_config
 from tagging import NS, PoolMembers, drop, held_in, reannounce, restart_directory, start_pool
 
+from cmx.actors.directory.shard import DirectoryShard
 from cmx.actors.tiers.nvme import NvmeTierService
+from cmx.errors import UnavailableError
 from cmx.keys import BlockHash
 from cmx.links import actor_name
 from cmx.protocol import Offer
@@ -80,6 +82,34 @@ def test_a_drops_nvme_evictions_are_durable_before_the_tier_is_closed(tmp_path: 
         again = reopen_nvme(plane, NODE_A, crashed)
         assert again.contains(keys) == [True, True, False, False]
         again.check_integrity()
+    finally:
+        plane.close()
+
+
+def test_a_drop_while_restarted_shards_learn_their_sources_is_not_reported_done(
+    tmp_path: Path
+) -> None:
+    """Restarted shards know no copy until each tier's heartbeat makes it resync them: a drop
+    before then would find nothing and report success, the copies all kept."""
+    plane = make_plane(small_config(tmp_path))
+    try:
+        keys, payload = blocks(4, seed=12)
+        plane.agents[NODE_A].store(keys, [None, *keys[:-1]], payload, NS)
+        dram = plane.tiers[(NODE_A, Tier.DRAM)]
+        cfg = plane.config
+        for i in range(len(plane.shards)):  # as the controller starts a lost shard again
+            plane.shards[i] = plane.link._targets[actor_name("dir", i)] = \
+                DirectoryShard(i, cfg.heartbeat_s, cfg.resync_s, plane.clock)  # type: ignore[attr-defined]
+        with pytest.raises(UnavailableError, match="not dropped whole"):
+            drop(plane)
+        assert dram.contains(keys) == [True] * 4
+        reannounce(plane)  # every tier resyncs; another source could still be on its way
+        with pytest.raises(UnavailableError, match="still learning"):
+            drop(plane)
+        plane.clock.advance(2 * cfg.heartbeat_s)  # every source has been in touch
+        assert drop(plane) == 4
+        assert dram.contains(keys) == [False] * 4 and held_in(plane, keys) == set()
+        check(plane)
     finally:
         plane.close()
 

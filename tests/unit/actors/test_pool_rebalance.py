@@ -143,3 +143,35 @@ def test_a_surplus_copy_owned_again_before_its_pin_ended_stays(pooled: Pooled) -
     pool.store.unpin(key)
     pool.heartbeat()
     assert other in pooled.holders(key)
+
+
+def test_a_rebalance_under_a_stale_membership_view_drops_nothing(pooled: Pooled) -> None:
+    """A member leaves the pool (its actor still answers until it is stopped); the rebalance
+    of the new view (generation 2) reaches the others before one of the old view (1), which
+    Ray delivered late. Under the old view the leaving member owns the block, and confirms
+    its copy: obeyed, the late rebalance would drop the copy the new view keeps."""
+    key = pooled.keys[0]
+    leaving = owners(key, MEMBERS, 1)[0]
+    view = [m for m in MEMBERS if m != leaving]
+    keeper = owners(key, view, 1)[0]
+    for name in view:
+        pooled.pools[name].rebalance(view, 1, generation=2)
+    assert sorted(pooled.holders(key)) == sorted([leaving, keeper])
+    late = pooled.pools[keeper].rebalance(MEMBERS, 1, generation=1)
+    assert late == Rebalanced(0, 0, 0)
+    assert keeper in pooled.holders(key)
+    del pooled.pools[leaving]  # it goes: the new view's owner still holds the block
+    targets = pooled.plane.link._targets  # type: ignore[attr-defined]
+    targets.pop(actor_name("pool", leaving)).close()
+    assert pooled.holders(key) == [keeper]
+
+
+def test_an_owner_that_saw_a_newer_view_confirms_nothing_to_an_older_one(
+        pooled: Pooled) -> None:
+    key = pooled.keys[0]
+    owner = owners(key, MEMBERS, 1)[0]
+    other = next(m for m in MEMBERS if m != owner)
+    assert pooled.pools[owner].checksums([key], generation=2) != [None]
+    assert pooled.pools[owner].checksums([key], generation=1) == [None]
+    pooled.pools[other].rebalance(MEMBERS, 1, generation=1)
+    assert other in pooled.holders(key)  # unconfirmed: its copy stays

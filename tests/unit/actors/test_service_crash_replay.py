@@ -215,9 +215,11 @@ def test_every_crash_point_of_the_split_tier_keeps_every_acknowledged_block(tmp_
 
 
 def test_an_agent_that_outlives_its_tier_writes_into_the_segment_on_disk(tmp_path):
-    """Books restarted over the directory may make a deleted segment's name again: the agent's
-    descriptor of the deleted file must not take the new file's writes (acknowledged, read
-    back right through that descriptor, and not on disk)."""
+    """Books restarted over the directory never make a deleted segment's name again (ids are
+    never reused, ``cmx.storage.nvme.segments``): the agent's write granted by the dead tier
+    cannot land in a new file of that name, and a block stored since reads back right, through
+    the agent's descriptors and a restarted agent's. (Were a name made anew, the agent would
+    let its descriptor of the deleted file go: ``ExtentPlane._open``.)"""
     cfg = config(str(tmp_path))
     plane = make_plane(cfg, nodes=(NODE,))
     try:
@@ -230,10 +232,11 @@ def test_an_agent_that_outlives_its_tier_writes_into_the_segment_on_disk(tmp_pat
         root = os.path.join(cfg.nvme_dir, NODE)
         with restart_nvme(plane, root):
             assert not os.path.exists(ext.path)
-        with restart_nvme(plane, root) as tier:  # the first segment's name made anew
+        with restart_nvme(plane, root) as tier:  # the first segment's name not made anew
             store(plane, [new])
             pinned = tier.pin([new], OWNER)[0]
-            assert pinned is not None and pinned.path == ext.path
+            assert pinned is not None and pinned.path != ext.path
+            assert not os.path.exists(ext.path)
             tier.unpin([pinned.lease])
             disk = ExtentPlane(engine="threads", queue_depth=4)  # a restarted agent's reads
             try:

@@ -10,8 +10,14 @@ import pytest
 from cmx.connectors.settings import ConnectorSettings, LoadMode, SaveMode, SettingError
 
 
-def test_the_modes_are_sync_unless_told() -> None:
+def test_the_fast_paths_are_the_defaults() -> None:
     settings = ConnectorSettings.from_extra({})
+    assert settings.load_mode is LoadMode.ASYNC and settings.save_mode is SaveMode.ASYNC
+    assert settings.async_loads and settings.async_saves and settings.prefetch
+
+
+def test_the_sync_modes_are_there_when_told() -> None:
+    settings = ConnectorSettings.from_extra({"load_mode": "sync", "save_mode": "sync"})
     assert settings.load_mode is LoadMode.SYNC and settings.save_mode is SaveMode.SYNC
     assert not settings.async_loads and not settings.async_saves
 

@@ -53,10 +53,20 @@ class HeldGatherer(Gatherer):
         self.reads += 1
         return super()._gather(save, caches)
 
+    def _copy_direct(self, direct: Any, copy: Any, caches: list[Any]) -> None:
+        def counted(save: SaveSpec, source: Any) -> bool:
+            self.reads += 1
+            return bool(direct(save, source))
 
-@pytest.fixture
-def plane(tmp_path) -> Iterator[Plane]:
+        super()._copy_direct(counted, copy, caches)
+
+
+@pytest.fixture(params=[False, True], ids=["through-host-tensor", "direct"])
+def plane(tmp_path, request: pytest.FixtureRequest) -> Iterator[Plane]:
+    """Each test twice: the copy through a host tensor (as from a GPU cache), and straight
+    from the host paged cache into the service's DRAM slots (``Gatherer.direct``)."""
     p = plane_of(tmp_path)
+    p.direct_saves = request.param  # type: ignore[attr-defined]
     yield p
     p.close()
 
@@ -69,9 +79,11 @@ def engine(plane: Plane, **extra: Any
     caches = [torch.randn_like(c) for c in paged_caches()]
     worker.register_kv_caches(dict(zip(NAMES, caches)))
     side = worker._side_worker()
-    side.gatherer = HeldGatherer(side.layout, side.paged, side.settings.staging_bytes,
-                                 side._gathered)
-    return scheduler, worker, side.gatherer, caches
+    stores = side.stores
+    stores.gatherer = HeldGatherer(side.layout, side.paged, side.settings.staging_bytes,
+                                   stores._gathered)
+    stores.direct(plane.direct_saves)  # type: ignore[attr-defined]
+    return scheduler, worker, stores.gatherer, caches
 
 
 def forward(worker: CMXConnector, meta: Any, caches: list[torch.Tensor],
@@ -201,4 +213,44 @@ def test_a_save_larger_than_the_whole_budget_is_taken_when_nothing_else_is_stage
     gatherer.go.set()
     worker.shutdown()
     assert gatherer.reads == 1 and gatherer.used_bytes == 0
+    scheduler.shutdown()
+
+
+def test_a_direct_copy_cut_by_a_preemption_reads_nothing_after_it(
+    plane: Plane, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The direct copy of two blocks is held before its second block while a preemption's
+    step waits past its bound: the gate closes, the second block is never read, and the
+    store is counted failed, nothing of it committed."""
+    if not plane.direct_saves:  # type: ignore[attr-defined]
+        pytest.skip("the gate guards direct copies only")
+    from cmx.connectors.paged import PagedSource
+
+    scheduler, worker, gatherer, caches = engine(plane, load_timeout_s=0.2)
+    reading, resume = threading.Event(), threading.Event()
+    copy_block = PagedSource.copy_block
+
+    def held(self: PagedSource, i: int, slot: Any) -> Any:
+        if i == 1:
+            reading.set()
+            assert resume.wait(BOUND_S)
+        return copy_block(self, i, slot)
+
+    monkeypatch.setattr(PagedSource, "copy_block", held)
+    save = SaveSpec("r", "", PROMPT[:2 * T], 0, 2 * T, (4, 5))
+    forward(worker, CMXStepMetadata(saves=[save]), caches)
+    gatherer.go.set()
+    assert reading.wait(BOUND_S)  # block 0 copied, block 1 not yet read
+    meta = scheduler.build_connector_meta(step_output(preempted=("r",)))
+    worker.handle_preemptions(meta)  # past the bound: the copy's gate closes
+    for cache in caches:
+        cache.zero_()  # vLLM reuses the blocks
+    resume.set()
+    worker.shutdown()
+    report = worker.build_connector_worker_meta()
+    assert isinstance(report, CMXWorkerReport)
+    assert report.stores == [StoreResult("r", 2 * T, 0, 2 * T)]
+    ns = worker._side_worker().namespaces.get("")
+    assert ns.lookup(list(PROMPT[:2 * T])).num_tokens == 0
+    assert gatherer.used_bytes == 0
     scheduler.shutdown()

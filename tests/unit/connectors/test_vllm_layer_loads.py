@@ -154,22 +154,23 @@ def test_the_part_away_comes_whole_with_the_first_group_and_stays_in_memory_here
     conn.shutdown()
 
 
-def test_a_block_in_memory_found_corrupt_at_the_end_is_recomputed_and_quarantined(
-    plane: Plane,
-) -> None:
+def test_a_block_in_memory_found_corrupt_is_never_handed_to_attention(plane: Plane) -> None:
+    """A byte of the last layer of the middle block flipped in DRAM: the load checks each
+    block whole before its first group, so no layer of that block or the one after it
+    reaches the paged cache; the engine recomputes them and the copy is quarantined."""
     conn, caches, ns, stored = engine(plane)
     keys = ns.keys(list(PROMPT))
     node_plane = ns.cm.plane
     pins = node_plane.pin_prefix(keys, "test")
     assert [p.tier for p in pins] == [Tier.DRAM] * 3
     payload = node_plane.payload(pins[1])
-    payload[-1] = np.uint8(payload[-1] ^ 0xFF)  # the last layer's bytes: seen only at the end
+    payload[-1] = np.uint8(payload[-1] ^ 0xFF)  # the last layer's bytes
     node_plane.unpin(pins)
     step(conn)
-    conn.wait_for_layer_load(NAMES[0])
-    assert torch.equal(blocks_of(caches[0], list(ENGINE_BLOCKS)), stored[0])  # not yet known
-    for name in NAMES[1:]:
+    for layer, name in enumerate(NAMES):
         conn.wait_for_layer_load(name)
+        assert torch.equal(blocks_of(caches[layer], [ENGINE_BLOCKS[0]]), stored[layer][:, :, :T])
+        assert not blocks_of(caches[layer], list(ENGINE_BLOCKS[1:])).any()  # never written
     report = end(conn)
     assert conn.get_block_ids_with_load_errors() == set(ENGINE_BLOCKS[1:])
     assert [(x.req_id, x.loaded_tokens) for x in report.loads] == [("r", T)]
@@ -214,7 +215,7 @@ def test_a_load_that_fails_once_its_blocks_here_are_pinned_lets_the_pins_go(
     def unreachable(_: Any) -> Any:
         raise RuntimeError("the directory is unreachable")
 
-    monkeypatch.setattr(ns.cm, "copies", unreachable)
+    monkeypatch.setattr(ns.cm, "copy_table", unreachable)  # the directory's one door
     with pytest.raises(RuntimeError, match="unreachable"):
         ns.load_layers(list(PROMPT), match)
     assert pins_held(plane) == 0

@@ -68,7 +68,10 @@ class FakeNamespaces(Namespaces):
 
 def side(cached: int = 0, gate: bool = False, **kw: Any) -> tuple[SchedulerSide, FakeNamespace]:
     ns = FakeNamespace(cached)
-    settings = ConnectorSettings(gate=gate, lookup_wait_s=kw.pop("wait", 1.0))
+    # The sync paths' scheduler side; the fast paths' (the defaults) have suites of their own.
+    settings = ConnectorSettings(gate=gate, lookup_wait_s=kw.pop("wait", 1.0),
+                                 load_mode="sync", save_mode="sync",  # type: ignore[arg-type]
+                                 prefetch=False)
     return SchedulerSide(settings, FakeNamespaces(ns), T, **kw), ns
 
 

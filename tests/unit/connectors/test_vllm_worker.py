@@ -13,7 +13,9 @@ from typing import Any
 
 import torch
 
+from cmx.checksum import checksum
 from cmx.client import BlockLocation, Match, NamespaceClient, StoreHandle
+from cmx.client.copy_out import Sink, copy_payloads
 from cmx.connectors.paged import PagedLayout, block_view
 from cmx.connectors.settings import ConnectorSettings, Namespaces
 from cmx.connectors.vllm_loads import Loaded
@@ -59,6 +61,13 @@ class FakeNamespace(NamespaceClient):
         assert match is not None
         return self.kv[:, :, :, :match.num_tokens]
 
+    def load_to(self, sink: Sink, token_ids: object, match: Match | None = None) -> int:
+        assert match is not None
+        payloads = [LAYOUT.to_payload(self.kv[:, :, :, i * T : (i + 1) * T]).numpy()
+                    for i in range(match.num_blocks)]
+        return copy_payloads(LAYOUT, [(b.key, p, checksum(p)) for b, p in
+                                      zip(match.blocks, payloads)], sink)
+
     def store(self, token_ids: object, kv: Any, start: int = 0) -> StoreHandle:
         self.stored.append((tuple(token_ids), kv.clone(), start))  # type: ignore[arg-type]
         done = threading.Event()
@@ -100,7 +109,8 @@ class HeldWorker(WorkerSide):
 
 def worker(cls: type[WorkerSide] = WorkerSide) -> tuple[Any, FakeNamespace, list[torch.Tensor]]:
     ns = FakeNamespace()
-    settings = ConnectorSettings(load_timeout_s=BOUND_S, load_layer_groups=1)  # whole loads
+    settings = ConnectorSettings(load_timeout_s=BOUND_S, load_layer_groups=1,  # whole loads
+                                 load_mode="sync", save_mode="sync")  # type: ignore[arg-type]
     w = cls(settings, FakeNamespaces(ns), NAMES, PagedLayout.VLLM_CPU)
     caches = [torch.zeros(BLOCKS, HEADS, T, 2 * DIM) for _ in range(LAYERS)]
     w.register(dict(zip(NAMES, caches)))
@@ -118,7 +128,9 @@ LOAD = LoadSpec("r", "", PROMPT, 0, 12, (5, 2, 4))
 
 
 def test_layer_zero_is_usable_while_later_layers_are_still_pending() -> None:
+    """Loaded through a host tensor, as a GPU cache is: written layer by layer."""
     w, ns, caches = worker(HeldWorker)
+    w.loads.direct = None
     w.begin_step(CMXStepMetadata(loads=[LOAD]))
     w.start_load()
     w.wait_layer(NAMES[0])  # returns with layer 0 in place, the others not yet written

@@ -64,8 +64,11 @@ def connector(plane: Plane, role: KVConnectorRole, **extra: Any) -> CMXConnector
         def _connect(self, settings: ConnectorSettings) -> Any:
             return client_of(plane, settings.service)
 
+    # The suites of the sync paths name their modes here; those of the fast paths (the
+    # defaults) set them in ``extra``.
     settings = {"model": "m", "weights": "w", "paged_layout": "vllm_cpu",
-                "load_timeout_s": BOUND_S, "service": {"call_timeout_s": 5.0}, **extra}
+                "load_timeout_s": BOUND_S, "service": {"call_timeout_s": 5.0},
+                "load_mode": "sync", "save_mode": "sync", "prefetch": False, **extra}
     vllm_config = VllmConfig(kv_transfer_config=KVTransferConfig(
         kv_connector="CMXConnector", kv_connector_module_path="cmx.connectors.vllm",
         kv_role="kv_both", kv_load_failure_policy="recompute",

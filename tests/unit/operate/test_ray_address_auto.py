@@ -3,6 +3,7 @@ Ray's current-cluster file names, which must answer (no Ray is started)."""
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +14,13 @@ from cmx.config import AdminConfig, ServiceConfig
 from cmx.deploy import launch
 from cmx.operate.lifecycle import UpOptions, up
 from cmx.operate.local_ray import HeadOptions
-from cmx.operate.ray_cluster import ClusterUnreachableError, locate, resolve
+from cmx.operate.ray_cluster import (
+    ClusterUnreachableError,
+    current_cluster,
+    forget_head,
+    locate,
+    resolve,
+)
 
 
 @pytest.fixture()
@@ -77,3 +84,43 @@ def test_cmx_up_on_a_stale_file_starts_nothing_and_records_nothing(
     with pytest.raises(ClusterUnreachableError, match="current-cluster file"):
         up(opts)
     assert not Path(admin.state_path).exists()
+
+
+def _someone_elses(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``path`` as another user's file: chowned where this is root, else this process seen as
+    another user."""
+    if os.geteuid() == 0:
+        os.chown(path, 54321, -1)
+    else:
+        other = os.geteuid() + 1
+        monkeypatch.setattr(os, "geteuid", lambda: other)
+
+
+@pytest.mark.parametrize("how", ["another user's", "writable by all", "a symlink"])
+def test_a_file_another_user_could_have_written_is_not_followed(
+    ray_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """Ray's temp folder is writable by every user (``/tmp/ray`` is 0777): the file there may
+    name a cluster of someone else's, which would be sent this process's blocks. Nor is the
+    file this user's to remove."""
+    address = stopped()
+    if how == "a symlink":
+        real = tmp_path / "elsewhere"
+        real.write_text(address)
+        ray_file.symlink_to(real)
+    else:
+        ray_file.write_text(address)
+        if how == "writable by all":
+            os.chmod(ray_file, 0o666)
+        else:
+            _someone_elses(ray_file, monkeypatch)
+    with pytest.raises(ClusterUnreachableError, match="current-cluster file .* refusing"):
+        locate("auto")
+    assert not forget_head(address)
+    assert os.path.lexists(ray_file)
+
+
+def test_the_users_own_file_is_followed(ray_file: Path, head: str) -> None:
+    ray_file.write_text(head)
+    os.chmod(ray_file, 0o644)  # as ``ray start`` writes it under the usual umask
+    assert current_cluster() == head == locate("auto")

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from cmx.keys import KEY_BYTES
+from cmx.storage import held_table
 from cmx.storage.held_table import HeldTable
 
 
@@ -80,3 +81,32 @@ def test_a_table_whose_name_was_unlinked_cannot_be_attached(table: HeldTable) ->
     table.unlink()
     with pytest.raises(OSError):
         HeldTable.attach(name)
+
+
+@pytest.mark.parametrize("few", [0, 8, held_table._FEW])  # runs probed a step a pass, or at once
+def test_columns_in_bulk_say_what_find_says_key_by_key(
+        table: HeldTable, few: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``find_columns`` (one buffer of keys, a lookup of a long prefix) against ``find`` and
+    the writer's model, through puts and removes that wrap around the table's end."""
+    monkeypatch.setattr(held_table, "_FEW", few)
+    reader = HeldTable.attach(table.name)
+    rng = random.Random(11)
+    model: dict[bytes, tuple[int, int]] = {}
+    pool = [crowded_key(rng) for _ in range(60)]
+    for step in range(600):
+        key = rng.choice(pool)
+        if key in model and rng.random() < 0.5:
+            table.remove(key)
+            del model[key]
+        elif key in model or len(model) < 40:
+            model[key] = (rng.randrange(0, 1 << 21), rng.randrange(1 << 64))
+            table.put(key, *model[key])
+        if step % 25 == 0:
+            found = reader.find_columns(b"".join(pool))
+            assert found is not None
+            held, sizes, sums = found
+            assert [(int(s), int(c)) if h else None for h, s, c in zip(held, sizes, sums)] == \
+                [model.get(k) for k in pool] == reader.find(pool), step
+    table.close()
+    assert reader.find_columns(b"".join(pool)) is None  # closed: ask the tier
+    reader.arena.close()

@@ -175,7 +175,7 @@ def test_stray_files_are_cleaned_on_open(tmp_path):
     (tmp_path / "index.arrow.tmp").write_bytes(b"half a snapshot")
     store = open_store(tmp_path)
     assert sorted(os.listdir(tmp_path)) == ["LOCK", "index.arrow", "journal.log",
-                                            "seg-000001.dat", "seg-000001.rec"]
+                                            "next-segment", "seg-000001.dat", "seg-000001.rec"]
     assert_holds(store, [0])
     fill(store, [1])  # the next segment id is past the stray one's
     store.close()

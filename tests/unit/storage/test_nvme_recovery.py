@@ -227,3 +227,29 @@ def test_a_tag_adopted_by_an_untagged_block_survives_reopen_its_bytes_kept(tmp_p
         "0123456789abcdef", "", "", "fedcba9876543210"]
     assert store.delete_tagged("0123456789abcdef") == 1
     store.close()
+
+
+def test_a_segment_id_is_never_reused_after_a_crash(tmp_path):
+    """A write granted in a new segment by an incarnation that then dies may still land at
+    its path and offset. The next incarnation deletes that segment (nothing committed), and
+    crashes before a snapshot records the id; the one after must not recreate the file, nor
+    append to a reopened segment past its head set back, or the dead grant's write lands
+    over a block stored since."""
+    store = open_store(tmp_path, **KEEP)
+    fill(store, [0])
+    store.close()  # the snapshot: next segment 2
+    store = open_store(tmp_path, **KEEP)
+    dead = store.books.reserve(key(1), N + 1)  # a tier's grant: its writer outlives the store
+    assert dead is not None
+    crash(store)
+    crash(open_store(tmp_path, **KEEP))  # deletes the empty segment; no snapshot
+    store = open_store(tmp_path, **KEEP)
+    fill(store, [2])
+    assert store.locate(key(2)).path != dead.seg.path  # type: ignore[union-attr]
+    if os.path.exists(dead.seg.path):  # the late write of the dead grant
+        with open(dead.seg.path, "r+b") as f:
+            f.seek(dead.offset)
+            f.write(payload(key(1), N + 1).tobytes())
+    store.flush()
+    assert_holds(store, [0, 2])
+    store.close()

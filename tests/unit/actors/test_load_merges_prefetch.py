@@ -142,3 +142,66 @@ def test_a_fill_that_fails_leaves_the_merged_load_short_never_hung(
     assert held(plane, NODE, Tier.HBM) == (0, 0)
     assert len(agent.loads.in_flight) == 0
     check(plane)
+
+
+def flaky_pins(monkeypatch: pytest.MonkeyPatch, plane: Plane, who: str) -> None:
+    """The HBM tier answers ``who``'s first pin (a load's acquire), then fails the next
+    (the pin after a merge), as a call that timed out."""
+    hbm = plane.tiers[(NODE, Tier.HBM)]
+    pin = hbm.pin
+    calls: list[int] = []
+
+    def flaky(keys: Any, owner: str = "") -> Any:
+        if owner == who:
+            calls.append(len(keys))
+            if len(calls) > 1:
+                raise CmxError("the HBM tier did not answer in time")
+        return pin(keys, owner)
+
+    monkeypatch.setattr(hbm, "pin", flaky)
+
+
+def test_a_merge_that_fails_gives_back_the_pins_of_the_loads_own_fill(
+        plane: Plane, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The load fills block 0 itself, finds block 1's slot held by a prefetch, merges, and
+    the pin after the merge fails: nothing may stay pinned for its owner ("a load never
+    leaves a pin or a reservation behind but the returned prefix's")."""
+    keys, _ = in_dram_only(plane, 2, seed=41)
+    agent = plane.agents[NODE]
+    entered, opened = held_fill(monkeypatch, Priority.PREFETCH)
+    asked = merging(monkeypatch)
+    flaky_pins(monkeypatch, plane, "reader")
+    with ThreadPoolExecutor(2) as pool:
+        prefetched = pool.submit(agent.prefetch, keys[1:], plane.lookup(keys[1:]))
+        assert entered.wait(BOUND_S)
+        loading = pool.submit(agent.load, keys, plane.lookup(keys), Priority.LOAD, "reader")
+        assert asked.wait(BOUND_S)
+        opened.set()
+        assert prefetched.result(BOUND_S) == 1
+        with pytest.raises(CmxError):
+            loading.result(BOUND_S)
+    assert held(plane, NODE, Tier.HBM) == (0, 0)
+
+
+def test_a_prefetch_whose_merge_fails_leaves_no_pin_of_its_own(
+        plane: Plane, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same through a prefetch, whose pins are the agent's own: nobody would give them
+    up, and block 0 would stay pinned in HBM until its lease ended."""
+    keys, _ = in_dram_only(plane, 2, seed=42)
+    agent = plane.agents[NODE]
+    entered, opened = held_fill(monkeypatch, Priority.LOAD)
+    asked = merging(monkeypatch)
+    flaky_pins(monkeypatch, plane, agent.loads.tiers.owner)
+    with ThreadPoolExecutor(2) as pool:
+        loading = pool.submit(agent.load, keys[1:], plane.lookup(keys[1:]), Priority.LOAD,
+                              "reader")
+        assert entered.wait(BOUND_S)
+        prefetched = pool.submit(agent.prefetch, keys, plane.lookup(keys))
+        assert asked.wait(BOUND_S)
+        opened.set()
+        result = loading.result(BOUND_S)
+        agent.release([b.lease for b in result.blocks])
+        with pytest.raises(CmxError):
+            prefetched.result(BOUND_S)
+    plane.tiers[(NODE, Tier.HBM)].release_owner("reader")
+    assert held(plane, NODE, Tier.HBM) == (0, 0)

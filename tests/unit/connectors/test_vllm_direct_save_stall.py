@@ -14,10 +14,10 @@ from typing import Any, TypeVar
 import pytest
 import torch
 from plane import Plane
+from test_vllm_async_saves import forward
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm_plane import BOUND_S, NAMES, T, connector, paged_caches, plane_of, request, step_output
 
-from cmx.connectors.vllm import CMXConnector
 from cmx.connectors.vllm_meta import CMXStepMetadata
 from cmx.doors import Request
 from cmx.errors import UnavailableError
@@ -51,21 +51,6 @@ def plane(tmp_path) -> Iterator[Plane]:
     p = plane_of(tmp_path, link_type=StalledLink)
     yield p
     p.close()
-
-
-def forward(worker: CMXConnector, meta: Any, caches: list[torch.Tensor],
-            finished: set[str] | None = None) -> Any:
-    worker.handle_preemptions(meta)
-    worker.bind_connector_metadata(meta)
-    worker.start_load_kv(None)  # type: ignore[arg-type]
-    for name, cache in zip(NAMES, caches):
-        worker.wait_for_layer_load(name)
-        worker.save_kv_layer(name, cache, None)
-    worker.wait_for_save()
-    done = worker.get_finished(finished or set())
-    worker.build_connector_worker_meta()
-    worker.clear_connector_metadata()
-    return done
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["through-host-tensor", "direct"])

@@ -127,14 +127,7 @@ class StorePipeline:
             self._ended_one(StoreResult(save.req_id, tokens, 0, tokens, save.start))
             self.gatherer.release(nbytes)
             return
-
-        def store() -> None:
-            try:
-                self._store(save, kv)
-            finally:
-                self.gatherer.release(nbytes)
-
-        self._storer.submit(store)
+        self._storer.submit(self._store_staged, save, kv, None, None)
 
     def _save_direct(self, save: SaveSpec, source: PagedSource) -> bool:
         """The save's blocks copied from the paged cache into DRAM slots now (vLLM may reuse
@@ -142,7 +135,6 @@ class StorePipeline:
         service did not grant slots within ``DIRECT_GRANT_S``: the caller copies the blocks
         into a host tensor instead, so vLLM's blocks never wait on a slow service. A copy
         that fails or is cancelled is counted as the store's failure."""
-        nbytes = len(save.block_ids) * self.layout.block_bytes
         handle, error = None, None
         try:
             handle = self._namespaces().get(save.salt).store(
@@ -154,16 +146,18 @@ class StorePipeline:
         except Exception as exc:  # noqa: BLE001 - counted as the store's failure
             error = exc
 
-        def finish() -> None:
-            try:
-                self._store(save, None, handle, error)
-            finally:
-                self.gatherer.release(nbytes)
-
-        self._storer.submit(finish)
+        self._storer.submit(self._store_staged, save, None, handle, error)
         return True
 
     # -- on the store thread -------------------------------------------------------------------
+
+    def _store_staged(self, save: SaveSpec, kv: Any, handle: Any,
+                      error: Exception | None) -> None:
+        """``_store`` of a save the gatherer handed over; its staging bytes go back after."""
+        try:
+            self._store(save, kv, handle, error)
+        finally:
+            self.gatherer.release(len(save.block_ids) * self.layout.block_bytes)
 
     def _store(self, save: SaveSpec, kv: Any, handle: Any = None,
                error: Exception | None = None) -> None:

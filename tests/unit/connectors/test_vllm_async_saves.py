@@ -217,15 +217,15 @@ def test_a_save_larger_than_the_whole_budget_is_taken_when_nothing_else_is_stage
 
 
 def test_a_direct_copy_cut_by_a_preemption_reads_nothing_after_it(
-    plane: Plane, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The direct copy of two blocks is held before its second block while a preemption's
     step waits past its bound: the gate closes, the second block is never read, and the
     store is counted failed, nothing of it committed."""
-    if not plane.direct_saves:  # type: ignore[attr-defined]
-        pytest.skip("the gate guards direct copies only")
     from cmx.connectors.paged import PagedSource
 
+    plane = plane_of(tmp_path)  # the gate guards direct copies: this one only
+    plane.direct_saves = True  # type: ignore[attr-defined]
     scheduler, worker, gatherer, caches = engine(plane, load_timeout_s=0.2)
     reading, resume = threading.Event(), threading.Event()
     copy_block = PagedSource.copy_block
@@ -254,3 +254,4 @@ def test_a_direct_copy_cut_by_a_preemption_reads_nothing_after_it(
     assert ns.lookup(list(PROMPT[:2 * T])).num_tokens == 0
     assert gatherer.used_bytes == 0
     scheduler.shutdown()
+    plane.close()

@@ -15,5 +15,6 @@ def test_no_two_test_modules_outside_packages_share_a_name() -> None:
     for path in TESTS.rglob("*.py"):
         if not (path.parent / "__init__.py").exists():
             by_name[path.name].append(str(path.relative_to(TESTS)))
-    shared = {name: paths for name, paths in by_name.items() if len(paths) > 1 and name != "conftest.py"}
+    shared = {name: paths for name, paths in by_name.items()
+              if len(paths) > 1 and name != "conftest.py"}
     assert not shared, f"test modules sharing a name across folders: {shared}"

@@ -203,7 +203,7 @@ class ArenaTierService:
                 self._tags[res.key] = namespace
             with self.store._lock:
                 self.store.commit(res, size, csum)
-                pin = self._pin_one(res.key, owner) if owner is not None else None
+                pin = self._pin([res.key], owner)[0] if owner is not None else None
             done.append((res.key, pin))
         if wait:
             self.publisher.flush()
@@ -237,22 +237,22 @@ class ArenaTierService:
 
     def pin(self, keys: Sequence[BlockHash], owner: str = ADMIN) -> list[Pinned | None]:
         self.leases.expire()
-        return [self._pin_one(key, owner) for key in keys]
+        return self._pin(keys, owner)
 
-    def _pin_one(self, key: BlockHash, owner: str) -> Pinned | None:
-        if key in self.held_keys.doomed or not self.store.pin(key):
-            return None
-        ref = self.store.locate(key)
-        csum = self.store.checksum_of(key)
-        if ref is None or csum is None:  # removed between pin and locate: not under a pin
-            self._unpin_key(key)
-            return None
-        lease = self.leases.grant_pin(owner, key, self.leased.unpin_later(key))
-        if lease is None:  # a late pin of an owner already released: nobody would end it
-            self._unpin_key(key)
-            return None
-        return Pinned(key, ref.slot, ref.size, csum, self.epoch, lease, ref.copy,
-                      self._tags.get(key, ""))
+    def _pin(self, keys: Sequence[BlockHash], owner: str) -> list[Pinned | None]:
+        # A doomed key goes at its last unpin, pinned by no one meanwhile.
+        refs = self.store.pin_refs(keys, skip=self.held_keys.doomed)
+        held = [key for key, ref in zip(keys, refs) if ref is not None]
+        leases = self.leases.grant_pins(owner, held, self.leased.unpin_later)
+        if leases is None:  # a late pin of an owner already released: nobody would end them
+            for key in held:
+                self._unpin_key(key)
+            return [None] * len(keys)
+        granted = iter(leases)
+        return [None if ref is None else
+                Pinned(key, ref.slot, ref.size, ref.checksum, self.epoch, next(granted),
+                       ref.copy, self._tags.get(key, ""))
+                for key, ref in zip(keys, refs)]
 
     def acquire(
         self, items: Sequence[tuple[BlockHash, BlockHash | None]], owner: str

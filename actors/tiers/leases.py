@@ -79,6 +79,16 @@ class Leases:
                 return None
             return self._grant(owner, LeaseKind.PIN, key, undo)
 
+    def grant_pins(self, owner: str, keys: Sequence[BlockHash],
+                   undo: Callable[[BlockHash], Callable[[int], None]]) -> list[int] | None:
+        """``grant_pin`` of each key at once (``undo(key)`` gives its pin back), or None for
+        all of them: the caller gives back what it took."""
+        with self._lock:
+            if self._gone.get(owner, float("-inf")) > self._clock():
+                self._released += len(keys)
+                return None
+            return [self._grant(owner, LeaseKind.PIN, key, undo(key)) for key in keys]
+
     def _grant(self, owner: str, kind: LeaseKind, key: BlockHash,
                undo: Callable[[int], None]) -> int:
         self._next_id += 1

@@ -4,7 +4,7 @@ without a connector, on vLLM's offline ``LLM`` API (CPU) with SmolLM2-135M-Instr
 Two engines, each in a process of its own (``e2e_engine``): one with CMXConnector joined to the
 service on a local Ray cluster, one without a connector. Every repetition sends one request of
 each variant below, one at a time, in an order rotated each repetition (``e2e_pairs.schedule``),
-each a fresh random prompt of 4K or 8K tokens and one generated token; a figure is the ratio of
+each a fresh random prompt of 1K, 4K or 8K tokens and one generated token; a figure is the ratio of
 a variant's median TTFT to that of vLLM without a connector, with a bootstrap interval over
 repetitions (``e2e_pairs.ratio_interval``).
 
@@ -30,7 +30,9 @@ from cmx.bench.e2e_pairs import Interval, Slot, prompt_seed, ratio_interval, sch
 
 __all__ = ["LENGTHS", "VARIANTS", "Variant", "run_e2e_miss"]
 
-LENGTHS = (4096, 8128)  # prompt tokens; SmolLM2-135M's context is 8,192 tokens
+# Prompt tokens: a short prompt pays a miss's fixed costs (the lookup, the stores' hand-over)
+# over the least compute; SmolLM2-135M's context is 8,192 tokens.
+LENGTHS = (1024, 4096, 8128)
 MiB = 1 << 20
 
 

@@ -35,7 +35,7 @@ import numpy as np
 
 from cmx.client.copy_out import checked, empty_kv, kv_array
 from cmx.client.loads import load_through_agent
-from cmx.client.matches import Match, held_here
+from cmx.client.matches import Match, block_keys, held_here
 from cmx.errors import CmxError
 from cmx.layout import PayloadOrder
 
@@ -66,14 +66,14 @@ class LayerLoad:
         self.ns = ns
         self.layout = ns.layout
         self._plane = ns.cm.plane
-        keys = [b.key for b in match.blocks]
+        keys = block_keys(match.blocks)
         here = held_here(match, ns.cm.node_id)
         self._pins: list[LocalPin] = []
         self._payloads: list[np.ndarray] = []
         if here:
             self._pins = self._plane.pin_prefix(keys[:here], f"client:{uuid.uuid4().hex}")
             try:
-                self._payloads = [self._plane.payload(p) for p in self._pins]
+                self._payloads = self._plane.payloads(self._pins)
             except (CmxError, OSError, ValueError) as exc:  # a tier restarted: its arena is gone
                 log.warning("a local block's arena is gone: %s", exc)
                 self._release(self._pins)

@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     from cmx.keys import BlockHash, Namespace
     from cmx.layout import KVLayout
 
-__all__ = ["BlockLocation", "Blocks", "Client", "Match", "Node", "Reader", "held_here",
-           "in_memory_here"]
+__all__ = ["BlockLocation", "Blocks", "Client", "Match", "Node", "Reader", "block_keys",
+           "block_places", "held_here", "in_memory_here"]
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,15 @@ class Blocks(Sequence[BlockLocation]):
     def __repr__(self) -> str:
         return f"Blocks({len(self)} blocks)"
 
+    def keys(self) -> list[BlockHash]:
+        """Each block's key, read from the column: no location made."""
+        return list(self._keys[self._lo : self._hi])
+
+    def places(self) -> list[tuple[Tier, str]]:
+        """Each block's best copy as (tier, node), read from the columns: no location made."""
+        table = self._table
+        return [table.places[p] for p in table.place[self._best[self._lo : self._hi]].tolist()]
+
     def held_here(self, node: str) -> int:
         """``held_here`` of these blocks, over the columns."""
         table = self._table
@@ -123,6 +132,16 @@ class Blocks(Sequence[BlockLocation]):
         tier, node = places[place[best[i]]]
         made = self._made[i] = BlockLocation(self._keys[i], tier, node, copies)
         return made
+
+
+def block_keys(blocks: Sequence[BlockLocation]) -> list[BlockHash]:
+    """The keys of ``blocks``, a lookup's (``Blocks``: from its column) or any."""
+    return blocks.keys() if isinstance(blocks, Blocks) else [b.key for b in blocks]
+
+
+def block_places(blocks: Sequence[BlockLocation]) -> list[tuple[Tier, str]]:
+    """Where the best copy of each of ``blocks`` is, as (tier, node) (``Blocks.places``)."""
+    return blocks.places() if isinstance(blocks, Blocks) else [(b.tier, b.node) for b in blocks]
 
 
 def in_memory_here(block: BlockLocation, node: str) -> bool:

@@ -27,6 +27,7 @@ from cmx.client.matches import (
     Blocks,
     Client,
     Match,
+    block_keys,
     held_here,
     in_memory_here,
 )
@@ -162,7 +163,7 @@ class NamespaceClient:
         return blocks // self.layout.block_tokens
 
     def _load_keys(self, token_ids: object, match: Match | None) -> list[BlockHash]:
-        return [b.key for b in match.blocks] if match is not None else self.keys(token_ids)
+        return block_keys(match.blocks) if match is not None else self.keys(token_ids)
 
     def _load_into(self, keys: list[BlockHash], match: Match | None, out: Any) -> int:
         """``load_into`` without its checks: tokens of ``keys`` loaded into ``out`` (a KV
@@ -196,7 +197,8 @@ class NamespaceClient:
         plane = self.cm.plane
         pins = plane.pin_prefix(keys, f"client:{uuid.uuid4().hex}")
         try:
-            payloads = [(p.pin.key, plane.payload(p), p.pin.checksum) for p in pins]
+            payloads = [(p.pin.key, view, p.pin.checksum)
+                        for p, view in zip(pins, plane.payloads(pins))]
         except (CmxError, OSError, ValueError) as exc:  # the tier restarted: its arena is gone
             log.warning("a local block's arena is gone: %s", exc)
             plane.unpin(pins)

@@ -120,6 +120,8 @@ class NodePlane:
             return []
         dram = self._pin(Tier.DRAM, keys, owner)
         gap = next((i for i, p in enumerate(dram) if p is None), len(keys))
+        if gap == len(keys):  # DRAM holds the whole prefix: the common case, one pass
+            return [LocalPin(Tier.DRAM, p) for p in dram if p is not None]
         hbm: list[Pinned | None] = [None] * len(keys)
         if gap < len(keys):
             rest = [i for i in range(gap, len(keys)) if dram[i] is None]
@@ -204,8 +206,19 @@ class NodePlane:
 
     def payload(self, pin: LocalPin) -> np.ndarray:
         """The pinned block's bytes, in place: valid until the pin ends."""
-        name = arena_name(pin.tier, self.node, pin.pin.epoch)
-        return self.arena(name).slot_view(pin.pin.slot)[: pin.pin.size]
+        return self.payloads([pin])[0]
+
+    def payloads(self, pins: Sequence[LocalPin]) -> list[np.ndarray]:
+        """Each pinned block's bytes, in place (``payload``), each arena mapped once."""
+        arenas: dict[tuple[Tier, str], SharedArena] = {}
+        views = []
+        for pin in pins:
+            arena = arenas.get((pin.tier, pin.pin.epoch))
+            if arena is None:
+                name = arena_name(pin.tier, self.node, pin.pin.epoch)
+                arena = arenas[(pin.tier, pin.pin.epoch)] = self.arena(name)
+            views.append(arena.slot_view(pin.pin.slot)[: pin.pin.size])
+        return views
 
     def unpin(self, pins: Sequence[LocalPin]) -> None:
         for tier, leases in _by_tier(pins, lambda p: p.pin.lease).items():

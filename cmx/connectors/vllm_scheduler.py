@@ -45,6 +45,7 @@ from concurrent.futures import TimeoutError as LookupPending
 from dataclasses import dataclass, field
 from typing import Any
 
+from cmx.client.matches import block_places
 from cmx.connectors.settings import ConnectorSettings, Namespaces, namespace_salt
 from cmx.connectors.vllm_events import StoreEvents
 from cmx.connectors.vllm_meta import CMXStepMetadata, CMXWorkerReport, LoadSpec, SaveSpec
@@ -179,8 +180,9 @@ class SchedulerSide:
         here = self.namespaces.node_id
         nbytes = self.namespaces.layout.block_bytes
         first = local_tokens // self.block_size
-        blocks = [(source_class(b.tier.value, b.node, here), nbytes)
-                  for b in match.blocks[first:]]
+        places = block_places(match.blocks[first:])
+        classes = {place: source_class(place[0].value, place[1], here) for place in set(places)}
+        blocks = [(classes[place], nbytes) for place in places]
         # The engine's own blocks cost nothing to "load": plan over the rest of the prompt.
         plan = self.gate.plan(blocks, self.block_size, len(state.prompt) - local_tokens)
         state.report.update(lookup_tokens=match.num_tokens, plan=plan.reason)

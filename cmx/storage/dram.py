@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Container, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
 from cmx.buffers import Buffer, align_up, as_bytes_view, copy_bytes
 from cmx.checksum import Checksum, checksum
-from cmx.errors import BlockStateError, BlockTooLargeError, StoreFullError
+from cmx.errors import BlockStateError, BlockTooLargeError
 from cmx.keys import BlockHash, check_key
 from cmx.policies.eviction import EvictionPolicy, make_eviction
 from cmx.storage.arena import SharedArena, SlotAllocator, SlotRef
@@ -50,9 +52,19 @@ from cmx.storage.blocks import (
 )
 from cmx.storage.dram_books import DramBooks, DramEntry
 
-__all__ = ["BlockMeta", "DramStore", "OnEvict", "Reservation"]
+__all__ = ["BlockMeta", "DramStore", "OnEvict", "PinnedRef", "Reservation"]
 
 log = logging.getLogger(__name__)
+
+
+class PinnedRef(NamedTuple):
+    """Where a block pinned by ``pin_refs`` lies, and its checksum."""
+
+    slot: int
+    offset: int  # of the slot in the arena's ``buffer``
+    size: int
+    checksum: int
+    copy: int  # names this copy of the block apart from any later one of the same key
 
 
 class DramStore(DramBooks):
@@ -300,6 +312,28 @@ class DramStore(DramBooks):
             self._pinned += entry.pins == 1
             return True
 
+    def pin_refs(self, keys: Sequence[bytes], skip: Container[bytes] = ()
+                 ) -> list[PinnedRef | None]:
+        """``pin`` then ``locate`` each key, its checksum known (``checksum_of``), in one hold
+        of the lock: a reader's whole prefix in one step (None where a key is not here, or is
+        in ``skip``)."""
+        checked = [check_key(key) for key in keys]
+        with self._lock:
+            self._check_open()
+            refs: list[PinnedRef | None] = []
+            for key in checked:
+                entry = None if key in skip else self._lookup(key)
+                if entry is None:
+                    refs.append(None)
+                    continue
+                entry.pins += 1
+                self._pinned += entry.pins == 1
+                if entry.checksum is None:
+                    entry.checksum = checksum(self._payload(entry))
+                refs.append(PinnedRef(entry.slot, self._arena.slot_offset(entry.slot),
+                                      entry.size, entry.checksum, entry.reservation))
+            return refs
+
     def unpin(self, key: bytes) -> None:
         key = check_key(key)
         with self._lock:
@@ -365,45 +399,3 @@ class DramStore(DramBooks):
                 f"reservation of {reservation.key.hex()[:12]} is no longer open"
             )
         return entry
-
-    def _evict_one(self) -> None:
-        for victim in self._policy.victims(self._evictable):
-            key = BlockHash(victim)
-            entry = self._index[key]
-            if self._on_evict is not None:
-                self._demote(key, entry)
-            self._remove(key, entry)
-            self._evictions += 1
-            return
-        raise StoreFullError(
-            f"no slot can be freed: {self._slots.capacity} slots, {self._pinned} blocks pinned, "
-            f"{self._reserved} reserved, {len(self._fenced)} fenced"
-        )
-
-    def _evictable(self, key: bytes) -> bool:
-        entry = self._index.get(BlockHash(key))
-        return entry is not None and entry.committed and not entry.pins
-
-    def _demote(self, key: BlockHash, entry: DramEntry) -> None:
-        assert self._on_evict is not None
-        view = self._payload(entry)
-        view.flags.writeable = False
-        entry.pins += 1
-        self._pinned += 1
-        try:
-            self._on_evict(key, view, BlockMeta(entry.size, entry.checksum, entry.parent))
-        except Exception:
-            # A cache may always drop a block: a failed demotion costs a later miss, nothing more.
-            self._hook_errors += 1
-            log.exception("on_evict failed for block %s; dropping it", key.hex()[:12])
-        finally:
-            entry.pins -= 1
-            self._pinned -= 1
-
-    def _remove(self, key: BlockHash, entry: DramEntry) -> None:
-        del self._index[key]
-        self._policy.remove(key)
-        self._slots.release(entry.slot)
-        self._committed -= 1
-        self._used_bytes -= entry.size
-        self._emit(EventKind.REMOVED, key, entry.size, entry.checksum)

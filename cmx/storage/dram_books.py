@@ -1,18 +1,23 @@
-"""The books of DramStore: its index and counters, what ``stats`` reports of them, and the
-invariants ``check_integrity`` holds them to. DramStore (dram.py) keeps them."""
+"""The books of DramStore: its index and counters, what ``stats`` reports of them, the
+invariants ``check_integrity`` holds them to, and eviction (a block leaves the books, its slot
+freed, after ``on_evict`` had a pinned view of it). DramStore (dram.py) keeps them."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 
-from cmx.errors import StoreClosedError
+from cmx.errors import StoreClosedError, StoreFullError
 from cmx.keys import BlockHash
 from cmx.policies.eviction import EvictionPolicy
 from cmx.storage.arena import SharedArena, SlotAllocator
-from cmx.storage.base import BlockStore, DramStats
+from cmx.storage.base import BlockStore, DramStats, EventKind
+from cmx.storage.blocks import BlockMeta, OnEvict
 
 __all__ = ["DramBooks", "DramEntry"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -50,6 +55,7 @@ class DramBooks(BlockStore):
     _bytes_read: int
 
     _closed: bool
+    _on_evict: OnEvict | None
 
     @property
     def capacity_bytes(self) -> int:
@@ -120,3 +126,47 @@ class DramBooks(BlockStore):
             if len(self._policy) != committed:
                 raise AssertionError(f"policy holds {len(self._policy)}, {committed} committed")
             self._policy.check_integrity()
+
+    # -- eviction (callers hold the lock) ------------------------------------------------------
+
+    def _evict_one(self) -> None:
+        for victim in self._policy.victims(self._evictable):
+            key = BlockHash(victim)
+            entry = self._index[key]
+            if self._on_evict is not None:
+                self._demote(key, entry)
+            self._remove(key, entry)
+            self._evictions += 1
+            return
+        raise StoreFullError(
+            f"no slot can be freed: {self._slots.capacity} slots, {self._pinned} blocks pinned, "
+            f"{self._reserved} reserved, {len(self._fenced)} fenced"
+        )
+
+    def _evictable(self, key: bytes) -> bool:
+        entry = self._index.get(BlockHash(key))
+        return entry is not None and entry.committed and not entry.pins
+
+    def _demote(self, key: BlockHash, entry: DramEntry) -> None:
+        assert self._on_evict is not None
+        view = self._arena.slot_view(entry.slot)[: entry.size]
+        view.flags.writeable = False
+        entry.pins += 1
+        self._pinned += 1
+        try:
+            self._on_evict(key, view, BlockMeta(entry.size, entry.checksum, entry.parent))
+        except Exception:
+            # A cache may always drop a block: a failed demotion costs a later miss, nothing more.
+            self._hook_errors += 1
+            log.exception("on_evict failed for block %s; dropping it", key.hex()[:12])
+        finally:
+            entry.pins -= 1
+            self._pinned -= 1
+
+    def _remove(self, key: BlockHash, entry: DramEntry) -> None:
+        del self._index[key]
+        self._policy.remove(key)
+        self._slots.release(entry.slot)
+        self._committed -= 1
+        self._used_bytes -= entry.size
+        self._emit(EventKind.REMOVED, key, entry.size, entry.checksum)

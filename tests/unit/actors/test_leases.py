@@ -69,6 +69,21 @@ def test_a_released_owners_pins_are_refused_for_a_lease_time() -> None:
     assert given_back == [] and leases.stats().released == 1
 
 
+def test_pins_granted_at_once_are_refused_at_once_for_a_released_owner() -> None:
+    ended: list[bytes] = []
+    leases = Leases(10.0, clock=lambda: 0.0)
+
+    def undo(key: bytes):  # type: ignore[no-untyped-def]
+        return lambda _lease: ended.append(key)
+
+    keys = [bytes([i]) * 32 for i in range(3)]
+    granted = leases.grant_pins("client:a", keys, undo)
+    assert granted is not None and len(set(granted)) == 3 and len(leases) == 3
+    leases.release_owner("client:b")
+    assert leases.grant_pins("client:b", keys, undo) is None and len(leases) == 3
+    assert leases.end(granted[1:]) == 2 and ended == keys[1:]
+
+
 def test_a_load_failing_part_way_leaves_nothing_held(plane: Plane) -> None:
     keys, payload = blocks(6, seed=31)
     plane.agents[NODE_A].store(keys, [None, *keys[:-1]], payload)

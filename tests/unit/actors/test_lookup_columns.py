@@ -15,7 +15,15 @@ from plane import Plane, make_plane, namespace_client
 from scenarios import LAYOUT, check, small_config
 
 from cmx.client import NamespaceClient
-from cmx.client.matches import BlockLocation, Blocks, Match, held_here, in_memory_here
+from cmx.client.matches import (
+    BlockLocation,
+    Blocks,
+    Match,
+    block_keys,
+    block_places,
+    held_here,
+    in_memory_here,
+)
 from cmx.keys import BlockHash
 from cmx.protocol import Copy, best_copy
 from cmx.tiers import Tier
@@ -122,3 +130,16 @@ def test_blocks_read_as_the_tuple_of_their_locations(plane: Plane) -> None:
     with pytest.raises(IndexError):
         blocks[6]
     assert blocks != locations[:-1] and blocks != locations[::-1]
+
+
+def test_blocks_give_their_keys_and_places_from_the_columns(plane: Plane) -> None:
+    ns, toks = scattered(plane)
+    blocks = ns.lookup(toks, True).blocks
+    assert isinstance(blocks, Blocks)
+    for part in (blocks, blocks[2:5], blocks[4:2]):
+        locations = tuple(part)
+        assert block_keys(part) == [b.key for b in locations]
+        assert block_places(part) == [(b.tier, b.node) for b in locations]
+        assert block_keys(locations) == block_keys(part)
+        assert block_places(locations) == block_places(part)
+    assert len({tier for tier, _ in block_places(blocks)}) > 1  # the columns name other tiers

@@ -180,6 +180,30 @@ def test_a_view_needs_a_pin_and_is_read_only(make_store: MakeStore) -> None:
     store.check_integrity()
 
 
+def test_pin_refs_pins_each_key_here_once_and_names_its_bytes(make_store: MakeStore) -> None:
+    store = make_store(slots=4)
+    for i in (1, 2, 3):
+        store.put(key(i), payload(i, 1000 + i))
+    refs = store.pin_refs([key(1), key(9), key(2), key(3), key(1)], skip={key(3)})
+    assert [r is None for r in refs] == [False, True, False, True, False]
+    for i, ref in ((1, refs[0]), (2, refs[2]), (1, refs[4])):
+        assert ref is not None and ref.size == 1000 + i
+        assert ref.checksum == checksum(payload(i, 1000 + i))
+        slot = store.arena.slot_view(ref.slot)[: ref.size]
+        assert slot.tobytes() == payload(i, 1000 + i).tobytes()
+    assert store.stats().pinned == 2
+    grants = [store.reserve(key(5)), store.reserve(key(6))]  # the second evicts an unpinned one
+    assert key(1) in store and key(2) in store and key(3) not in store
+    for grant in grants:
+        store.abort(grant)
+    for k in (key(1), key(2), key(1)):
+        store.unpin(k)
+    with pytest.raises(BlockStateError):
+        store.unpin(key(1))  # each pin ended once
+    assert store.stats().pinned == 0
+    store.check_integrity()
+
+
 def test_another_process_reads_a_committed_block_by_arena_name(make_store: MakeStore) -> None:
     store = make_store(slots=3, block_bytes=9000)
     data = payload(5, 8999)

@@ -3,9 +3,11 @@ interval of a ratio of medians over such pairs.
 
 A figure that compares two variants on a busy machine is measured in pairs: each repetition
 runs both, the one that goes first swapping every repetition, so that neither always carries
-the other's aftermath (a cache it warmed, background work it left). A figure derived from a pair
-(a ratio, or a difference such as "verified load - unverified load") is computed per pair, and
-its uncertainty is a percentile bootstrap that resamples whole pairs.
+the other's aftermath (a cache it warmed, background work it left). A ratio figure is the
+median of one side over the median of the other (not a median of per-pair ratios); its
+uncertainty is a percentile bootstrap that resamples whole pairs, the same repetitions drawn
+for both sides. A difference (``Figure.paired_difference``: "verified load - unverified load")
+is taken pair by pair before its median.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from typing import Any
 from cmx.actors.agent.demote import Demotion
 from cmx.actors.agent.fetch import RemoteFills, StagedAhead
 from cmx.actors.agent.host import HostBytes
-from cmx.actors.agent.inflight import InFlight
+from cmx.actors.agent.inflight import Claim, InFlight
 from cmx.actors.agent.pool import PoolWrites
 from cmx.actors.agent.scheduler import Priority
 from cmx.actors.agent.shared import Counters, NodeTiers, pin_tag
@@ -122,10 +122,9 @@ class Loads:
         tiers = self.tiers
         owner = owner or tiers.owner
         sources = [self.fills.sources(c) for c in copies]  # per key, fastest first
-        held, ahead = self.fills.acquire(keys, sources, copies, owner)
+        held, ahead, claims = self._acquire(keys, sources, copies, owner)
         hits = {i: p for i, p in enumerate(held) if isinstance(p, Pinned)}
         granted = {i: g for i, g in enumerate(held) if isinstance(g, Grant)}
-        self.in_flight.start([keys[i] for i in granted])
         loaded: dict[int, Loaded] = {}  # the blocks filled here, committed and pinned
         try:
             try:
@@ -133,7 +132,7 @@ class Loads:
                     loaded.update(self._fill_hbm(keys, sources, granted, priority, ahead,
                                                  owner, namespace, self.is_scan(of_blocks)))
             finally:
-                self.in_flight.end([keys[i] for i in granted])
+                self.in_flight.end(claims)
             stop = next((i for i in granted if i not in loaded), len(keys))  # a failed fill
             taken = [i for i, h in enumerate(held[:stop]) if h is None]
             if taken:  # slots another fill of this agent holds: wait for it, pin its result
@@ -163,6 +162,23 @@ class Loads:
         epoch = next((h.epoch for h in held if h is not None), tiers.current(Tier.HBM)[0].epoch)
         info = tiers.info(epoch)
         return LoadResult(info.arena if info is not None else "", prefix)
+
+    def _acquire(
+        self, keys: Sequence[BlockHash], sources: Sequence[list[tuple[Tier, str]]],
+        copies: Sequence[Sequence[Copy]], owner: str,
+    ) -> tuple[list[Pinned | Grant | None], StagedAhead, list[Claim]]:
+        """HBM's ``acquire`` of ``keys`` (``RemoteFills.acquire``), and the claims in flight
+        of the keys it granted slots for, which the load ends once its fill is over. Every
+        key is claimed before HBM reserves its slot: a load of the same key that asks HBM
+        while the slot is reserved but not yet filled finds this fill to wait for."""
+        claims = self.in_flight.start(keys)
+        try:
+            held, ahead = self.fills.acquire(keys, sources, copies, owner)
+        except BaseException:
+            self.in_flight.end(claims)
+            raise
+        self.in_flight.end([c for c, h in zip(claims, held) if not isinstance(h, Grant)])
+        return held, ahead, [c for c, h in zip(claims, held) if isinstance(h, Grant)]
 
     def _merge(self, keys: Sequence[BlockHash], idx: list[int], owner: str,
                started: float) -> dict[int, Pinned]:

@@ -28,6 +28,8 @@ BOUND_S = 3 * LOAD_TIMEOUT_S  # a lookup, the load's own bound, and slack for a 
 SCENARIO = """
 import json, socket, sys, threading, time, torch, ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+sys.path.insert(0, sys.argv[3])
+from hosts_scenario import held_only_on
 from cmx import ContextMemory, KVLayout
 from cmx.bench.hosts import Hosts
 from cmx.config import ServiceConfig
@@ -79,15 +81,12 @@ def on_far(method, *args):
 
 
 def on_b(first, seed):
-    # A prefix of 6 blocks stored from B and held only there: (tokens, kv, stored, only).
+    # A prefix of 6 blocks stored from B: (tokens, kv, stored, whether A's lookups list all 6,
+    # on B alone). A short lookup fails here, not as a short load after it.
     tokens = list(range(first, first + 6 * 64))
     kv = layout.random_kv(len(tokens), seed=seed)
     stored = on_far("store", tokens, kv)
-    deadline = time.monotonic() + 60
-    while sorted({x.node for x in ns.lookup(tokens).blocks}) != [b] and \
-            time.monotonic() < deadline:
-        time.sleep(0.2)
-    return tokens, kv, stored, sorted({x.node for x in ns.lookup(tokens).blocks}) == [b]
+    return tokens, kv, stored, held_only_on(ns, tokens, b, 60)
 
 
 def timed_load(tokens, kv):
@@ -168,7 +167,8 @@ def test_a_pulled_cable_and_a_dead_host_are_misses_within_the_bound(tmp_path: Pa
         pytest.skip(f"needs hosts of their own: {why}")
     m = new_machine(tmp_path, with_token=False)
     nvme = tmp_path / "nvme-hosts"
-    out = on_hosts(m, SCENARIO, str(nvme), str(LOAD_TIMEOUT_S), timeout_s=840)
+    out = on_hosts(m, SCENARIO, str(nvme), str(LOAD_TIMEOUT_S), str(Path(__file__).parent),
+                   timeout_s=840)
     assert out["a_name"] != out["b_name"] == "b"
     assert out["p"] == out["s"] == out["m"] == out["r"] == [6, True]  # each stored on B alone
     assert out["before"] == {**out["before"], "tokens": 6 * 64, "right": True}

@@ -205,3 +205,74 @@ def test_a_prefetch_whose_merge_fails_leaves_no_pin_of_its_own(
             prefetched.result(BOUND_S)
     plane.tiers[(NODE, Tier.HBM)].release_owner("reader")
     assert held(plane, NODE, Tier.HBM) == (0, 0)
+
+
+def between_acquire_and_fill(monkeypatch: pytest.MonkeyPatch, plane: Plane, who: str,
+                             step: Any) -> None:
+    """Run ``step`` once, when HBM has reserved ``who``'s slots and before its load hears so:
+    the moment a load of the same blocks finds them neither held nor granted."""
+    hbm = plane.tiers[(NODE, Tier.HBM)]
+    acquire = hbm.acquire
+    ran: list[bool] = []
+
+    def answered(items: Any, owner: str) -> Any:
+        grants = acquire(items, owner)
+        if owner == who and not ran:
+            ran.append(True)
+            step()
+        return grants
+
+    monkeypatch.setattr(hbm, "acquire", answered)
+
+
+def test_a_load_in_the_gap_after_another_loads_acquire_waits_for_its_fill(
+        plane: Plane, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second load asks HBM while the first one's slots are reserved but before the first
+    hears its grants: it must wait for the first's fill, not come back short."""
+    keys, payload = in_dram_only(plane, 3, seed=43)
+    agent = plane.agents[NODE]
+    settled = merging(monkeypatch)  # the second load waits for a fill, or has answered
+    pool = ThreadPoolExecutor(2)
+    second: list[Any] = []
+
+    def second_load() -> None:
+        second.append(pool.submit(agent.load, keys, plane.lookup(keys), Priority.LOAD,
+                                  "second"))
+        second[0].add_done_callback(lambda _: settled.set())
+        assert settled.wait(BOUND_S)
+
+    between_acquire_and_fill(monkeypatch, plane, "first", second_load)
+    with pool:
+        first = agent.load(keys, plane.lookup(keys), Priority.LOAD, "first")
+        result = second[0].result(BOUND_S)
+    for loaded in (first, result):
+        assert len(loaded.blocks) == 3  # every block, neither load short
+        assert np.array_equal(hbm_bytes(plane, loaded), payload)
+        agent.release([b.lease for b in loaded.blocks])
+    assert held(plane, NODE, Tier.HBM) == (0, 0)
+    assert len(agent.loads.in_flight) == 0
+    check(plane)
+
+
+def test_a_load_whose_acquire_fails_leaves_nothing_in_flight(
+        plane: Plane, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nobody waits for the fill of a load that never got its slots."""
+    keys, payload = in_dram_only(plane, 2, seed=44)
+    agent = plane.agents[NODE]
+    hbm = plane.tiers[(NODE, Tier.HBM)]
+    acquire = hbm.acquire
+
+    def failing(items: Any, owner: str) -> Any:
+        if owner == "first":
+            raise CmxError("the HBM tier did not answer in time")
+        return acquire(items, owner)
+
+    monkeypatch.setattr(hbm, "acquire", failing)
+    with pytest.raises(CmxError):
+        agent.load(keys, plane.lookup(keys), Priority.LOAD, "first")
+    assert len(agent.loads.in_flight) == 0
+    result = agent.load(keys, plane.lookup(keys), Priority.LOAD, "second")
+    assert np.array_equal(hbm_bytes(plane, result), payload)
+    agent.release([b.lease for b in result.blocks])
+    assert held(plane, NODE, Tier.HBM) == (0, 0)
+    check(plane)

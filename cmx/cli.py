@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from cmx.bench import SUITES
+from cmx.bench import NAMED_ONLY, SUITES
 
 __all__ = ["app"]
 
@@ -65,7 +65,8 @@ def demo_storage(
 @app.command()
 def bench(
     suites: Annotated[list[str] | None, typer.Argument(
-        help=f"Suites to run (default: all): {', '.join(SUITES)}.", show_default=False,
+        help=f"Suites to run (default: all but {', '.join(sorted(NAMED_ONLY))}): "
+             f"{', '.join(SUITES)}.", show_default=False,
     )] = None,
     workdir: Annotated[Path, typer.Option(
         "--dir", help="Scratch directory, on the filesystem under test.",
@@ -73,6 +74,8 @@ def bench(
     reps: Annotated[int, typer.Option(min=1, help="Repetitions; figures are medians.")] = 3,
     gib: Annotated[float, typer.Option(min=0.01, help="GiB moved per store measurement.")] = 2.0,
     fio_seconds: Annotated[float, typer.Option(min=0.1, help="Run time of a fio job.")] = 3.0,
+    minutes: Annotated[float, typer.Option(
+        min=0.1, help="Length of the soak's traffic (suite soak).")] = 30.0,
     out: Annotated[Path, typer.Option(help="Directory for JSON, markdown, plots.")] = Path(
         "bench-out"),
     json_out: Annotated[Path | None, typer.Option(
@@ -93,7 +96,8 @@ def bench(
 
     try:
         names = resolve_suites(suites or [])
-        config = BenchConfig(dir=workdir, reps=reps, gib=gib, fio_seconds=fio_seconds, out=out)
+        config = BenchConfig(dir=workdir, reps=reps, gib=gib, fio_seconds=fio_seconds, out=out,
+                             minutes=minutes)
     except ValueError as exc:
         raise _fail(str(exc)) from exc
     console.print(f"suites: {', '.join(names)}; {reps} reps, {gib:g} GiB, data in {workdir}")

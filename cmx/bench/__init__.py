@@ -30,6 +30,8 @@ here. Every figure is a ratio to a baseline measured in the same run (see ``core
              e2e_pairs)
     vllm_serve "e2e-serve": vLLM's OpenAI servers driven by ``vllm bench serve`` (vllm_results,
              serve_report; proc_cpu: the CPU-seconds each process tree took)
+    soak     "soak": ``cmx serve`` under streamed OpenAI traffic for ``--minutes`` while actors
+             and replicas are killed (soak_traffic, soak_faults, soak_figures)
     report   JSON, markdown, plots, docs/BENCHMARKS.md
     render   a suite's figures as a table on the command line
     summary  the counts of PASS, MISS and inconclusive atop docs/BENCHMARKS.md, from its sections
@@ -40,9 +42,10 @@ from __future__ import annotations
 
 from cmx.bench.core import BenchConfig, BenchContext, Figure, Goal, SuiteResult, Verdict
 
-__all__ = ["SUITES", "BenchConfig", "BenchContext", "Figure", "Goal", "SuiteResult", "Verdict"]
+__all__ = ["NAMED_ONLY", "SUITES", "BenchConfig", "BenchContext", "Figure", "Goal", "SuiteResult",
+           "Verdict"]
 
-# name -> "module:function"; the default run is every suite, in this order.
+# name -> "module:function"; the default run is every suite but NAMED_ONLY, in this order.
 SUITES: dict[str, str] = {
     "limits": "cmx.bench.raw:run_limits",
     "nvme": "cmx.bench.storage:run_nvme",
@@ -65,4 +68,7 @@ SUITES: dict[str, str] = {
     "e2e": "cmx.bench.e2e:run_e2e",
     "e2e-miss": "cmx.bench.e2e_miss:run_e2e_miss",
     "e2e-serve": "cmx.bench.vllm_serve:run_e2e_serve",
+    "soak": "cmx.bench.soak:run_soak",
 }
+# Suites the default run leaves out, run only when named: the soak takes half an hour.
+NAMED_ONLY: frozenset[str] = frozenset({"soak"})

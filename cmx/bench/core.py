@@ -149,10 +149,17 @@ class Figure:
 
     @property
     def verdict(self) -> Verdict:
+        """PASS when the ratio meets the goal; for a paired figure, when its whole interval
+        does (the far end of it: a median that meets the goal with an interval crossing it
+        does not show the goal held)."""
         if self.goal is None:
             return Verdict.INFO
         if self.inconclusive is not None:
             return Verdict.MISS  # never PASS on a figure that cannot be judged
+        if self.interval is not None:
+            iv = self.interval
+            worst = max(iv.high, self.ratio) if self.goal.op == "<=" else min(iv.low, self.ratio)
+            return self.goal.check(worst)
         return self.goal.check(self.ratio)
 
     def to_dict(self) -> dict[str, Any]:
@@ -218,12 +225,14 @@ class BenchConfig:
     gib: float = 2.0  # bytes moved per measurement of a store, in GiB
     fio_seconds: float = 3.0  # run time of one fio job
     out: Path = Path("bench-out")  # where JSON, markdown and plots go
+    minutes: float = 30.0  # length of a suite that runs for a time (the soak's traffic)
 
     def __post_init__(self) -> None:
         if self.reps < 1:
             raise ValueError(f"reps must be >= 1, got {self.reps}")
-        if self.gib <= 0 or self.fio_seconds <= 0:
-            raise ValueError(f"gib and fio_seconds must be > 0, got {self.gib}, {self.fio_seconds}")
+        if self.gib <= 0 or self.fio_seconds <= 0 or self.minutes <= 0:
+            raise ValueError(f"gib, fio_seconds and minutes must be > 0, got {self.gib}, "
+                             f"{self.fio_seconds}, {self.minutes}")
 
     @property
     def nbytes(self) -> int:

@@ -130,7 +130,8 @@ def _figures(got: Samples, idle: dict[int, list[float]]) -> tuple[list[Figure], 
             figures.append(Figure(
                 "e2e-miss", f"TTFT, {k}-token prompt, {labels[name]}", "s", tuple(by[name]),
                 f"{labels[base]}, paired", tuple(by[base]), goal,
-                f"ratio of medians and 95% bootstrap interval over repetitions: {iv}"))
+                f"ratio of medians and 95% bootstrap interval over repetitions: {iv}; "
+                "judged by the interval's upper end", interval=iv))
             rows.append(_row(k, labels[name], by[name], by[base], iv))
         if idle.get(n):
             iv = ratio_interval(by["none"], idle[n])

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
-from cmx.bench import SUITES
+from cmx.bench import NAMED_ONLY, SUITES
 from cmx.bench.core import BenchConfig, BenchContext, SuiteResult
 from cmx.bench.machine import machine_info
 from cmx.bench.raw import FioMissingError
@@ -24,11 +24,12 @@ SuiteFn = Callable[[BenchContext], SuiteResult]
 
 
 def resolve_suites(names: Sequence[str]) -> list[str]:
-    """The suites to run, in registry order; all of them for no names. ValueError on unknowns."""
+    """The suites to run, in registry order; for no names, all but ``NAMED_ONLY``. ValueError
+    on unknowns."""
     unknown = [n for n in names if n not in SUITES]
     if unknown:
         raise ValueError(f"unknown suite(s) {', '.join(unknown)}; known: {', '.join(SUITES)}")
-    return [n for n in SUITES if not names or n in names]
+    return [n for n in SUITES if n in names or (not names and n not in NAMED_ONLY)]
 
 
 def _load(name: str) -> SuiteFn:
@@ -42,6 +43,8 @@ def suite_command(name: str, config: BenchConfig) -> str:
             "--dir", str(config.dir)]
     if config.fio_seconds != BenchConfig.fio_seconds:
         args += ["--fio-seconds", f"{config.fio_seconds:g}"]
+    if config.minutes != BenchConfig.minutes:
+        args += ["--minutes", f"{config.minutes:g}"]
     return shlex.join(args)
 
 

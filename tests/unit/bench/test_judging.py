@@ -1,5 +1,6 @@
 """A goal passes only on a figure that can be judged: no PASS on a negative median, a baseline
-of ~0, a non-finite sample, or a difference whose paired interval reaches below zero."""
+of ~0, a non-finite sample, or a difference whose paired interval reaches below zero; and a
+paired figure passes only when its whole interval meets the goal."""
 
 from __future__ import annotations
 
@@ -53,6 +54,18 @@ def test_a_difference_needs_an_interval_and_one_that_stays_above_zero() -> None:
     ok = fig((0.002, 0.001, 0.003), (0.04, 0.04, 0.04),
              interval=Interval(0.05, 0.025, 0.075, 0.95))
     assert ok.inconclusive is None and ok.verdict is Verdict.PASS
+
+
+def test_a_paired_ratio_passes_only_when_its_whole_interval_meets_the_goal() -> None:
+    samples, base = (1.0, 1.0, 1.0), (1.0, 1.0, 1.0)
+    crossing = fig(samples, base, Goal("<=", 1.05), Interval(1.0, 0.9, 1.17, 0.95))
+    assert crossing.ratio <= 1.05 and crossing.verdict is Verdict.MISS
+    inside = fig(samples, base, Goal("<=", 1.05), Interval(1.0, 0.9, 1.04, 0.95))
+    assert inside.verdict is Verdict.PASS
+    at_least = fig(samples, base, Goal(">=", 0.8), Interval(1.0, 0.7, 1.2, 0.95))
+    assert at_least.verdict is Verdict.MISS
+    assert fig(samples, base, Goal(">=", 0.8), Interval(1.0, 0.85, 1.2, 0.95)).verdict \
+        is Verdict.PASS
 
 
 def test_ordinary_figures_are_judged_as_before() -> None:

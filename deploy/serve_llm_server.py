@@ -8,8 +8,11 @@ replica of the context memory needs beside it; ``cmx.deploy.serve_llm`` names it
   400 MiB per engine) stay in /dev/shm until reboot. This replica records the segments its
   engine's processes hold once the engine is up (``EngineSegments``, as ``cmx.deploy.server``
   does); when Serve stops it (``__del__``) it stops the engine, waits a bounded while for its
-  processes to exit and unlinks what they left. Starting, it unlinks what engines of earlier
-  replicas on this host left.
+  processes to exit and unlinks what they left. Killed instead (a replica killed, ``serve
+  run`` stopped by a signal: Ray tears its cluster down without stopping Serve), it runs no
+  code: the sentinel it left when it recorded (``EngineSegments.watch``) unlinks what the
+  engine left once the replica and the engine's processes are gone. Starting, it unlinks what
+  engines of earlier replicas on this host left.
 - **It names itself in each whole response** (streamed ones are left as they are):
   ``kv_transfer_params["cmx"]`` carries ``replica`` (Serve's replica id) and ``node`` (Ray's
   node id) beside the connector's figures, as the application's ``cmx`` extension does, so a
@@ -37,8 +40,9 @@ ENGINE_EXIT_S = 8.0  # how long a stopping replica waits for its engine's proces
 class EngineMemory:
     """The shared memory of one replica's engine, in call order: built before the engine
     starts (unlinks what stopped engines on this host left), ``started`` once it is up
-    (records the segments its processes hold), ``stopped`` once it was told to stop (waits up
-    to ``ENGINE_EXIT_S`` for them to exit, then unlinks what they left)."""
+    (records the segments its processes hold, and leaves a sentinel to unlink them should the
+    replica be killed), ``stopped`` once it was told to stop (waits up to ``ENGINE_EXIT_S``
+    for them to exit, then unlinks what they left)."""
 
     def __init__(self) -> None:
         self.segments = EngineSegments.default()
@@ -55,6 +59,11 @@ class EngineMemory:
             self.record = self.segments.record(pids)
         except OSError as exc:  # no record: what the engine leaves is not reaped
             log.warning("the engine's shared memory was not recorded: %s", exc)
+        # Killed (Serve's kill, a node or the whole cluster torn down), the replica reaps
+        # nothing: a sentinel does, once the replica and its engine are gone.
+        if self.record is not None and not self.segments.watch(self.record):
+            log.warning("no sentinel watches the engine's shared memory: killed, this replica "
+                        "leaves it to the next one to start here")
 
     def stopped(self) -> None:
         self._reap(ENGINE_EXIT_S if self.record is not None else 0.0)

@@ -13,7 +13,9 @@ fails with the number to set), and only then builds the engine.
 
 Shutdown (Serve calls ``__del__``) stops the engine, waits a bounded while for its processes to
 exit, and unlinks the shared memory they left (``EngineSegments``, recorded when the engine came
-up); a replica starting unlinks what engines of earlier replicas on this host left.
+up); a replica killed instead leaves that to the sentinel it started when it recorded
+(``EngineSegments.watch``); a replica starting unlinks what engines of earlier replicas on this
+host left.
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ class LLMServer:
             self._record = self._segments.record(_engine_processes())
         except OSError as exc:  # no record: what the engine leaves is not reaped
             log.warning("the engine's shared memory was not recorded: %s", exc)
+        if self._record is not None:  # killed with its engine, this replica reaps nothing
+            self._segments.watch(self._record)
         options = {"timeout_s": eng.prefetch_timeout_s} if eng.prefetch == "timeout" else {}
         self.policy = make_prefetch(eng.prefetch, **options)
         self._io = ThreadPoolExecutor(4, thread_name_prefix="cmx-io")

@@ -12,11 +12,14 @@ Ray actor's child processes, the tracker among them, can be killed with it (a re
 a node torn down), and the segments then stay in RAM until reboot. A replica records the
 segments its engine's processes hold (``record``), and ``reap`` unlinks a recorded segment once
 every process of its record is gone and no live process maps it or holds it open. A segment no
-record names, another user's or another program's, is never touched.
+record names, another user's or another program's, is never touched. ``watch`` leaves a
+sentinel (``cmx.sentinel``) to reap a record once the replica and the record's processes are
+gone, however they went: a replica killed, or its whole cluster torn down, reaps nothing itself.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -26,6 +29,7 @@ from typing import Any
 
 from cmx.links import RAY_NAMESPACE, actor_name
 from cmx.operate.store_dirs import Orphan
+from cmx.sentinel import after_exit, identity
 
 __all__ = ["SEGMENT_PREFIXES", "EngineSegments", "ReapedSegment", "collect_orphans",
            "list_orphans"]
@@ -93,9 +97,10 @@ class EngineSegments:
     """Records of the shared memory engines' processes hold, one JSON file per engine under
     ``root``: ``{"processes": [[pid, start], ...], "segments": [name, ...]}``.
 
-    ``record`` is called by the replica once its engine is up; ``reap`` by the replica after it
-    shut its engine down, by a replica starting (what earlier ones left), and by ``cmx serve
-    --stop`` and ``cmx demo`` once their engines are gone.
+    ``record`` is called by the replica once its engine is up, then ``watch``; ``reap`` by the
+    replica after it shut its engine down, by a replica starting (what earlier ones left), by
+    ``cmx serve --stop`` and ``cmx demo`` once their engines are gone, and by the sentinel
+    ``watch`` started once the replica and its engine are.
     """
 
     def __init__(self, root: str, shm_dir: str = SHM_DIR, proc_dir: str = PROC_DIR) -> None:
@@ -126,6 +131,13 @@ class EngineSegments:
         path = os.path.join(self.root, f"{procs[0].pid}-{procs[0].start}.json")
         self._write(path, procs, sorted(held))
         return path
+
+    def watch(self, path: str) -> bool:
+        """Reap the record ``path`` once this process and every process of the record have
+        exited, however they went (``cmx.sentinel``); whether a sentinel watches them."""
+        procs, _ = self._records().get(path, ([], []))
+        pids = [os.getpid(), *(p.pid for p in procs)]
+        return after_exit(pids, functools.partial(self.reap, 0.0, path))
 
     def reap(self, wait_s: float = 0.0, wait_for: str | None = None) -> list[ReapedSegment]:
         """Unlink the recorded segments whose processes are all gone and that no live process
@@ -198,16 +210,8 @@ class EngineSegments:
     # -- processes -------------------------------------------------------------------------------
 
     def _proc(self, pid: int) -> _Proc | None:
-        try:
-            with open(os.path.join(self.proc_dir, str(pid), "stat")) as f:
-                stat = f.read()
-        except OSError:
-            return None
-        # The command name (field 2) may hold spaces and parentheses: count after its ")".
-        fields = stat.rsplit(")", 1)[1].split()
-        if fields[0] in ("Z", "X"):  # exited, not yet waited for: it holds nothing
-            return None
-        return _Proc(pid, int(fields[19]))
+        found = identity(pid, self.proc_dir)  # None once exited, a zombie included
+        return _Proc(*found) if found is not None else None
 
     def _alive(self, procs: list[_Proc]) -> bool:
         return any(self._proc(p.pid) == p for p in procs)

@@ -12,20 +12,25 @@ O_DIRECT I/O, and ``buffer`` (all slots) is one region for a single NIXL registr
 Ownership: ``create`` makes the file and owns it; ``attach`` maps an existing one. The owner
 unlinks (``unlink`` or its context manager); if it never does, the file is unlinked when the
 owner's arena is garbage collected or its process exits, and the multiprocessing resource
-tracker unlinks it if the owner process dies, unless the tracker is killed with it (a Ray node
-torn down): ``reap_orphans`` then removes arenas whose owner pid is gone. ``attach`` never
-registers with the tracker: on Python 3.11 ``SharedMemory`` registers every attach, the tracker
-keeps one entry per name shared with spawned children, and a child unregistering its attach
-drops the owner's entry too.
+tracker unlinks it if the owner process dies, unless the tracker is killed with it (Ray kills a
+worker with its process group, and every worker of a node torn down). So the first ``create``
+of a process starts a sentinel (``cmx.sentinel``) that unlinks, once that process is gone
+however it went, every arena whose header names it (``reap_orphans``, by owner); a tier
+starting on this host also removes arenas whose owner pid is gone (``reap_orphans``).
+``attach`` never registers with the tracker: on Python 3.11 ``SharedMemory`` registers every
+attach, the tracker keeps one entry per name shared with spawned children, and a child
+unregistering its attach drops the owner's entry too.
 """
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import re
 import secrets
 import struct
+import threading
 import weakref
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
@@ -34,9 +39,10 @@ import numpy as np
 
 from cmx.buffers import ALIGN, align_up
 from cmx.errors import BlockStateError, BlockTooLargeError, StoreClosedError, StoreFullError
+from cmx.sentinel import after_exit
 
-__all__ = ["SHM_DIR", "SharedArena", "SlotAllocator", "SlotRef", "read_slot", "reap_orphans",
-           "unlink_prefixed"]
+__all__ = ["SHM_DIR", "SharedArena", "SlotAllocator", "SlotRef", "owner_of", "read_slot",
+           "reap_orphans", "unlink_prefixed"]
 
 SHM_DIR = "/dev/shm"  # where POSIX shared memory lives on Linux
 HEADER_BYTES = ALIGN  # one page, so slot 0 starts page-aligned
@@ -44,6 +50,8 @@ _HEADER = struct.Struct("<8sIIQQ")  # magic, version, owner pid (0: unknown), sl
 _MAGIC = b"CMXARENA"
 _VERSION = 1
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")  # no "/" (a path) and no ":" (tracker protocol)
+_watched = 0  # the process whose arenas a sentinel unlinks once it is gone (``_watch_owner``)
+_watch_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -143,6 +151,7 @@ class SharedArena:
         speed instead of paying a page fault per 4 KiB.
         """
         _check_positive(capacity_bytes=capacity_bytes, slot_bytes=slot_bytes)
+        _watch_owner()
         slot_bytes = align_up(slot_bytes)
         num_slots = capacity_bytes // slot_bytes
         if num_slots == 0:
@@ -277,8 +286,24 @@ def read_slot(ref: SlotRef) -> np.ndarray:
         arena.close()
 
 
-def reap_orphans(prefix: str = "cmx-", shm_dir: str = SHM_DIR) -> list[str]:
-    """Unlink the arenas under ``prefix`` whose owner process no longer exists; their names.
+def owner_of(name: str, shm_dir: str = SHM_DIR) -> int | None:
+    """The pid of the process that created the arena ``name`` (0: unknown); None where ``name``
+    is not an arena (or is gone)."""
+    try:
+        with open(os.path.join(shm_dir, name), "rb") as f:
+            head = f.read(_HEADER.size)
+    except OSError:
+        return None
+    if len(head) < _HEADER.size:
+        return None
+    magic, _, pid, _, _ = _HEADER.unpack(head)
+    return int(pid) if magic == _MAGIC else None
+
+
+def reap_orphans(prefix: str = "cmx-", shm_dir: str = SHM_DIR, owner: int | None = None
+                 ) -> list[str]:
+    """Unlink the arenas under ``prefix`` whose owner process no longer exists (only those of
+    the process ``owner``, where given); their names.
 
     An arena of unknown owner (pid 0), of a live pid, or that is not an arena is left alone.
     A reused pid keeps an orphan a while longer, never removes a live arena.
@@ -289,19 +314,11 @@ def reap_orphans(prefix: str = "cmx-", shm_dir: str = SHM_DIR) -> list[str]:
     except OSError:
         return reaped
     for name in names:
-        path = os.path.join(shm_dir, name)
-        try:
-            with open(path, "rb") as f:
-                head = f.read(_HEADER.size)
-        except OSError:
-            continue
-        if len(head) < _HEADER.size:
-            continue
-        magic, _, pid, _, _ = _HEADER.unpack(head)
-        if magic != _MAGIC or pid == 0 or _alive(pid):
+        pid = owner_of(name, shm_dir)
+        if not pid or owner not in (None, pid) or _alive(pid):
             continue
         try:
-            os.unlink(path)
+            os.unlink(os.path.join(shm_dir, name))
         except OSError:
             continue
         reaped.append(name)
@@ -324,6 +341,18 @@ def unlink_prefixed(prefix: str, shm_dir: str = SHM_DIR) -> None:
                 pass
 
 
+def _watch_owner() -> None:
+    """Once per process that creates arenas, before its first: a sentinel that unlinks what
+    this process left once it is gone (``cmx.sentinel``)."""
+    global _watched
+    with _watch_lock:
+        pid = os.getpid()
+        if _watched != pid:  # a forked child is a process of its own
+            # Every arena of it, whatever its name: only this pid's are read as its.
+            after_exit([pid], functools.partial(reap_orphans, "", owner=pid))
+            _watched = pid
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -331,7 +360,17 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True  # another user's process
-    return True
+    return not _exited(pid)
+
+
+def _exited(pid: int) -> bool:
+    """Whether ``pid`` has exited and waits to be reaped (a zombie holds no mapping); False
+    where /proc cannot tell."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 def _path(name: str) -> str:

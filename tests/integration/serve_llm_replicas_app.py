@@ -9,8 +9,10 @@ JSON lines on stdin/stdout (``app_process``):
 
     -> {"ready": {"base_url": ..., "app": ..., "replicas": N}}   once the application runs
     <- {"lookup": {"salt": "...", "ids": [...]}} -> {"tokens": N}
-    stdin closed: Serve shuts down as ``serve run`` does on Ctrl-C (each replica stops its
-    engine), then the context memory service, then the cluster; the process exits 0.
+    <- {"serve_shutdown": true} -> {"shut_down": true}   Serve shut down (``serve shutdown``:
+       each replica stops its engine); the cluster and the context memory service run on
+    stdin closed: what ``serve run`` does on Ctrl-C: Serve shut down (if it runs), then the
+    cluster, the context memory service on it never stopped by itself; the process exits 0.
 """
 
 from __future__ import annotations
@@ -93,18 +95,25 @@ def main() -> None:
                  "app": app.name, "replicas": app.args["replicas"]}
         print(json.dumps({"ready": ready}), flush=True)
         for line in sys.stdin:
-            try:
-                command = json.loads(line)["lookup"]
-                tokens = namespace(command["salt"]).lookup(command["ids"]).num_tokens
-                reply: dict[str, Any] = {"tokens": tokens}
-            except Exception as exc:  # noqa: BLE001 - told to the test, which fails on it
-                reply = {"error": repr(exc)}
-            print(json.dumps(reply), flush=True)
+            print(json.dumps(answer(json.loads(line), namespace)), flush=True)
         serve.shutdown()
     finally:
         if cm is not None:
-            cm.shutdown(stop_service=True)  # its tiers unlink their shared-memory arenas
+            cm.shutdown()  # this client only: the service goes with the cluster
         ray.shutdown()
+
+
+def answer(command: dict[str, Any], namespace: Callable[[str], Any]) -> dict[str, Any]:
+    from ray import serve
+
+    try:
+        if command.get("serve_shutdown"):
+            serve.shutdown()
+            return {"shut_down": True}
+        lookup = command["lookup"]
+        return {"tokens": namespace(lookup["salt"]).lookup(lookup["ids"]).num_tokens}
+    except Exception as exc:  # noqa: BLE001 - told to the test, which fails on it
+        return {"error": repr(exc)}
 
 
 if __name__ == "__main__":

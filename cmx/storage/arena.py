@@ -15,8 +15,8 @@ owner's arena is garbage collected or its process exits, and the multiprocessing
 tracker unlinks it if the owner process dies, unless the tracker is killed with it (Ray kills a
 worker with its process group, and every worker of a node torn down). So the first ``create``
 of a process starts a sentinel (``cmx.sentinel``) that unlinks, once that process is gone
-however it went, every arena whose header names it (``reap_orphans``, by owner); a tier
-starting on this host also removes arenas whose owner pid is gone (``reap_orphans``).
+however it went, every arena whose header names it (``arena_owners``); a tier starting on
+this host also removes arenas whose owner pid is gone (``reap_orphans``).
 ``attach`` never registers with the tracker: on Python 3.11 ``SharedMemory`` registers every
 attach, the tracker keeps one entry per name shared with spawned children, and a child
 unregistering its attach drops the owner's entry too.
@@ -24,14 +24,10 @@ unregistering its attach drops the owner's entry too.
 
 from __future__ import annotations
 
-import functools
 import mmap
 import os
 import re
 import secrets
-import stat
-import struct
-import threading
 import weakref
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
@@ -40,28 +36,24 @@ import numpy as np
 
 from cmx.buffers import ALIGN, align_up
 from cmx.errors import BlockStateError, BlockTooLargeError, StoreClosedError, StoreFullError
-from cmx.sentinel import after_exit
+from cmx.storage.arena_owners import (
+    HEADER,
+    MAGIC,
+    SHM_DIR,
+    VERSION,
+    owner_of,
+    reap_orphans,
+    unlink_prefixed,
+    watch_owner,
+)
 
+# The owners' part (``arena_owners``) is named here too: callers find an arena's whole surface
+# in one module.
 __all__ = ["SHM_DIR", "SharedArena", "SlotAllocator", "SlotRef", "owner_of", "read_slot",
            "reap_orphans", "unlink_prefixed"]
 
-SHM_DIR = "/dev/shm"  # where POSIX shared memory lives on Linux
 HEADER_BYTES = ALIGN  # one page, so slot 0 starts page-aligned
-_HEADER = struct.Struct("<8sIIQQ")  # magic, version, owner pid (0: unknown), slot_bytes, slots
-_MAGIC = b"CMXARENA"
-_VERSION = 1
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")  # no "/" (a path) and no ":" (tracker protocol)
-_watched = 0  # the process whose arenas a sentinel unlinks once it is gone (``_watch_owner``)
-_watch_lock = threading.Lock()
-
-
-def _unlocked_in_child() -> None:
-    """A child forked while another thread held ``_watch_lock`` would find it held forever."""
-    global _watch_lock
-    _watch_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_unlocked_in_child)
 
 
 @dataclass(frozen=True)
@@ -161,7 +153,7 @@ class SharedArena:
         speed instead of paying a page fault per 4 KiB.
         """
         _check_positive(capacity_bytes=capacity_bytes, slot_bytes=slot_bytes)
-        _watch_owner()
+        watch_owner()
         slot_bytes = align_up(slot_bytes)
         num_slots = capacity_bytes // slot_bytes
         if num_slots == 0:
@@ -182,7 +174,7 @@ class SharedArena:
             raise
         finally:
             os.close(fd)
-        mm[: _HEADER.size] = _HEADER.pack(_MAGIC, _VERSION, os.getpid(), slot_bytes, num_slots)
+        mm[: HEADER.size] = HEADER.pack(MAGIC, VERSION, os.getpid(), slot_bytes, num_slots)
         resource_tracker.register("/" + name, "shared_memory")
         return cls(name, mm, slot_bytes, num_slots, owner=True)
 
@@ -203,12 +195,12 @@ class SharedArena:
             mm = mmap.mmap(fd, size, flags=flags)
         finally:
             os.close(fd)
-        magic, version, _, slot_bytes, num_slots = _HEADER.unpack_from(mm, 0)
+        magic, version, _, slot_bytes, num_slots = HEADER.unpack_from(mm, 0)
         expected = HEADER_BYTES + slot_bytes * num_slots
-        if magic != _MAGIC or version != _VERSION or size != expected:
+        if magic != MAGIC or version != VERSION or size != expected:
             mm.close()
             raise ValueError(
-                f"shared memory {name!r} is not a cmx arena v{_VERSION} "
+                f"shared memory {name!r} is not a cmx arena v{VERSION} "
                 f"(magic {magic!r}, version {version}, {size} bytes, header says {expected})"
             )
         return cls(name, mm, slot_bytes, num_slots, owner=False)
@@ -294,102 +286,6 @@ def read_slot(ref: SlotRef) -> np.ndarray:
         return arena.read(ref.slot, ref.size)
     finally:
         arena.close()
-
-
-def owner_of(name: str, shm_dir: str = SHM_DIR) -> int | None:
-    """The pid of the process that created the arena ``name`` (0: unknown); None where ``name``
-    is not an arena (or is gone)."""
-    try:  # never blocks (a FIFO) nor follows a link: only a regular file can be an arena
-        fd = os.open(os.path.join(shm_dir, name), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        head = os.pread(fd, _HEADER.size, 0)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    if len(head) < _HEADER.size:
-        return None
-    magic, _, pid, _, _ = _HEADER.unpack(head)
-    return int(pid) if magic == _MAGIC else None
-
-
-def reap_orphans(prefix: str = "cmx-", shm_dir: str = SHM_DIR, owner: int | None = None
-                 ) -> list[str]:
-    """Unlink the arenas under ``prefix`` whose owner process no longer exists (only those of
-    the process ``owner``, where given); their names.
-
-    An arena of unknown owner (pid 0), of a live pid, or that is not an arena is left alone.
-    A reused pid keeps an orphan a while longer, never removes a live arena.
-    """
-    reaped: list[str] = []
-    try:
-        names = sorted(n for n in os.listdir(shm_dir) if n.startswith(prefix))
-    except OSError:
-        return reaped
-    for name in names:
-        pid = owner_of(name, shm_dir)
-        if not pid or owner not in (None, pid) or _alive(pid):
-            continue
-        try:
-            os.unlink(os.path.join(shm_dir, name))
-        except OSError:
-            continue
-        reaped.append(name)
-    return reaped
-
-
-def unlink_prefixed(prefix: str, shm_dir: str = SHM_DIR) -> None:
-    """Remove every shared-memory name under ``prefix``: what an earlier incarnation of a
-    process that is one of its kind on this host (a node's tier) left behind when it was
-    killed. A reader still mapping one keeps its mapping until it maps the new one."""
-    try:
-        names = os.listdir(shm_dir)
-    except OSError:
-        return
-    for name in names:
-        if name.startswith(prefix):
-            try:
-                os.unlink(os.path.join(shm_dir, name))
-            except OSError:
-                pass
-
-
-def _watch_owner() -> None:
-    """Once per process that creates arenas, before its first: a sentinel that unlinks what
-    this process left once it is gone (``cmx.sentinel``). The sentinel starts outside the
-    lock: a child forked meanwhile gets the lock free and starts its own."""
-    global _watched
-    pid = os.getpid()
-    with _watch_lock:
-        if _watched == pid:  # a forked child is a process of its own
-            return
-        _watched = pid
-    # Every arena of it, whatever its name: only this pid's are read as its.
-    after_exit([pid], functools.partial(reap_orphans, "", owner=pid))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return not _exited(pid)
-
-
-def _exited(pid: int) -> bool:
-    """Whether ``pid`` has exited and waits to be reaped (a zombie holds no mapping); False
-    where /proc cannot tell."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (OSError, IndexError):
-        return False
 
 
 def _path(name: str) -> str:

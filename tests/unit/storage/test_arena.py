@@ -209,8 +209,8 @@ def test_orphans_of_dead_owners_are_reaped_and_live_arenas_stay() -> None:
     script = textwrap.dedent(f"""
         import os
         from multiprocessing import resource_tracker
-        from cmx.storage import arena as module
-        module._watched = os.getpid()  # no sentinel: as if it had died with its owner
+        from cmx.storage import arena as module, arena_owners
+        arena_owners._watched = os.getpid()  # no sentinel: as if it had died with its owner
         arena = module.SharedArena.create(4096, 4096, name="{prefix}orphan")
         resource_tracker.unregister("/{prefix}orphan", "shared_memory")  # the tracker dies too
         os._exit(0)  # killed: nothing unlinks
@@ -245,7 +245,7 @@ def test_a_reap_passes_over_what_is_not_a_regular_file(tmp_path) -> None:
 def test_a_child_forked_while_the_sentinel_starts_starts_its_own() -> None:
     script = textwrap.dedent("""
         import os, signal, threading, time
-        from cmx.storage import arena
+        from cmx.storage import arena_owners as arena
         started = []
         def slow(pids, cleanup):  # a sentinel slow to start: its parent holds on meanwhile
             started.append(pids)
@@ -262,7 +262,7 @@ def test_a_child_forked_while_the_sentinel_starts_starts_its_own() -> None:
         pid = os.fork()
         if pid == 0:
             signal.alarm(10)
-            arena._watch_owner()
+            arena.watch_owner()
             os._exit(0 if started == [[os.getpid()]] else 3)
         _, status = os.waitpid(pid, 0)
         done.set()

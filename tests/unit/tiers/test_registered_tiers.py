@@ -76,6 +76,16 @@ def put_on_disk(plane: Plane, node: str, tier: Tier, keys: list[BlockHash],
     assert books.commit(done) == len(keys)
 
 
+def on_both_test_tiers(plane: Plane, registered: tuple[Tier, Tier], seed: int
+                       ) -> tuple[list[BlockHash], np.ndarray]:
+    """Four blocks on node A: the first two in the memory tier, the last two on the disk."""
+    cxl, hdd = registered
+    keys, payload = blocks(4, seed=seed)
+    put_in_memory(plane, NODE_A, cxl, keys[:2], payload[:2 * BLOCK])
+    put_on_disk(plane, NODE_A, hdd, keys[2:], payload[2 * BLOCK:])
+    return keys, payload
+
+
 def nothing_held(plane: Plane, tiers: Sequence[Tier]) -> bool:
     return all((s.pinned, s.reserved) == (0, 0)
                for s in (plane.tiers[(n, t)].stats() for n in (NODE_A, NODE_B) for t in tiers))
@@ -148,9 +158,7 @@ def test_the_agent_loads_the_test_tiers_blocks_into_hbm_exact(
     plane: Plane, registered: tuple[Tier, Tier],
 ) -> None:
     cxl, hdd = registered
-    keys, payload = blocks(4, seed=2)
-    put_in_memory(plane, NODE_A, cxl, keys[:2], payload[:2 * BLOCK])
-    put_on_disk(plane, NODE_A, hdd, keys[2:], payload[2 * BLOCK:])
+    keys, payload = on_both_test_tiers(plane, registered, seed=2)
     data, loaded = load(plane, NODE_A, keys)
     assert np.array_equal(data, payload)
     assert [b.source_tier for b in loaded] == [cxl, cxl, hdd, hdd]
@@ -164,9 +172,7 @@ def test_another_node_loads_them_from_the_peer_exact(
     plane: Plane, registered: tuple[Tier, Tier],
 ) -> None:
     cxl, hdd = registered
-    keys, payload = blocks(4, seed=3)
-    put_in_memory(plane, NODE_A, cxl, keys[:2], payload[:2 * BLOCK])
-    put_on_disk(plane, NODE_A, hdd, keys[2:], payload[2 * BLOCK:])
+    keys, payload = on_both_test_tiers(plane, registered, seed=3)
     data, loaded = load(plane, NODE_B, keys)
     assert np.array_equal(data, payload)
     assert [b.source_tier for b in loaded] == [cxl, cxl, hdd, hdd]

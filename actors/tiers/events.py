@@ -2,8 +2,13 @@
 
 The publisher numbers events per (source, shard) with no gaps, batches them, and sends each
 batch to its shard. A shard that answers NEED_RESYNC gets the tier's full holdings for that
-shard instead. ``flush()`` returns once every event so far is applied (or the shard is known
-unreachable: then the copy is simply invisible until the next heartbeat resyncs it).
+shard instead. ``flush()`` returns once every event so far is applied, or the shard is known
+unreachable. A batch whose call failed fast (a connection reset or refused, as right after a
+network link comes back) is sent again at once: one dropped call leaves no stored block unlisted.
+A batch that still failed stays pending, in order, and goes with the next flush (the next
+commit's or the heartbeat's); until then its copies are invisible to lookups, never wrong.
+Past ``KEEP_ENTRIES`` entries kept for one shard they are dropped, and the gap they leave makes
+the shard ask for the tier's full holdings once it answers again.
 
 Shards are reached through ``send(shard, request)`` (``cmx.doors``), so the publisher runs unchanged
 against plain DirectoryShard objects in unit tests and against Ray actors in the service.
@@ -12,6 +17,7 @@ against plain DirectoryShard objects in unit tests and against Ray actors in the
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
@@ -21,7 +27,10 @@ from cmx.actors.directory.shard import ApplyResult, Entry, Source, shard_of
 from cmx.doors import Apply, Request, Resync
 from cmx.storage.base import EventKind, StoreEvent
 
-__all__ = ["EventPublisher"]
+__all__ = ["KEEP_ENTRIES", "RETRY_WITHIN_S", "EventPublisher"]
+
+KEEP_ENTRIES = 1 << 16  # a shard's undelivered entries kept for its next flush, at most
+RETRY_WITHIN_S = 1.0  # a call that failed sooner than this was refused, not timed out: again
 
 Send = Callable[[int, Request[Any]], object]
 
@@ -100,16 +109,28 @@ class EventPublisher:
                 pool.shutdown(wait=False)
 
     def _deliver(self, shard: int, entries: list[Entry], seq: int) -> bool:
-        try:
-            result = self._send(shard, Apply(source=self.source, epoch=self.epoch, seq=seq,
-                                             entries=entries))
-            if ApplyResult(result) is ApplyResult.NEED_RESYNC:
-                self._resync(shard)
-            return True
-        except Exception:  # noqa: BLE001 - an unreachable shard resyncs on a later heartbeat
-            with self._lock:
-                self.failures += 1
-            return False
+        for attempt in range(2):
+            started = time.monotonic()
+            try:
+                self._apply(shard, entries, seq)
+                return True
+            except Exception:  # noqa: BLE001 - kept for the next flush, below
+                if attempt or time.monotonic() - started >= RETRY_WITHIN_S:
+                    break
+        with self._lock:
+            self.failures += 1
+            kept = entries + self._pending[shard]  # still in order: its seq runs on to them
+            if len(kept) <= KEEP_ENTRIES:
+                self._pending[shard] = kept
+        return False
+
+    def _apply(self, shard: int, entries: list[Entry], seq: int) -> None:
+        """Send one batch (a duplicate of one applied is answered OK, so a batch whose answer
+        was lost can be sent again); a shard that has lost count is sent the holdings."""
+        result = self._send(shard, Apply(source=self.source, epoch=self.epoch, seq=seq,
+                                         entries=entries))
+        if ApplyResult(result) is ApplyResult.NEED_RESYNC:
+            self._resync(shard)
 
     def _resync(self, shard: int) -> None:
         # Holdings and the cursor are read together under the store's lock (events are emitted

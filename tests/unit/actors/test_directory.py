@@ -155,8 +155,75 @@ def test_one_unreachable_shard_does_not_hold_back_the_others() -> None:
     found = lookup_all(shards, [key(i) for i in range(12)])
     assert found == [shard_of(key(i), 3) != down for i in range(12)]
     sent.clear()
-    assert pub.flush()  # nothing pending: no shard is bothered
-    assert sent == []
+    assert pub.flush() is False  # only the failed batch is pending: only its shard is asked
+    assert sent == [down, down]  # it failed at once: sent again at once, then kept
+    down = -1
+    assert pub.flush()
+    assert all(lookup_all(shards, [key(i) for i in range(12)]))
+
+
+def dropping(shards: list[DirectoryShard], drops: list[int]) -> Any:
+    """A send that fails the Apply calls whose numbers (from 0) are in ``drops``."""
+    calls = [0]
+
+    def send(shard: int, request: Request[Any]) -> object:
+        n, calls[0] = calls[0], calls[0] + 1
+        if request.method == "apply" and n in drops:
+            raise ConnectionError("connection reset")
+        return getattr(shards[shard], request.method)(**request.kwargs())
+    return send
+
+
+def test_a_call_dropped_once_leaves_no_block_unlisted() -> None:
+    # A store's commit right after a link came back: its one Apply call is reset. The blocks
+    # were stored; a lookup right after the commit must list them, not wait for a heartbeat.
+    shards, holdings, pub = make(1)
+    for i in range(3):
+        holdings.event(pub, i)
+    assert pub.flush()  # first contact: the shard now counts this source's events
+    pub._send = dropping(shards, [0])
+    for i in range(3, 6):
+        holdings.event(pub, i)
+    assert pub.flush()
+    assert lookup_all(shards, [key(i) for i in range(6)]) == [True] * 6
+    assert pub.failures == 0
+
+
+def test_a_batch_that_failed_goes_with_the_next_flush(monkeypatch: Any) -> None:
+    import cmx.actors.tiers.events as events
+
+    monkeypatch.setattr(events, "RETRY_WITHIN_S", 0.0)  # as a call that timed out: kept
+    shards, holdings, pub = make(1)
+    holdings.event(pub, 0)
+    assert pub.flush()
+    pub._send = dropping(shards, [0])
+    holdings.event(pub, 1)
+    assert pub.flush() is False
+    assert lookup_all(shards, [key(0), key(1)]) == [True, False]
+    holdings.event(pub, 1, stored_=False)  # a later event of the same block, in order after
+    holdings.event(pub, 2)
+    resyncs = pub.resyncs
+    assert pub.flush()
+    assert lookup_all(shards, [key(0), key(1), key(2)]) == [True, False, True]
+    assert pub.resyncs == resyncs
+    shards[0].check_integrity()
+
+
+def test_kept_batches_are_bounded_and_the_gap_resyncs(monkeypatch: Any) -> None:
+    import cmx.actors.tiers.events as events
+
+    monkeypatch.setattr(events, "RETRY_WITHIN_S", 0.0)
+    monkeypatch.setattr(events, "KEEP_ENTRIES", 4)
+    shards, holdings, pub = make(1)
+    holdings.event(pub, 0)
+    assert pub.flush()
+    pub._send = dropping(shards, [0])
+    for i in range(1, 7):
+        holdings.event(pub, i)
+    assert pub.flush() is False  # six entries failed: more than are kept
+    assert pub.flush(heartbeat=True)  # the gap: the shard asks for the holdings
+    assert all(lookup_all(shards, [key(i) for i in range(7)]))
+    assert pub.resyncs == 2  # first contact, then the gap
 
 
 def test_a_closed_publisher_still_delivers_from_the_callers_thread() -> None:

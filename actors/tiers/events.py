@@ -5,10 +5,11 @@ batch to its shard. A shard that answers NEED_RESYNC gets the tier's full holdin
 shard instead. ``flush()`` returns once every event so far is applied, or the shard is known
 unreachable. A batch whose call failed fast (a connection reset or refused, as right after a
 network link comes back) is sent again at once: one dropped call leaves no stored block unlisted.
-A batch that still failed stays pending, in order, and goes with the next flush (the next
-commit's or the heartbeat's); until then its copies are invisible to lookups, never wrong.
-Past ``KEEP_ENTRIES`` entries kept for one shard they are dropped, and the gap they leave makes
-the shard ask for the tier's full holdings once it answers again.
+A batch refused again stays pending, in order, and goes with the next flush (the next commit's
+or the heartbeat's); until then its copies are invisible to lookups, never wrong. A batch whose
+call timed out, one past ``KEEP_ENTRIES`` entries kept for its shard, and one a failed resync
+replaced are dropped: the gap they leave makes the shard ask for the tier's full holdings once
+it answers again.
 
 Shards are reached through ``send(shard, request)`` (``cmx.doors``), so the publisher runs unchanged
 against plain DirectoryShard objects in unit tests and against Ray actors in the service.
@@ -112,25 +113,33 @@ class EventPublisher:
         for attempt in range(2):
             started = time.monotonic()
             try:
-                self._apply(shard, entries, seq)
-                return True
-            except Exception:  # noqa: BLE001 - kept for the next flush, below
-                if attempt or time.monotonic() - started >= RETRY_WITHIN_S:
-                    break
+                result = self._send(shard, Apply(source=self.source, epoch=self.epoch,
+                                                 seq=seq, entries=entries))
+            except Exception:  # noqa: BLE001 - again, kept, or left to the heartbeat: below
+                if time.monotonic() - started < RETRY_WITHIN_S and not attempt:
+                    continue  # refused or reset, not timed out: at once, once more
+                self._keep(shard, entries, fast=time.monotonic() - started < RETRY_WITHIN_S)
+                return False
+            if ApplyResult(result) is not ApplyResult.NEED_RESYNC:
+                return True  # applied, or a duplicate of what was (a lost answer's batch)
+            try:
+                self._resync(shard)
+            except Exception:  # noqa: BLE001 - the holdings replaced the batch: never kept
+                self._keep(shard, [], fast=False)
+                return False
+            return True
+        raise AssertionError("unreachable")
+
+    def _keep(self, shard: int, entries: list[Entry], fast: bool) -> None:
+        """A batch that did not reach its shard: kept in front of what is pending (its seq
+        runs on to them) when its calls were refused fast, so the next flush sends it without
+        a resync; dropped when a call timed out (the next flush would wait as long again) or
+        past ``KEEP_ENTRIES``: the gap then makes the shard ask for the holdings."""
         with self._lock:
             self.failures += 1
-            kept = entries + self._pending[shard]  # still in order: its seq runs on to them
-            if len(kept) <= KEEP_ENTRIES:
+            kept = entries + self._pending[shard]
+            if fast and len(kept) <= KEEP_ENTRIES:
                 self._pending[shard] = kept
-        return False
-
-    def _apply(self, shard: int, entries: list[Entry], seq: int) -> None:
-        """Send one batch (a duplicate of one applied is answered OK, so a batch whose answer
-        was lost can be sent again); a shard that has lost count is sent the holdings."""
-        result = self._send(shard, Apply(source=self.source, epoch=self.epoch, seq=seq,
-                                         entries=entries))
-        if ApplyResult(result) is ApplyResult.NEED_RESYNC:
-            self._resync(shard)
 
     def _resync(self, shard: int) -> None:
         # Holdings and the cursor are read together under the store's lock (events are emitted

@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import pytest
+
 from cmx.actors.directory.shard import ApplyResult, Copy, DirectoryShard, Entry, Source, shard_of
 from cmx.actors.tiers.events import EventPublisher
 from cmx.doors import Request
@@ -189,14 +191,11 @@ def test_a_call_dropped_once_leaves_no_block_unlisted() -> None:
     assert pub.failures == 0
 
 
-def test_a_batch_that_failed_goes_with_the_next_flush(monkeypatch: Any) -> None:
-    import cmx.actors.tiers.events as events
-
-    monkeypatch.setattr(events, "RETRY_WITHIN_S", 0.0)  # as a call that timed out: kept
+def test_a_batch_refused_twice_goes_with_the_next_flush() -> None:
     shards, holdings, pub = make(1)
     holdings.event(pub, 0)
     assert pub.flush()
-    pub._send = dropping(shards, [0])
+    pub._send = dropping(shards, [0, 1])  # refused, and refused again at once
     holdings.event(pub, 1)
     assert pub.flush() is False
     assert lookup_all(shards, [key(0), key(1)]) == [True, False]
@@ -209,21 +208,87 @@ def test_a_batch_that_failed_goes_with_the_next_flush(monkeypatch: Any) -> None:
     shards[0].check_integrity()
 
 
+def test_a_batch_whose_call_timed_out_is_left_to_the_heartbeats_resync(monkeypatch: Any) -> None:
+    import cmx.actors.tiers.events as events
+
+    monkeypatch.setattr(events, "RETRY_WITHIN_S", 0.0)  # every failure as slow as a timeout
+    shards, holdings, pub = make(1)
+    holdings.event(pub, 0)
+    assert pub.flush()
+    sent: list[str] = []
+    send = dropping(shards, [0])
+
+    def counted(shard: int, request: Request[Any]) -> object:
+        sent.append(request.method)
+        return send(shard, request)
+
+    pub._send = counted
+    holdings.event(pub, 1)
+    assert pub.flush() is False
+    assert sent == ["apply"]  # not again at once: it would wait as long again
+    assert pub.flush()  # nothing kept: the next commit's flush waits on no shard
+    assert sent == ["apply"]
+    assert pub.flush(heartbeat=True)  # the gap: the shard asks for the holdings
+    assert lookup_all(shards, [key(0), key(1)]) == [True, True]
+
+
 def test_kept_batches_are_bounded_and_the_gap_resyncs(monkeypatch: Any) -> None:
     import cmx.actors.tiers.events as events
 
-    monkeypatch.setattr(events, "RETRY_WITHIN_S", 0.0)
     monkeypatch.setattr(events, "KEEP_ENTRIES", 4)
     shards, holdings, pub = make(1)
     holdings.event(pub, 0)
     assert pub.flush()
-    pub._send = dropping(shards, [0])
+    pub._send = dropping(shards, [0, 1])
     for i in range(1, 7):
         holdings.event(pub, i)
     assert pub.flush() is False  # six entries failed: more than are kept
     assert pub.flush(heartbeat=True)  # the gap: the shard asks for the holdings
     assert all(lookup_all(shards, [key(i) for i in range(7)]))
     assert pub.resyncs == 2  # first contact, then the gap
+
+
+@pytest.mark.parametrize("later_stored", [False, True])
+def test_a_batch_a_failed_resync_replaced_is_not_sent_again(later_stored: bool) -> None:
+    # Its first send landed but both answers were lost (kept); the next flush's Apply finds
+    # the shard ahead (NEED_RESYNC), one more event is emitted meanwhile, and the Resync is
+    # reset. Sent again, the old batch would be numbered onto the snapshot's count and line up
+    # with the shard's cursor: a removed block listed, or a stored one never listed.
+    shard = DirectoryShard(0)
+    holdings = Holdings()
+    mode = ["ok"]
+
+    def send(s: int, request: Request[Any]) -> object:
+        if mode[0] == "landed" and request.method == "apply":
+            shard.apply(**request.kwargs())
+            raise ConnectionError("connection reset")
+        if mode[0] == "resync-reset":
+            if request.method == "resync":
+                raise ConnectionError("connection reset")
+            mode[0] = "resync-reset-after"
+            answer = shard.apply(**request.kwargs())
+            holdings.event(pub, 3 if later_stored else 1, stored_=later_stored)
+            return answer
+        if mode[0] == "resync-reset-after" and request.method == "resync":
+            raise ConnectionError("connection reset")
+        return getattr(shard, request.method)(**request.kwargs())
+
+    pub = EventPublisher(A, "e1", 1, send, lambda: list(holdings.entries.values()),
+                         holdings.lock)
+    holdings.event(pub, 0)
+    assert pub.flush()
+    mode[0] = "landed"
+    holdings.event(pub, 1)
+    assert pub.flush() is False
+    holdings.event(pub, 2)
+    mode[0] = "resync-reset"
+    assert pub.flush() is False
+    mode[0] = "ok"
+    for _ in range(2):
+        assert pub.flush(heartbeat=True)
+    held = [0, 1, 2, 3] if later_stored else [0, 2]
+    assert lookup_all([shard], [key(i) for i in range(4)]) == [i in held for i in range(4)]
+    shard.check_integrity()
 
 
 def test_a_closed_publisher_still_delivers_from_the_callers_thread() -> None:

@@ -23,7 +23,8 @@ from cmx.keys import BlockHash
 from cmx.tiers import Tier
 
 __all__ = [
-    "RAY_NAMESPACE", "Copy", "LoadResult", "Loaded", "Offer", "Pinned", "Priority", "Staged",
+    "RAY_NAMESPACE", "Copy", "LoadResult", "Loaded", "Offer", "Pinned", "PinnedColumns",
+    "Priority", "Staged",
     "StoreCommit",
     "actor_name", "arena_name", "best_copy", "copy_tag", "held_table_name", "preference",
     "shard_of", "shards_of",
@@ -103,6 +104,33 @@ class Pinned:
     lease: int  # unpin by it
     copy: int = 0  # which copy of the key in that epoch: a quarantine names it, not the key
     namespace: str = ""  # the copy's namespace id ("" for none): copies made from it keep it
+
+
+@dataclass(frozen=True, eq=False)
+class PinnedColumns:
+    """``Pinned`` of many keys as columns, what a memory tier answers a reader of a long
+    prefix (``PinColumns``): arrays, no object per block. ``held[i]`` says whether the
+    ``i``-th key asked was pinned; the other columns list the pinned keys, in order."""
+
+    epoch: str
+    held: np.ndarray  # bool, one per key asked
+    slot: np.ndarray  # int64, one per pinned key
+    size: np.ndarray  # int64
+    checksum: np.ndarray  # uint64
+    lease: np.ndarray  # int64
+    copy: np.ndarray  # int64
+
+    def pinned(self, keys: Sequence[BlockHash], i: int) -> Pinned:
+        """The ``i``-th pinned key's ``Pinned`` (``keys``: the pinned keys, in order). Its
+        namespace is not sent: a reader copies the bytes out and makes no copy of its own."""
+        return Pinned(keys[i], int(self.slot[i]), int(self.size[i]), int(self.checksum[i]),
+                      self.epoch, int(self.lease[i]), int(self.copy[i]))
+
+    def as_list(self, keys: Sequence[bytes]) -> list[Pinned | None]:
+        """As ``Pin`` answers: one ``Pinned`` a key asked, None where it was not pinned."""
+        held = [BlockHash(k) for k, h in zip(keys, self.held.tolist()) if h]
+        pins = iter(range(len(held)))
+        return [self.pinned(held, next(pins)) if h else None for h in self.held.tolist()]
 
 
 class Priority(enum.IntEnum):

@@ -34,56 +34,30 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
+
+import numpy as np
 
 from cmx.actors.directory.shard import Entry, Source
 from cmx.actors.tiers.events import EventPublisher
 from cmx.actors.tiers.fences import SlotFences
+from cmx.actors.tiers.grants import ArenaInfo, Grant, Victim
 from cmx.actors.tiers.held import HeldKeys
 from cmx.actors.tiers.leases import ADMIN, Clock, LeasedPins, LeaseKind, Leases
 from cmx.errors import BlockStateError, StoreClosedError, StoreFullError
 from cmx.keys import BlockHash
-from cmx.protocol import Pinned, arena_name, held_table_name
+from cmx.protocol import Pinned, PinnedColumns, arena_name, held_table_name
 from cmx.stats import TierStats
 from cmx.storage.arena import reap_orphans, unlink_prefixed
 from cmx.storage.base import EventKind, StoreEvent
 from cmx.storage.blocks import BlockMeta, Reservation
-from cmx.storage.dram import DramStore
+from cmx.storage.dram import DramStore, PinnedRef
 from cmx.tiers import Tier
 
 __all__ = ["ArenaInfo", "ArenaTierService", "Grant", "Pinned", "Victim"]
 
 DEFAULT_LEASE_S = 90.0
-
-
-@dataclass(frozen=True)
-class Victim:
-    key: BlockHash
-    size: int
-    checksum: int | None
-    parent: BlockHash | None
-    namespace: str = ""  # its namespace id, carried to the tier it is demoted to
-
-
-@dataclass(frozen=True)
-class Grant:
-    key: BlockHash
-    slot: int
-    epoch: str  # of the tier that granted it: a restarted tier has a new arena
-    lease: int  # commit or abort by it
-    victim: Victim | None = None  # demote it out of ``slot`` before writing
-
-
-@dataclass(frozen=True)
-class ArenaInfo:
-    tier: Tier
-    node: str
-    arena: str  # shared-memory name the agent attaches
-    slot_bytes: int
-    num_slots: int
-    emulated: bool  # an HBM tier on host memory (no GPU)
-    epoch: str
 
 
 class ArenaTierService:
@@ -239,7 +213,32 @@ class ArenaTierService:
         self.leases.expire()
         return self._pin(keys, owner)
 
+    def pin_columns(self, keys: Sequence[BlockHash], owner: str = ADMIN) -> PinnedColumns:
+        """``pin``, answered as columns: a long prefix's pins with no object per block."""
+        self.leases.expire()
+        refs, leases = self._pin_refs(keys, owner)
+        got = [ref for ref in refs if ref is not None]
+        n = len(got)
+        return PinnedColumns(
+            self.epoch, np.fromiter((ref is not None for ref in refs), bool, len(refs)),
+            np.fromiter((r.slot for r in got), np.int64, n),
+            np.fromiter((r.size for r in got), np.int64, n),
+            np.fromiter((r.checksum for r in got), np.uint64, n),
+            np.asarray(leases, np.int64).reshape(n),
+            np.fromiter((r.copy for r in got), np.int64, n))
+
     def _pin(self, keys: Sequence[BlockHash], owner: str) -> list[Pinned | None]:
+        refs, leases = self._pin_refs(keys, owner)
+        granted = iter(leases)
+        return [None if ref is None else
+                Pinned(key, ref.slot, ref.size, ref.checksum, self.epoch, next(granted),
+                       ref.copy, self._tags.get(key, ""))
+                for key, ref in zip(keys, refs)]
+
+    def _pin_refs(self, keys: Sequence[BlockHash], owner: str
+                  ) -> tuple[list[PinnedRef | None], list[int]]:
+        """Each key's pinned place (None: not here) and the lease of each pinned, in order;
+        nothing pinned for an owner already released."""
         # A doomed key goes at its last unpin, pinned by no one meanwhile.
         refs = self.store.pin_refs(keys, skip=self.held_keys.doomed)
         held = [key for key, ref in zip(keys, refs) if ref is not None]
@@ -247,12 +246,8 @@ class ArenaTierService:
         if leases is None:  # a late pin of an owner already released: nobody would end them
             for key in held:
                 self._unpin_key(key)
-            return [None] * len(keys)
-        granted = iter(leases)
-        return [None if ref is None else
-                Pinned(key, ref.slot, ref.size, ref.checksum, self.epoch, next(granted),
-                       ref.copy, self._tags.get(key, ""))
-                for key, ref in zip(keys, refs)]
+            return [None] * len(keys), []
+        return refs, leases
 
     def acquire(
         self, items: Sequence[tuple[BlockHash, BlockHash | None]], owner: str

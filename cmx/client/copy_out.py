@@ -8,6 +8,13 @@ copied, while it is still in the CPU's cache: verifying costs the hash, not a se
 the block from memory. A block whose checksum fails is not used: its place is zeroed (its
 bytes landed before the check could fail), and the caller uses only the blocks before it.
 
+Small blocks (``RUN_BLOCKS`` of them fit a piece; a million-token prefix is 62,500 blocks of
+16 KiB) go a run at a time instead: the run's payloads gathered into one buffer that stays in
+the cache, each block hashed there, and the blocks before the first that fails written to the
+sink in one call (``Sink.put_run``): a failed block's bytes never land. One numpy call a run,
+not one a block and layer: measured here, 62,500 blocks of 16 KiB cost 0.36 CPU-s in all
+against 0.55 block by block (a warm memcpy of the same bytes: 0.09).
+
 Where the blocks land is a ``Sink``: ``TensorSink`` (a ``[layers, 2, kv_heads, tokens,
 head_dim]`` tensor, the caller's or a new one) or an engine's paged cache
 (``cmx.connectors.paged.PagedSink``), so that each byte crosses this process once. A load of
@@ -72,6 +79,9 @@ class Sink(Protocol):
     def put(self, i: int, index: tuple[slice, ...], src: np.ndarray) -> None:
         """Copy ``src`` to the place ``index`` cuts of block ``i``'s place."""
 
+    def put_run(self, i: int, rows: np.ndarray) -> None:
+        """Copy whole layer-major payloads, ``rows[j]`` (bytes), to block ``i + j``'s place."""
+
     def clear(self, i: int) -> None:
         """Zero block ``i``'s place: its bytes failed their check."""
 
@@ -93,6 +103,12 @@ class TensorSink:
 
     def put(self, i: int, index: tuple[slice, ...], src: np.ndarray) -> None:
         np.copyto(self.place(i)[index], src)
+
+    def put_run(self, i: int, rows: np.ndarray) -> None:
+        at, n = (self.first + i) * self.T, len(rows)
+        L, two, H, _, D = self.dst.shape
+        dst = self.dst[:, :, :, at : at + n * self.T].reshape(L, two, H, n, self.T, D)
+        np.copyto(dst, rows.reshape(n, L, two, H, self.T, D).transpose(1, 2, 3, 0, 4, 5))
 
     def clear(self, i: int) -> None:
         self.place(i).fill(0)
@@ -215,11 +231,22 @@ def _bad(layout: KVLayout, payloads: Sequence[tuple[BlockHash, np.ndarray, int]]
     """The indices of the payloads that failed their check (none: all copied whole). A load
     of ``THREADED_BYTES`` or more runs on several threads, each a run of blocks that stops at
     its own first failure: the first of the list ends the load, and every one is cleared."""
+    runs = _in_runs(layout)
+
     def run(start: int, stop: int) -> list[int]:
-        for i in range(start, stop):
+        i = start
+        while i < stop:
+            n = min(runs, stop - i)
+            if n > 1 and all(_whole(layout, p) for _, p, _ in payloads[i : i + n]):
+                good = _copy_run(payloads[i : i + n], sink, first + i, verify)
+                if good < n:
+                    return [i + good]
+                i += n
+                continue
             _, payload, want = payloads[i]
             if not copy_block(layout, payload, sink, first + i, want if verify else None):
                 return [i]
+            i += 1
         return []
 
     n = len(payloads)
@@ -233,6 +260,33 @@ def _bad(layout: KVLayout, payloads: Sequence[tuple[BlockHash, np.ndarray, int]]
     finally:
         wait(jobs)  # none writes behind the caller's back once this returns or raises
     return sorted([*mine, *(i for j in jobs for i in j.result())])
+
+
+def _in_runs(layout: KVLayout) -> int:
+    """How many blocks go together (``_copy_run``): as many as fit a piece, where a block is
+    small enough for two to and of the layer-major order; else 1 (block by block)."""
+    per_piece = PIECE_BYTES // max(1, layout.block_bytes)
+    return per_piece if per_piece > 1 and layout.order is PayloadOrder.LAYER_MAJOR else 1
+
+
+def _whole(layout: KVLayout, payload: np.ndarray) -> bool:
+    """Whether ``payload`` is a whole block's bytes, as a run gathers them."""
+    return payload.dtype == np.uint8 and payload.shape == (layout.block_bytes,)
+
+
+def _copy_run(payloads: Sequence[tuple[BlockHash, np.ndarray, int]], sink: Sink, i: int,
+              verify: bool) -> int:
+    """Gather whole payloads into one buffer (it stays in the cache), hash each there, and
+    write the ones before the first that fails to blocks ``i``.. of ``sink`` in one call; how
+    many were written. ``verify=False``: all, unchecked."""
+    rows = np.stack([p for _, p, _ in payloads])
+    good = len(rows)
+    if verify:
+        good = next((j for j, (_, _, want) in enumerate(payloads)
+                     if checksum(rows[j]) != want), good)
+    if good:
+        sink.put_run(i, rows[:good])
+    return good
 
 
 def _is_tensor(out: Any) -> bool:

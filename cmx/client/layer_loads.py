@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -68,7 +69,7 @@ class LayerLoad:
         self._plane = ns.cm.plane
         keys = block_keys(match.blocks)
         here = held_here(match, ns.cm.node_id)
-        self._pins: list[LocalPin] = []
+        self._pins: Sequence[LocalPin] = []
         self._payloads: list[np.ndarray] = []
         if here:
             self._pins = self._plane.pin_prefix(keys[:here], f"client:{uuid.uuid4().hex}")
@@ -165,7 +166,7 @@ class LayerLoad:
             else:
                 np.copyto(place, src.transpose(1, 2, 0, 3, 4)[layers.start : layers.stop])
 
-    def _release(self, pins: list[LocalPin]) -> None:
+    def _release(self, pins: Sequence[LocalPin]) -> None:
         if pins:
             self._plane.unpin(pins)
         self._pins, self._payloads = [], []

@@ -197,8 +197,7 @@ class NamespaceClient:
         plane = self.cm.plane
         pins = plane.pin_prefix(keys, f"client:{uuid.uuid4().hex}")
         try:
-            payloads = [(p.pin.key, view, p.pin.checksum)
-                        for p, view in zip(pins, plane.payloads(pins))]
+            payloads = plane.pinned_payloads(pins)
         except (CmxError, OSError, ValueError) as exc:  # the tier restarted: its arena is gone
             log.warning("a local block's arena is gone: %s", exc)
             plane.unpin(pins)

@@ -36,18 +36,30 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import numpy as np
 
 from cmx.copy_table import CopyTable
-from cmx.doors import ArenaInfoOf, Held, Pin, QuarantinePinned, ReleaseOwner, Unpin
-from cmx.protocol import Copy, Pinned, actor_name, arena_name, held_table_name
+from cmx.doors import (
+    ArenaInfoOf,
+    Held,
+    Pin,
+    PinColumns,
+    QuarantinePinned,
+    ReleaseOwner,
+    Request,
+    Unpin,
+)
+from cmx.keys import BlockHash
+from cmx.protocol import Copy, Pinned, PinnedColumns, actor_name, arena_name, held_table_name
 from cmx.storage.arena import SHM_DIR, SharedArena
 from cmx.storage.held_table import HeldTable
 from cmx.tiers import Tier
 
-__all__ = ["HeldHere", "LocalPin", "NodePlane"]
+__all__ = ["HeldHere", "LocalPin", "NodePlane", "PinnedPrefix"]
+
+R = TypeVar("R")
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +73,30 @@ class LocalPin:
 
     tier: Tier
     pin: Pinned
+
+
+class PinnedPrefix(Sequence[LocalPin]):
+    """A whole prefix pinned in one tier, kept as the tier's answer (``PinnedColumns``): a
+    ``LocalPin`` is made only for a block asked for by index (a quarantine's)."""
+
+    def __init__(self, tier: Tier, keys: Sequence[bytes], columns: PinnedColumns) -> None:
+        self.tier = tier
+        self.keys = [BlockHash(k) for k in keys]
+        self.columns = columns
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @overload
+    def __getitem__(self, i: int) -> LocalPin: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[LocalPin]: ...
+
+    def __getitem__(self, i: int | slice) -> LocalPin | list[LocalPin]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return LocalPin(self.tier, self.columns.pinned(self.keys, range(len(self))[i]))
 
 
 @dataclass(frozen=True, eq=False)
@@ -109,24 +145,24 @@ class NodePlane:
         self._no_table: dict[Tier, float] = {}  # tier -> until when it is asked instead
         self._lock = threading.Lock()
 
-    def pin_prefix(self, keys: Sequence[bytes], owner: str) -> list[LocalPin]:
+    def pin_prefix(self, keys: Sequence[bytes], owner: str) -> Sequence[LocalPin]:
         """The longest prefix of ``keys`` held in this node's memory, each pinned for ``owner``.
 
         DRAM is asked first, for every key: a reader on the host copies into host memory, so
-        a DRAM copy is the nearest, and a prefix DRAM holds whole costs that one call. HBM is
-        asked only for the keys from the first DRAM does not hold. A tier that does not answer
-        holds nothing."""
+        a DRAM copy is the nearest, and a prefix DRAM holds whole costs that one call, its
+        answer columns (``PinnedPrefix``: no object per block). HBM is asked only for the
+        keys from the first DRAM does not hold. A tier that does not answer holds nothing."""
         if not keys:
             return []
-        dram = self._pin(Tier.DRAM, keys, owner)
+        columns = self._ask_pins(Tier.DRAM, PinColumns(keys=list(keys), owner=owner), owner)
+        if columns is not None and bool(columns.held.all()):  # the common case, one pass
+            return PinnedPrefix(Tier.DRAM, keys, columns)
+        dram = columns.as_list(keys) if columns is not None else [None] * len(keys)
         gap = next((i for i, p in enumerate(dram) if p is None), len(keys))
-        if gap == len(keys):  # DRAM holds the whole prefix: the common case, one pass
-            return [LocalPin(Tier.DRAM, p) for p in dram if p is not None]
         hbm: list[Pinned | None] = [None] * len(keys)
-        if gap < len(keys):
-            rest = [i for i in range(gap, len(keys)) if dram[i] is None]
-            for i, pin in zip(rest, self._pin(Tier.HBM, [keys[i] for i in rest], owner)):
-                hbm[i] = pin
+        rest = [i for i in range(gap, len(keys)) if dram[i] is None]
+        for i, pin in zip(rest, self._pin(Tier.HBM, [keys[i] for i in rest], owner)):
+            hbm[i] = pin
         prefix: list[LocalPin] = []
         spare: list[LocalPin] = []
         for i, (d, h) in enumerate(zip(dram, hbm)):
@@ -191,17 +227,23 @@ class NodePlane:
         return mapped
 
     def _pin(self, tier: Tier, keys: Sequence[bytes], owner: str) -> list[Pinned | None]:
+        answer = self._ask_pins(tier, Pin(keys=list(keys), owner=owner), owner)
+        return answer if answer is not None else [None] * len(keys)
+
+    def _ask_pins(self, tier: Tier, request: Request[R], owner: str) -> R | None:
+        """``tier``'s answer to a pin request of ``owner``'s; None where it failed or did not
+        answer in time."""
         try:
-            answer = self.link.call(actor_name(tier.value, self.node),
-                                    Pin(keys=list(keys), owner=owner), timeout_s=self.timeout_s)
+            answer: R = self.link.call(actor_name(tier.value, self.node), request,
+                                       timeout_s=self.timeout_s)
         except Exception as exc:  # noqa: BLE001 - a tier that fails holds nothing for this load
             # A call that timed out may have run, or may run yet (a threaded tier keeps no call
             # order): what it pinned is given back now and what it pins later is refused
-            # (``Leases.grant_pin``), not held until the leases expire. The owner is this
+            # (``Leases.grant_pins``), not held until the leases expire. The owner is this
             # load's alone.
             log.debug("%s did not pin: %s", tier.value, exc)
             self.link.tell(actor_name(tier.value, self.node), ReleaseOwner(owner=owner))
-            return [None] * len(keys)
+            return None
         return answer
 
     def payload(self, pin: LocalPin) -> np.ndarray:
@@ -210,6 +252,8 @@ class NodePlane:
 
     def payloads(self, pins: Sequence[LocalPin]) -> list[np.ndarray]:
         """Each pinned block's bytes, in place (``payload``), each arena mapped once."""
+        if isinstance(pins, PinnedPrefix):
+            return self._prefix_payloads(pins)
         arenas: dict[tuple[Tier, str], SharedArena] = {}
         views = []
         for pin in pins:
@@ -220,7 +264,27 @@ class NodePlane:
             views.append(arena.slot_view(pin.pin.slot)[: pin.pin.size])
         return views
 
+    def pinned_payloads(self, pins: Sequence[LocalPin]) -> list[tuple[BlockHash, np.ndarray, int]]:
+        """(key, bytes in place, checksum) of each pin, as ``copy_payloads`` takes them."""
+        if isinstance(pins, PinnedPrefix):
+            return list(zip(pins.keys, self._prefix_payloads(pins),
+                            pins.columns.checksum.tolist()))
+        return [(p.pin.key, view, p.pin.checksum) for p, view in zip(pins, self.payloads(pins))]
+
+    def _prefix_payloads(self, pins: PinnedPrefix) -> list[np.ndarray]:
+        arena = self.arena(arena_name(pins.tier, self.node, pins.columns.epoch))
+        c = pins.columns
+        if len(c.slot) and (int(c.slot.min()) < 0 or int(c.slot.max()) >= arena.num_slots):
+            raise IndexError(f"a slot out of range 0..{arena.num_slots - 1}")
+        buffer, width = arena.buffer, arena.slot_bytes
+        return [buffer[o : o + n] for o, n in
+                zip((c.slot * width).tolist(), np.minimum(c.size, width).tolist())]
+
     def unpin(self, pins: Sequence[LocalPin]) -> None:
+        if isinstance(pins, PinnedPrefix):
+            self.link.tell(actor_name(pins.tier.value, self.node),
+                           Unpin(leases=pins.columns.lease.tolist()))
+            return
         for tier, leases in _by_tier(pins, lambda p: p.pin.lease).items():
             self.link.tell(actor_name(tier.value, self.node), Unpin(leases=leases))
 

@@ -205,6 +205,14 @@ class PagedSink:
                 place = self.views[layer][self.ids[i]].transpose(1, 0, 2, 3)
                 np.copyto(place[index[1:]], src[j])
 
+    def put_run(self, i: int, rows: np.ndarray) -> None:
+        ids = np.asarray(self.ids[i : i + len(rows)])
+        _, heads, two, size, dim = self.views[0].shape if self.views else (0, 0, 2, 0, 0)
+        blocks = rows.reshape(len(rows), len(self.views), two, heads, size, dim)
+        with self.gate.enter():
+            for layer, view in enumerate(self.views):
+                view[ids] = blocks[:, layer].transpose(0, 2, 1, 3, 4)
+
     def clear(self, i: int) -> None:
         with self.gate.enter():
             for view in self.views:

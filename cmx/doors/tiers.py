@@ -15,13 +15,14 @@ if TYPE_CHECKING:
     from cmx.actors.tiers.arena import ArenaInfo, Grant  # noqa: F401 - named in quoted answer types
     from cmx.actors.tiers.nvme import Reserve
     from cmx.keys import BlockHash
-    from cmx.protocol import Pinned
+    from cmx.protocol import Pinned, PinnedColumns  # noqa: F401 - named in quoted answer types
     from cmx.stats import TierStats  # noqa: F401 - named in quoted answer types
     from cmx.storage.nvme.dataplane import Extent
 
 __all__ = [
     "Abort", "Acquire", "ArenaInfoOf", "Commit", "CommitExtents", "CommitPinned", "Contains",
-    "Evict", "Held", "Pin", "PinExtents", "PinFor", "QuarantineExtents", "QuarantineKeys",
+    "Evict", "Held", "Pin", "PinColumns", "PinExtents", "PinFor", "QuarantineExtents",
+    "QuarantineKeys",
     "QuarantinePinned", "ReleaseOwner", "ReserveExtents", "ReserveSlots", "TierStatsOf", "Unpin",
 ]
 
@@ -104,6 +105,16 @@ class Pin(Request["list[Pinned | None]"]):
     """Pin each committed key held in a memory tier for ``owner``."""
 
     method = "pin"
+    served_by = ARENA
+    keys: Sequence[bytes]
+    owner: str
+
+
+@dataclass(frozen=True)
+class PinColumns(Request["PinnedColumns"]):
+    """``Pin``, answered as columns (``PinnedColumns``): what a reader of a long prefix asks."""
+
+    method = "pin_columns"
     served_by = ARENA
     keys: Sequence[bytes]
     owner: str

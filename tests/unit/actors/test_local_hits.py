@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import numpy as np
@@ -14,6 +15,7 @@ from plane import Plane, make_plane, namespace_client
 from scenarios import LAYOUT, check, held, load, restart_tier, small_config
 
 from cmx.client import NamespaceClient
+from cmx.client.node_plane import PinnedPrefix
 from cmx.doors import Request
 from cmx.links import LocalLink
 from cmx.protocol import arena_name
@@ -75,7 +77,7 @@ def test_a_local_dram_hit_is_one_call_to_dram_and_exact(plane: Plane) -> None:
     got = ns.load(toks)
     assert torch.equal(got, kv)
     asked = [c for c in link.calls if not c[1].startswith("tell")]
-    assert asked == [("dram", "pin")]  # no directory, no agent, no HBM
+    assert asked == [("dram", "pin_columns")]  # no directory, no agent, no HBM
     assert dict(plane.agents[NODE].counters.moved) == moved  # read where it lies, not moved
     assert nothing_held(plane)
     check(plane)
@@ -93,7 +95,7 @@ def test_blocks_only_hbm_holds_are_read_from_hbm_after_those_in_dram(plane: Plan
     link.calls.clear()
     assert torch.equal(ns.load(toks), kv)
     assert [c for c in link.calls if not c[1].startswith("tell")] == [
-        ("dram", "pin"), ("hbm", "pin")]
+        ("dram", "pin_columns"), ("hbm", "pin")]
     assert hbm.stats().store.hits - reads == 2  # HBM asked for the two DRAM lacks, no more
     assert nothing_held(plane)
     check(plane)
@@ -132,6 +134,36 @@ def test_a_pin_of_a_restarted_tier_is_never_read(plane: Plane) -> None:
     restart_tier(plane, NODE, Tier.DRAM)  # a new epoch; the old arena's name is unlinked
     with pytest.raises(OSError):
         ns.cm.plane.payload(pins[0])
+
+
+def test_a_whole_prefix_in_dram_is_pinned_as_columns_naming_what_pin_names(
+        plane: Plane) -> None:
+    ns = client(plane)
+    toks, _ = stored(plane, ns, 3, seed=6)
+    keys = ns.keys(toks)
+    dram = plane.tiers[(NODE, Tier.DRAM)]
+    pins = ns.cm.plane.pin_prefix(keys, "client:test")
+    assert isinstance(pins, PinnedPrefix) and len(pins) == 3
+    listed = dram.pin(keys, "client:other")
+    assert all(q is not None for q in listed)
+    assert [replace(p.pin, lease=0, namespace="") for p in pins] == \
+        [replace(q, lease=0, namespace="") for q in listed]  # type: ignore[misc]
+    assert [bytes(v) for v in ns.cm.plane.payloads(pins)] == \
+        [bytes(dram.store.arena.slot_view(q.slot)[: q.size]) for q in listed]  # type: ignore[union-attr]
+    assert pins[1:2] == [pins[1]] and pins[-1].pin.key == keys[2]
+    dram.unpin([q.lease for q in listed])  # type: ignore[union-attr]
+    ns.cm.plane.unpin(pins)
+    assert nothing_held(plane)
+
+
+def test_a_prefix_pinned_as_columns_in_a_restarted_tier_is_never_read(plane: Plane) -> None:
+    ns = client(plane)
+    toks, _ = stored(plane, ns, 3, seed=7)
+    pins = ns.cm.plane.pin_prefix(ns.keys(toks), "client:test")
+    assert isinstance(pins, PinnedPrefix)
+    restart_tier(plane, NODE, Tier.DRAM)  # a new epoch; the old arena's name is unlinked
+    with pytest.raises(OSError):
+        ns.cm.plane.payloads(pins)
 
 
 # -- stores: the engine's KV copied once into granted DRAM slots, never through the object store

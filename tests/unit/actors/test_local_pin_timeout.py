@@ -13,7 +13,7 @@ import torch
 from plane import Plane, make_plane, namespace_client
 from scenarios import LAYOUT, check, held, small_config
 
-from cmx.doors import Pin, ReleaseOwner, Request
+from cmx.doors import Pin, PinColumns, ReleaseOwner, Request
 from cmx.errors import UnavailableError
 from cmx.links import LocalLink
 from cmx.tiers import Tier
@@ -30,7 +30,7 @@ class LateLink(LocalLink):
 
     def call(self, name: str, request: Request[R], timeout_s: float | None = None) -> R:
         answer = super().call(name, request)
-        if self.late and isinstance(request, Pin) and name == f"cmx:dram:{NODE}" \
+        if self.late and isinstance(request, (Pin, PinColumns)) and name == f"cmx:dram:{NODE}" \
                 and str(request.owner).startswith("client:"):
             raise UnavailableError(f"{name}.{request.method} did not answer: Get timed out")
         return answer
@@ -44,10 +44,10 @@ class ReorderedLink(LocalLink):
 
     def __init__(self, targets: dict[str, object]) -> None:
         super().__init__(targets)
-        self.held_back: list[tuple[str, Pin]] = []
+        self.held_back: list[tuple[str, Pin | PinColumns]] = []
 
     def call(self, name: str, request: Request[R], timeout_s: float | None = None) -> R:
-        if self.late and isinstance(request, Pin) and name == f"cmx:dram:{NODE}" \
+        if self.late and isinstance(request, (Pin, PinColumns)) and name == f"cmx:dram:{NODE}" \
                 and str(request.owner).startswith("client:"):
             self.held_back.append((name, request))
             raise UnavailableError(f"{name}.{request.method} did not answer: Get timed out")

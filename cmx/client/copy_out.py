@@ -8,7 +8,7 @@ copied, while it is still in the CPU's cache: verifying costs the hash, not a se
 the block from memory. A block whose checksum fails is not used: its place is zeroed (its
 bytes landed before the check could fail), and the caller uses only the blocks before it.
 
-Small blocks (``RUN_BLOCKS`` of them fit a piece; a million-token prefix is 62,500 blocks of
+Small blocks (several of them fit a piece; a million-token prefix is 62,500 blocks of
 16 KiB) go a run at a time instead: the run's payloads gathered into one buffer that stays in
 the cache, each block hashed there, and the blocks before the first that fails written to the
 sink in one call (``Sink.put_run``): a failed block's bytes never land. One numpy call a run,

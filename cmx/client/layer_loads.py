@@ -75,7 +75,7 @@ class LayerLoad:
             self._pins = self._plane.pin_prefix(keys[:here], f"client:{uuid.uuid4().hex}")
             try:
                 self._payloads = self._plane.payloads(self._pins)
-            except (CmxError, OSError, ValueError) as exc:  # a tier restarted: its arena is gone
+            except (CmxError, OSError, ValueError, IndexError) as exc:  # an arena gone
                 log.warning("a local block's arena is gone: %s", exc)
                 self._release(self._pins)
         self._away_kv: Any = None  # what was away, every layer, once the first group came

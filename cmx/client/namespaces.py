@@ -198,7 +198,7 @@ class NamespaceClient:
         pins = plane.pin_prefix(keys, f"client:{uuid.uuid4().hex}")
         try:
             payloads = plane.pinned_payloads(pins)
-        except (CmxError, OSError, ValueError) as exc:  # the tier restarted: its arena is gone
+        except (CmxError, OSError, ValueError, IndexError) as exc:  # its arena is gone
             log.warning("a local block's arena is gone: %s", exc)
             plane.unpin(pins)
             return 0, True  # the agent maps the tier's new incarnation

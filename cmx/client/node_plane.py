@@ -12,8 +12,9 @@ Protocol, in call order:
    may run after the release; the tier refuses ``owner``'s pins from then on.
 2. ``payload(pin)``: the block's bytes, read where they lie, in the shared-memory arena of the
    pin's epoch (``arena_name``), mapped here once per tier incarnation. A tier that restarted
-   unlinked that name, so a read of its pin fails (OSError), never reads another block. The
-   reader checks each block's checksum before using it.
+   unlinked that name: a read of its pin fails (OSError) where this process had not mapped it
+   yet, and otherwise reads the earlier incarnation's pages, which nobody writes any more;
+   never another block. The reader checks each block's checksum before using it.
 3. ``unpin(pins)`` and ``quarantine(pins)``: one way, off the load's path. A corrupt copy goes
    when its last pin does.
 

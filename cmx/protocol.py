@@ -128,9 +128,10 @@ class PinnedColumns:
 
     def as_list(self, keys: Sequence[bytes]) -> list[Pinned | None]:
         """As ``Pin`` answers: one ``Pinned`` a key asked, None where it was not pinned."""
-        held = [BlockHash(k) for k, h in zip(keys, self.held.tolist()) if h]
-        pins = iter(range(len(held)))
-        return [self.pinned(held, next(pins)) if h else None for h in self.held.tolist()]
+        held = self.held.tolist()
+        pinned = [BlockHash(k) for k, h in zip(keys, held) if h]
+        pins = (self.pinned(pinned, i) for i in range(len(pinned)))
+        return [next(pins) if h else None for h in held]
 
 
 class Priority(enum.IntEnum):

@@ -110,25 +110,24 @@ class EventPublisher:
                 pool.shutdown(wait=False)
 
     def _deliver(self, shard: int, entries: list[Entry], seq: int) -> bool:
-        for attempt in range(2):
+        request = Apply(source=self.source, epoch=self.epoch, seq=seq, entries=entries)
+        for last in (False, True):
             started = time.monotonic()
             try:
-                result = self._send(shard, Apply(source=self.source, epoch=self.epoch,
-                                                 seq=seq, entries=entries))
+                result = self._send(shard, request)
+                break
             except Exception:  # noqa: BLE001 - again, kept, or left to the heartbeat: below
-                if time.monotonic() - started < RETRY_WITHIN_S and not attempt:
-                    continue  # refused or reset, not timed out: at once, once more
-                self._keep(shard, entries, fast=time.monotonic() - started < RETRY_WITHIN_S)
-                return False
-            if ApplyResult(result) is not ApplyResult.NEED_RESYNC:
-                return True  # applied, or a duplicate of what was (a lost answer's batch)
+                fast = time.monotonic() - started < RETRY_WITHIN_S  # refused, not timed out
+                if last or not fast:
+                    self._keep(shard, entries, fast)
+                    return False
+        if ApplyResult(result) is ApplyResult.NEED_RESYNC:  # else applied, or a duplicate
             try:
                 self._resync(shard)
             except Exception:  # noqa: BLE001 - the holdings replaced the batch: never kept
                 self._keep(shard, [], fast=False)
                 return False
-            return True
-        raise AssertionError("unreachable")
+        return True
 
     def _keep(self, shard: int, entries: list[Entry], fast: bool) -> None:
         """A batch that did not reach its shard: kept in front of what is pending (its seq

@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar, overload
+from typing import Any, TypeVar, cast, overload
 
 import numpy as np
 
@@ -82,7 +82,7 @@ class PinnedPrefix(Sequence[LocalPin]):
 
     def __init__(self, tier: Tier, keys: Sequence[bytes], columns: PinnedColumns) -> None:
         self.tier = tier
-        self.keys = [BlockHash(k) for k in keys]
+        self.keys = cast(list[BlockHash], list(keys))  # BlockHash is bytes, by name
         self.columns = columns
 
     def __len__(self) -> int:

@@ -261,8 +261,11 @@ class Loads:
         tags = {i: copy_tag(namespace, b.namespace) for i, b in filled.items()}
         commits = [(tags[i], (granted[i].lease, b.size, b.checksum)) for i, b in filled.items()]
         # A load's caller reads its blocks at once; other nodes learn of the copy a moment
-        # later. A prefetch returns once lookups see it.
-        pins = self.tiers.commit_tagged(Tier.HBM, commits, priority is not Priority.LOAD, owner)
+        # later. A prefetch returns once lookups see it. A scan's window is not published: the
+        # scan evicts it moments later; should another reader pin it first, the tier
+        # publishes it then.
+        pins = self.tiers.commit_tagged(Tier.HBM, commits, priority is not Priority.LOAD, owner,
+                                        listed=not scan)
         return {i: replace(b, lease=p.lease, namespace=tags[i])
                 for (i, b), p in zip(filled.items(), pins) if p is not None}
 

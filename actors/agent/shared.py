@@ -94,7 +94,7 @@ class NodeTiers:
         return results
 
     def commit_tagged(self, tier: Tier, commits: Sequence[tuple[str, tuple[int, int, int]]],
-                      wait: bool, owner: str) -> list[Pinned | None]:
+                      wait: bool, owner: str, listed: bool = True) -> list[Pinned | None]:
         """``commit_pinned`` in ``tier`` of each (namespace id, (lease, size, checksum)): one
         call per namespace, all in flight at once; the pins in the order of ``commits``."""
         groups: dict[str, list[int]] = {}
@@ -102,7 +102,7 @@ class NodeTiers:
             groups.setdefault(tag, []).append(n)
         answers = self.call_many([
             (tier, CommitPinned(items=[commits[n][1] for n in idx], namespace=tag, wait=wait,
-                                owner=owner))
+                                owner=owner, listed=listed))
             for tag, idx in groups.items()])
         out: list[Pinned | None] = [None] * len(commits)
         for idx, pins in zip(groups.values(), answers):

@@ -30,6 +30,7 @@ by no one meanwhile.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -151,17 +152,20 @@ class ArenaTierService:
 
     def commit_pinned(
         self, items: Sequence[tuple[int, int, int]], namespace: str = "",
-        wait: bool = True, owner: str = "",
+        wait: bool = True, owner: str = "", listed: bool = True,
     ) -> list[Pinned | None]:
         """``commit``, then ``pin`` for ``owner`` what was committed, in one round trip: what
         a load asks last, and what a write-through store asks before its NVMe writes. Each
         block is pinned as it is committed, so a reservation running beside this never
-        evicts it in between. None for a lease that is not an open reservation here."""
+        evicts it in between. None for a lease that is not an open reservation here. Copies
+        committed not ``listed`` are never published to the directory (a scan's window:
+        readers on this node find them in the held table)."""
         self.leases.expire()
-        return [p for _, p in self._commit(items, namespace, wait, owner)]
+        return [p for _, p in self._commit(items, namespace, wait, owner, listed)]
 
     def _commit(self, items: Sequence[tuple[int, int, int | None]], namespace: str, wait: bool,
-                owner: str | None) -> list[tuple[BlockHash | None, Pinned | None]]:
+                owner: str | None, listed: bool = True
+                ) -> list[tuple[BlockHash | None, Pinned | None]]:
         """Commit each item (by lease); with an ``owner``, each is pinned for it under the
         store's lock, from the moment it is visible."""
         done: list[tuple[BlockHash | None, Pinned | None]] = []
@@ -176,8 +180,16 @@ class ArenaTierService:
             if namespace:
                 self._tags[res.key] = namespace
             with self.store._lock:
-                self.store.commit(res, size, csum)
-                pin = self._pin([res.key], owner)[0] if owner is not None else None
+                try:
+                    if not listed:
+                        self.publisher.unlist(res.key)
+                    self.store.commit(res, size, csum)
+                except BaseException:  # its lease is taken: the slot goes back here or never
+                    self.publisher.relist(res.key)
+                    with contextlib.suppress(BlockStateError, StoreClosedError):
+                        self.store.abort(res)
+                    raise
+                pin = self._pin([res.key], owner, False)[0] if owner is not None else None
             done.append((res.key, pin))
         if wait:
             self.publisher.flush()
@@ -227,18 +239,20 @@ class ArenaTierService:
             np.asarray(leases, np.int64).reshape(n),
             np.fromiter((r.copy for r in got), np.int64, n))
 
-    def _pin(self, keys: Sequence[BlockHash], owner: str) -> list[Pinned | None]:
-        refs, leases = self._pin_refs(keys, owner)
+    def _pin(self, keys: Sequence[BlockHash], owner: str, publish: bool = True
+             ) -> list[Pinned | None]:
+        refs, leases = self._pin_refs(keys, owner, publish)
         granted = iter(leases)
         return [None if ref is None else
                 Pinned(key, ref.slot, ref.size, ref.checksum, self.epoch, next(granted),
                        ref.copy, self._tags.get(key, ""))
                 for key, ref in zip(keys, refs)]
 
-    def _pin_refs(self, keys: Sequence[BlockHash], owner: str
+    def _pin_refs(self, keys: Sequence[BlockHash], owner: str, publish: bool = True
                   ) -> tuple[list[PinnedRef | None], list[int]]:
         """Each key's pinned place (None: not here) and the lease of each pinned, in order;
-        nothing pinned for an owner already released."""
+        nothing pinned for an owner already released. With ``publish``, a copy stored
+        unlisted (a scan's window) that is pinned now is read beyond its scan: published."""
         # A doomed key goes at its last unpin, pinned by no one meanwhile.
         refs = self.store.pin_refs(keys, skip=self.held_keys.doomed)
         held = [key for key, ref in zip(keys, refs) if ref is not None]
@@ -247,6 +261,9 @@ class ArenaTierService:
             for key in held:
                 self._unpin_key(key)
             return [None] * len(keys), []
+        if publish and self.publisher.relist_stored(
+                (key, ref.size, ref.checksum) for key, ref in zip(keys, refs) if ref is not None):
+            self.publisher.flush()
         return refs, leases
 
     def acquire(
@@ -380,11 +397,6 @@ class ArenaTierService:
             self._tags.pop(event.key, None)
 
     def _holdings(self) -> list[Entry]:
-        entries = []
-        for key in self.store.keys():
-            ref = self.store.locate(key)
-            if ref is not None:
-                entries.append(
-                    Entry(key, True, ref.size, ref.checksum or 0, self._tags.get(key, ""))
-                )
-        return entries
+        refs = ((key, self.store.locate(key)) for key in self.store.keys())
+        return [Entry(key, True, ref.size, ref.checksum or 0, self._tags.get(key, ""))
+                for key, ref in refs if ref is not None]

@@ -3,7 +3,10 @@
 The publisher numbers events per (source, shard) with no gaps, batches them, and sends each
 batch to its shard. A shard that answers NEED_RESYNC gets the tier's full holdings for that
 shard instead. ``flush()`` returns once every event so far is applied, or the shard is known
-unreachable. A batch whose call failed fast (a connection reset or refused, as right after a
+unreachable. A copy the tier stores unlisted (``unlist``: a scan's window staged in HBM, evicted
+by the same scan moments later) is never sent, neither its storing nor its removal, unless
+it is read beyond its scan (``relist_stored``: then published as stored). A batch
+whose call failed fast (a connection reset or refused, as right after a
 network link comes back) is sent again at once: one dropped call leaves no stored block unlisted.
 A batch refused again stays pending, in order, and goes with the next flush (the next commit's
 or the heartbeat's); until then its copies are invisible to lookups, never wrong. A batch whose
@@ -19,13 +22,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from typing import Any
 
 from cmx.actors.directory.shard import ApplyResult, Entry, Source, shard_of
 from cmx.doors import Apply, Request, Resync
+from cmx.keys import BlockHash
 from cmx.storage.base import EventKind, StoreEvent
 
 __all__ = ["KEEP_ENTRIES", "RETRY_WITHIN_S", "EventPublisher"]
@@ -61,10 +65,44 @@ class EventPublisher:
         self._senders: ThreadPoolExecutor | None = None  # one thread per shard, once needed
         self._behind: ThreadPoolExecutor | None = None  # flush_soon's thread, once needed
         self._closed = False  # after close, batches go from the caller's thread, one by one
+        self._unlisted: set[bytes] = set()  # keys stored unlisted, until they go
         self.failures = 0
         self.resyncs = 0
 
+    def unlist(self, key: bytes) -> None:
+        """The copy of ``key`` stored next is never published, nor its removal. Called under
+        the store's lock, with the commit; ``relist`` if the commit fails."""
+        with self._lock:
+            self._unlisted.add(key)
+
+    def relist(self, key: bytes) -> None:
+        with self._lock:
+            self._unlisted.discard(key)
+
+    def relist_stored(self, copies: Iterable[tuple[BlockHash, int, int | None]]) -> int:
+        """Publish each of these copies (key, size, checksum) held now that was stored
+        unlisted: it is read beyond the scan that staged it. How many were."""
+        with self._lock:
+            if not self._unlisted:
+                return 0
+            n = 0
+            for key, size, checksum in copies:
+                if key in self._unlisted:
+                    self._unlisted.discard(key)
+                    shard = shard_of(key, self.num_shards)
+                    self._pending[shard].append(Entry(key=key, stored=True, size=size,
+                                                      checksum=checksum or 0,
+                                                      namespace=self._tag(key)))
+                    self._seq[shard] += 1
+                    n += 1
+            return n
+
     def on_event(self, event: StoreEvent) -> None:
+        with self._lock:
+            if event.key in self._unlisted:
+                if event.kind is not EventKind.STORED:
+                    self._unlisted.discard(event.key)
+                return
         entry = Entry(
             key=event.key,
             stored=event.kind is EventKind.STORED,
@@ -144,8 +182,9 @@ class EventPublisher:
         # Holdings and the cursor are read together under the store's lock (events are emitted
         # under it), so that events after the snapshot continue exactly from its number.
         with self._atomic:
-            entries = [e for e in self._holdings() if shard_of(e.key, self.num_shards) == shard]
             with self._lock:
+                entries = [e for e in self._holdings() if e.key not in self._unlisted
+                           and shard_of(e.key, self.num_shards) == shard]
                 seq = self._seq[shard]
                 self._pending[shard] = []
         self._send(shard, Resync(source=self.source, epoch=self.epoch, seq=seq,

@@ -22,7 +22,7 @@ from typing import Any
 from cmx.bench.cluster import bench_cluster
 from cmx.bench.core import GB, BenchContext, Figure, GiB, Goal, MiB, median
 from cmx.bench.raw import fio_engine, fio_path
-from cmx.client.loads import WINDOW_BYTES, window_blocks
+from cmx.client.loads import load_window
 from cmx.config import ServiceConfig
 from cmx.doors import AgentStatsOf, Evict
 from cmx.errors import CmxError
@@ -166,7 +166,7 @@ def _agent_seconds(cm: Any, ns: Any, toks: Any) -> float:
     agent = ray.get_actor(actor_name("agent", cm.node_id), namespace=RAY_NAMESPACE)
     hbm = ray.get_actor(actor_name("hbm", cm.node_id), namespace=RAY_NAMESPACE)
     blocks = list(ns.lookup(toks).blocks)
-    window = min(window_blocks(cm.config), max(1, WINDOW_BYTES // cm.config.block_bytes))
+    window = load_window(cm.config)
     took = 0.0
     for start in range(0, len(blocks), window):
         chunk = blocks[start : start + window]

@@ -89,6 +89,7 @@ class CommitPinned(Request["list[Pinned | None]"]):
     namespace: str = ""
     wait: bool = True
     owner: str = ""
+    listed: bool = True  # False: never published to the directory (a scan's window)
 
 
 @dataclass(frozen=True)

@@ -124,7 +124,7 @@ import cmx.client.loads as loads
 
 def in_windows_of_three(tokens, kv, pull):
     windows = []  # blocks of each window copied out
-    depth, window, copy_out = loads.DEPTH, loads.load_window, loads._copy_out
+    depth, window, copy_out = loads.load_depth, loads.load_window, loads._copy_out
 
     def copied(*args):
         got = copy_out(*args)
@@ -133,11 +133,12 @@ def in_windows_of_three(tokens, kv, pull):
         windows.append(got[0])
         return got
 
-    loads.DEPTH, loads.load_window, loads._copy_out = 1, lambda config: 3, copied
+    loads.load_depth, loads.load_window, loads._copy_out = lambda config: 1, lambda config: 3, \
+        copied
     try:
         return {**timed_load(tokens, kv), "windows": windows}
     finally:
-        loads.DEPTH, loads.load_window, loads._copy_out = depth, window, copy_out
+        loads.load_depth, loads.load_window, loads._copy_out = depth, window, copy_out
         hosts.link(b_host, up=True)
 
 

@@ -33,7 +33,7 @@ PATH = re.compile(r"(?<![\w$/.~-])(?:[\w.-]+/)+[\w.-]+\.(?:py|md|yaml|sh|toml)")
 MODULE = re.compile(r"cmx(?:\.\w+)+")
 FILE = re.compile(r"[\w-]+\.py")  # a file named without its folder
 TREES = ("cmx", "actors", "policies", "api", "deploy", "tests")
-# A code name in dotted form, perhaps called: ``NodePlane.held``, ``loads.DEPTH``, ``a.b(x)``.
+# A code name in dotted form, perhaps called: ``NodePlane.held``, ``loads.MAX_DEPTH``, ``a.b(x)``.
 DOTTED = re.compile(r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)(?:\(.*\))?")
 # A dotted token ending so is a file (``loads.py``), not a code name.
 SUFFIXES = {"py", "md", "yaml", "yml", "json", "toml", "sh", "txt", "so", "html", "js", "css",
@@ -324,9 +324,9 @@ def _cited(text: str) -> list[str]:
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_every_dotted_name_a_page_cites_exists(page: Path) -> None:
-    """A dotted name in backticks is read by its first part: ``cmx.client.loads.DEPTH`` a module
+    """A dotted name in backticks is read by its first part: ``cmx.client.loads.MAX_DEPTH`` a module
     and its name; ``NodePlane.held`` a class of the repository and its attribute (its own or
-    inherited); ``loads.DEPTH`` a module by its last part and its name (or ``agent.load``, an
+    inherited); ``loads.MAX_DEPTH`` a module by its last part and its name (or ``agent.load``, an
     object named so and a method of one of the repository's classes). Any other first part
     (``torch``, ``self``) is some other code's, not checked; ``NOT_NAMES`` lists the tokens of
     these forms that are not code names."""

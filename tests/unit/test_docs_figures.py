@@ -1,6 +1,6 @@
 """The figures the README and docs/ tie to the code: a default stated beside a settings field's
 name ("`load_layer_groups` ... (4 by default)") is that field's default, and a value stated
-beside a constant's ("`DEPTH` = 4", "(`SUBMIT_TIMEOUT_S`, 30 s") is the constant's value."""
+beside a constant's ("`MAX_DEPTH` = 4", "(`SUBMIT_TIMEOUT_S`, 30 s") is the constant's value."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ CONSTANT = re.compile(r"`([A-Z][A-Z0-9_]+)`")
 CLAUSE_END = re.compile(r"[;:]|\.\s|\n\n|`[A-Za-z_]\w*`")
 # "(default 4", "(the default, "async"", "90 s by default", "on by default".
 SAYS_DEFAULT = re.compile(r'default,? "?([\w.]+)|"?([\w.]+)"?(?: s)? by default')
-# "`DEPTH` = 4", "(`SUBMIT_TIMEOUT_S`, 30 s": a number right after the name.
+# "`MAX_DEPTH` = 4", "(`SUBMIT_TIMEOUT_S`, 30 s": a number right after the name.
 SAYS_VALUE = re.compile(r"(?:,| =| \() *([\d.]+)\b(?! *(?:[KMG]i?B|%|x))")
 
 
@@ -93,5 +93,5 @@ def test_every_default_and_constant_a_page_states_is_the_codes() -> None:
                                  f"{names[m.group(1)]}")
     assert not wrong, "pages state values the code does not have:\n" + "\n".join(wrong)
     # What the pages state today: a check that found nothing would pass whatever they said.
-    assert {"load_layer_groups", "load_mode", "lease_s", "DEPTH", "SUBMIT_TIMEOUT_S"} \
+    assert {"load_layer_groups", "load_mode", "lease_s", "MAX_DEPTH", "SUBMIT_TIMEOUT_S"} \
         <= set(checked), checked

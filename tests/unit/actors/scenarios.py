@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytest
 from plane import Plane
 
 from cmx.actors.tiers.arena import ArenaTierService
@@ -69,3 +71,23 @@ def check(plane: Plane) -> None:
         tier.check_integrity()
     for shard in plane.shards:
         shard.check_integrity()
+
+
+class Sent:
+    """Every entry each shard was sent (applied or resynced), as (key, stored)."""
+
+    def __init__(self, plane: Plane, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.entries: list[tuple[bytes, bool]] = []
+        for shard in plane.shards:
+            for method in ("apply", "resync"):
+                monkeypatch.setattr(shard, method, self._noting(getattr(shard, method)))
+
+    def _noting(self, call: Any) -> Any:
+        def noted(source: Any, epoch: str, seq: int, entries: Any) -> Any:
+            entries = list(entries)
+            self.entries += [(bytes(e.key), e.stored) for e in entries]
+            return call(source, epoch, seq, entries)
+        return noted
+
+    def of(self, key: bytes) -> list[tuple[bytes, bool]]:
+        return [e for e in self.entries if e[0] == key]

@@ -1,7 +1,7 @@
 """A prefix eight times larger than this node's HBM and DRAM, held on its NVMe alone, loads
 through a few HBM windows at a time: the agent has the NVMe reads of the windows after the one
-the client copies out under way before that copy (``cmx.client.loads.DEPTH`` windows hold pins
-at once), the bytes come back exact, a window that comes back corrupt ends the load there, and
+the client copies out under way before that copy (``cmx.client.loads.load_depth`` windows hold
+pins at once), the bytes come back exact, a window that comes back corrupt ends the load there, and
 every pin of every window is given back. The blocks its windows evict from HBM stay on NVMe,
 not copied to DRAM, in three round trips to the tiers a window; a block NVMe lacks still goes
 to DRAM."""
@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 from plane import Plane, make_plane
-from scenarios import BLOCK, LAYOUT, check, held, small_config
+from scenarios import BLOCK, LAYOUT, Sent, check, held, small_config
 
 from cmx.client import ContextMemory, NamespaceClient
-from cmx.client.loads import DEPTH, load_window
+from cmx.client.loads import load_depth, load_window
 from cmx.client.node_plane import NodePlane
 from cmx.doors import Load, Pending, Release, Request
 from cmx.keys import Namespace
@@ -152,7 +152,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_the_windows_after_the_one_copied_out_are_read_from_nvme_before_its_copy(
         plane: Plane) -> None:
     """Before the client copies window k out of HBM, the agent has read windows k+1 to
-    k+DEPTH-1 from NVMe (as far as the prefix goes), at least two of them: the disk is not
+    k+depth-1 from NVMe (as far as the prefix goes), at least one of them: the disk is not
     left waiting for the copy, nor for the client to ask for the next window after it."""
     ns, toks, kv = on_nvme_only(plane)
     link: RecordingLink = plane.link  # type: ignore[assignment]
@@ -164,8 +164,8 @@ def test_the_windows_after_the_one_copied_out_are_read_from_nvme_before_its_copy
     assert reads == [f"read {window}"] * windows  # every block read from NVMe, window by window
     before = link.events.reads_before_each_copy()
     assert len(before) == windows
-    assert all(n >= min(k + 3, windows) for k, n in enumerate(before)), before
-    assert before == [min(k + DEPTH, windows) for k in range(windows)]
+    assert all(n >= min(k + 2, windows) for k, n in enumerate(before)), before
+    assert before == [min(k + load_depth(plane.config), windows) for k in range(windows)]
     assert nothing_held(plane)
     check(plane)
 
@@ -200,8 +200,9 @@ def test_a_corrupt_window_mid_prefix_ends_the_load_there_with_every_pin_given_ba
     got = ns.load(toks)
     good = bad_window * window
     assert same_bits(got, kv[:, :, :, : good * T])
-    assert link.events.seen.count("give_up") == DEPTH - 1  # the windows asked after it
-    assert link.loads == bad_window + DEPTH  # nothing asked once it came back corrupt
+    depth = load_depth(plane.config)
+    assert link.events.seen.count("give_up") == depth - 1  # the windows asked after it
+    assert link.loads == bad_window + depth  # nothing asked once it came back corrupt
     assert nothing_held(plane)
     assert hbm.stats().store.quarantined == 1
     check(plane)
@@ -229,6 +230,22 @@ def test_a_scan_demotes_to_dram_nothing_nvme_holds_in_three_tier_round_trips_a_w
     loads = Counter(t for t in link.trips if t != ("hbm.unpin",))  # the releases aside
     assert loads == {("hbm.acquire", "nvme.pin"): windows, ("hbm.commit_pinned",): windows,
                      ("dram.contains", "nvme.contains"): windows - with_room}
+    assert nothing_held(plane)
+    check(plane)
+
+
+def test_a_scans_windows_staged_in_hbm_are_never_published(
+        plane: Plane, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scan's windows pass through HBM for the client alone, evicted by the same scan
+    moments later: the HBM tier sends the directory nothing of them (each would cost the
+    tier and a shard a batch per window), while every block stays listed on NVMe."""
+    ns, toks, kv = on_nvme_only(plane)
+    sent = Sent(plane, monkeypatch)
+    keys = set(ns.keys(toks))
+    assert same_bits(ns.load(toks), kv)
+    plane.tiers[(NODE, Tier.HBM)].publisher.flush(heartbeat=True)
+    assert [e for e in sent.entries if e[0] in keys] == []
+    assert all({c.tier for c in b.copies} == {Tier.NVME} for b in ns.lookup(toks).blocks)
     assert nothing_held(plane)
     check(plane)
 

@@ -6,10 +6,12 @@ Each node's NVMe tier sees the ``nvme_dir`` of its machine (cmx.operate.store_di
 share a machine see the same orphans, so answers are merged by machine-local path.
 
 vLLM's processes talk through POSIX shared memory (``/dev/shm/psm_*``, 160 MiB and more per
-engine) and named semaphores (``sem.mp-*``). The process that made one unlinks it if its exit
-gets that far, else multiprocessing's resource tracker does once the process tree ends; but a
-Ray actor's child processes, the tracker among them, can be killed with it (a replica stopped,
-a node torn down), and the segments then stay in RAM until reboot. A replica records the
+engine), named semaphores (``sem.mp-*``) and, on its CPU build at a tensor-parallel degree
+above 1, its ranks' shared buffers (``*-cpushm_*``, 8 MiB and more each). The process that
+made one unlinks it if its exit gets that far, else multiprocessing's resource tracker does
+once the process tree ends; but a Ray actor's child processes, the tracker among them, can be
+killed with it (a replica stopped, a node torn down), and the segments then stay in RAM until
+reboot. A replica records the
 segments its engine's processes hold (``record``), and ``reap`` unlinks a recorded segment once
 every process of its record is gone and no live process maps it or holds it open. A segment no
 record names, another user's or another program's, is never touched. ``watch`` leaves a
@@ -31,13 +33,16 @@ from cmx.links import RAY_NAMESPACE, actor_name
 from cmx.operate.store_dirs import Orphan
 from cmx.sentinel import after_exit, identity
 
-__all__ = ["SEGMENT_PREFIXES", "EngineSegments", "ReapedSegment", "collect_orphans",
-           "list_orphans"]
+__all__ = ["SEGMENT_MARK", "SEGMENT_PREFIXES", "EngineSegments", "ReapedSegment",
+           "collect_orphans", "is_engine_segment", "list_orphans"]
 
 SHM_DIR = "/dev/shm"
 PROC_DIR = "/proc"
 # Python's multiprocessing names: SharedMemory segments, and named semaphores (sem_open's file).
 SEGMENT_PREFIXES = ("psm_", "sem.mp-")
+# vLLM's CPU build: the shared buffers of a tensor-parallel group's ranks, named
+# "<instance>-<group>-[<ranks>]-cpushm" and a suffix per rank.
+SEGMENT_MARK = "-cpushm"
 
 
 def _tiers(timeout_s: float) -> dict[str, Any]:
@@ -193,7 +198,7 @@ class EngineSegments:
                 with open(path) as f:
                     data = json.load(f)
                 procs = [_Proc(int(pid), int(start)) for pid, start in data["processes"]]
-                segments = [str(s) for s in data["segments"] if _is_segment(str(s))]
+                segments = [str(s) for s in data["segments"] if is_engine_segment(str(s))]
             except (OSError, ValueError, KeyError, TypeError):
                 continue  # being written, or not a record: left as it is
             out[path] = (procs, segments)
@@ -240,7 +245,7 @@ class EngineSegments:
                 continue
             if target.startswith(prefix):
                 held.add(target[len(prefix):])
-        return {name for name in held if _is_segment(name)}
+        return {name for name in held if is_engine_segment(name)}
 
     def _held_by_anyone(self) -> set[str]:
         # Processes this user may not inspect are not seen; they cannot open a segment made
@@ -252,8 +257,9 @@ class EngineSegments:
         return held
 
 
-def _is_segment(name: str) -> bool:
-    return name.startswith(SEGMENT_PREFIXES) and "/" not in name
+def is_engine_segment(name: str) -> bool:
+    """Whether a name under /dev/shm is of the kinds a vLLM engine makes."""
+    return (name.startswith(SEGMENT_PREFIXES) or SEGMENT_MARK in name) and "/" not in name
 
 
 def _remove(path: str) -> None:

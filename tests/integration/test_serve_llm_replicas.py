@@ -36,7 +36,7 @@ import pytest
 import yaml
 from app_process import AppProcess
 
-from cmx.operate.orphans import SEGMENT_PREFIXES, EngineSegments
+from cmx.operate.orphans import EngineSegments, is_engine_segment
 
 MODEL = "SmolLM2-135M-Instruct"
 START_TIMEOUT_S = 900  # a bound: two engines starting on two cores
@@ -51,7 +51,7 @@ pytestmark = pytest.mark.apart
 
 
 def shm_segments() -> set[str]:
-    return {n for n in os.listdir(SHM) if n.startswith(SEGMENT_PREFIXES)}
+    return {n for n in os.listdir(SHM) if is_engine_segment(n)}
 
 
 def held_by(pids: list[int], scratch: str) -> set[str]:

@@ -122,6 +122,22 @@ def test_a_dead_engines_segments_are_reaped_and_nothing_else(
     assert segments.reap() == []
 
 
+def test_a_tensor_parallel_engines_rank_buffers_are_reaped_too(
+    segments: EngineSegments, shm: Path, holders: list[Holder],
+) -> None:
+    """vLLM's CPU build at TP=3 leaves each rank's shared buffer when its processes are
+    killed: recorded from the workers that map them, and reaped once they are gone."""
+    names = [f"vllm_dist_x7q2-pg0-[0-1-2]-cpushm_{rank}" for rank in range(3)]
+    buffers = [make(shm, name, 8192) for name in names]
+    workers = [Holder("map", b) for b in buffers]
+    holders.extend(workers)
+    assert segments.record([w.pid for w in workers]) is not None
+    for w in workers:
+        w.stop()
+    assert sorted(r.name for r in segments.reap()) == names
+    assert not any(b.exists() for b in buffers)
+
+
 def test_a_segment_a_live_process_maps_or_holds_open_is_kept_until_it_lets_go(
     segments: EngineSegments, shm: Path, holders: list[Holder],
 ) -> None:

@@ -185,9 +185,13 @@ class ArenaTierService:
                         self.publisher.unlist(res.key)
                     self.store.commit(res, size, csum)
                 except BaseException:  # its lease is taken: the slot goes back here or never
-                    self.publisher.relist(res.key)
+                    aborted = False  # else committed after all (a later step raised): held
                     with contextlib.suppress(BlockStateError, StoreClosedError):
                         self.store.abort(res)
+                        aborted = True
+                    if aborted:
+                        self.publisher.relist(res.key)
+                        self._tags.pop(res.key, None)
                     raise
                 pin = self._pin([res.key], owner, False)[0] if owner is not None else None
             done.append((res.key, pin))

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from cmx.buffers import align_up
 from cmx.client.copy_out import copy_verified
 from cmx.config import ServiceConfig
 from cmx.doors import GiveUp, Load, Pending, Release
@@ -163,20 +164,24 @@ def load_through_agent(ns: Reader, blocks: Sequence[BlockLocation], out: Any,
 
 def load_window(config: ServiceConfig) -> int:
     """Blocks per window of a load: half the HBM tier, at most ``WINDOW_BYTES``."""
-    per_tier = max(1, config.hbm_bytes // config.block_bytes // 2)
-    return min(per_tier, max(1, WINDOW_BYTES // config.block_bytes))
+    return min(window_blocks(config), max(1, WINDOW_BYTES // config.block_bytes))
 
 
 def load_depth(config: ServiceConfig) -> int:
     """Windows of a load holding pins at once: as many as the HBM tier holds, at most
     ``MAX_DEPTH``."""
-    hbm_blocks = config.hbm_bytes // config.block_bytes
-    return max(1, min(MAX_DEPTH, hbm_blocks // load_window(config)))
+    return max(1, min(MAX_DEPTH, _hbm_slots(config) // load_window(config)))
 
 
 def window_blocks(config: ServiceConfig) -> int:
     """Blocks per prefetch call: half the HBM tier, so that two fit in it."""
-    return max(1, config.hbm_bytes // config.block_bytes // 2)
+    return max(1, _hbm_slots(config) // 2)
+
+
+def _hbm_slots(config: ServiceConfig) -> int:
+    """The blocks the HBM tier holds: its arena's slots, each a block rounded up to the page
+    (``cmx.storage.arena``)."""
+    return config.hbm_bytes // align_up(config.block_bytes)
 
 
 def _agent(ns: Reader) -> str:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from cmx.links import RAY_NAMESPACE, actor_name
 from cmx.operate.store_dirs import Orphan
 from cmx.sentinel import after_exit, identity
 
-__all__ = ["SEGMENT_MARK", "SEGMENT_PREFIXES", "EngineSegments", "ReapedSegment",
+__all__ = ["CPU_SHM", "SEGMENT_PREFIXES", "EngineSegments", "ReapedSegment",
            "collect_orphans", "is_engine_segment", "list_orphans"]
 
 SHM_DIR = "/dev/shm"
@@ -41,8 +42,9 @@ PROC_DIR = "/proc"
 # Python's multiprocessing names: SharedMemory segments, and named semaphores (sem_open's file).
 SEGMENT_PREFIXES = ("psm_", "sem.mp-")
 # vLLM's CPU build: the shared buffers of a tensor-parallel group's ranks, named
-# "<instance>-<group>-[<ranks>]-cpushm" and a suffix per rank.
-SEGMENT_MARK = "-cpushm"
+# "<instance>-<group>-[<ranks>]-cpushm" and a suffix per rank. The instance is the engine's
+# port (or rendezvous file), so an engine started on the same port names them again.
+CPU_SHM = re.compile(r"-\[[0-9-]+\]-cpushm(_[0-9]+)*$")
 
 
 def _tiers(timeout_s: float) -> dict[str, Any]:
@@ -166,7 +168,8 @@ class EngineSegments:
                 seg = os.path.join(self.shm_dir, name)
                 if not os.path.exists(seg):
                     continue
-                if name in in_use:
+                # A name an engine started since may have taken again: asked afresh, just before.
+                if name in in_use or (CPU_SHM.search(name) and name in self._held_by_anyone()):
                     kept.append(name)
                     continue
                 try:
@@ -259,7 +262,8 @@ class EngineSegments:
 
 def is_engine_segment(name: str) -> bool:
     """Whether a name under /dev/shm is of the kinds a vLLM engine makes."""
-    return (name.startswith(SEGMENT_PREFIXES) or SEGMENT_MARK in name) and "/" not in name
+    return (name.startswith(SEGMENT_PREFIXES) or CPU_SHM.search(name) is not None) \
+        and "/" not in name
 
 
 def _remove(path: str) -> None:

@@ -19,6 +19,7 @@ import torch
 from plane import Plane, make_plane
 from scenarios import BLOCK, LAYOUT, Sent, check, held, small_config
 
+from cmx.buffers import align_up
 from cmx.client import ContextMemory, NamespaceClient
 from cmx.client.loads import load_depth, load_window
 from cmx.client.node_plane import NodePlane
@@ -273,3 +274,15 @@ def test_a_block_a_scan_evicts_from_hbm_that_nvme_lacks_is_demoted_to_dram(
     assert same_bits(hot.load(hot_toks), hot_kv)
     assert nothing_held(plane)
     check(plane)
+
+
+@pytest.mark.parametrize("block,hbm", [(6000, 24_000), (8192, 8192), (8192, 3 * 8192),
+                                       (2 << 20, 64 << 20), (2 << 20, 1 << 30),
+                                       (512 << 20, 1 << 30)])
+def test_a_loads_windows_in_flight_fit_the_hbm_arena(tmp_path, block: int, hbm: int) -> None:
+    """Counted in the arena's slots (a block rounded up to the page), never more blocks in
+    flight than HBM holds, and at least one."""
+    config = small_config(tmp_path, block_bytes=block, hbm_bytes=hbm)
+    slots = hbm // align_up(block)  # as ``SharedArena.create`` makes them
+    window, depth = load_window(config), load_depth(config)
+    assert 1 <= window * depth <= slots

@@ -123,3 +123,29 @@ def test_a_prefetch_that_finds_an_unlisted_copy_returns_once_lookups_see_it(
     assert plane.agents[NODE].prefetch([key], [[]]) == 1
     assert tiers_listing(plane, key) == {Tier.HBM}
     check(plane)
+
+
+def test_a_commit_that_raises_once_stored_keeps_its_copy_unlisted_until_read(
+        plane: Plane) -> None:
+    """A step after the store's commit raises (a subscriber of its events): the copy stays
+    committed, so it is not aborted, and stays unlisted until another reader pins it."""
+    hbm = plane.tiers[(NODE, Tier.HBM)]
+    key = key_of(6)
+    raised = []
+
+    def refusing(event: Any) -> None:
+        if event.key == key and not raised:
+            raised.append(event)
+            raise RuntimeError("a subscriber failed")
+
+    hbm.store.subscribe(refusing)
+    grant = hbm.reserve([(key, None)], "reader")[0]
+    with pytest.raises(RuntimeError):
+        hbm.commit_pinned([(grant.lease, BLOCK, 7)], owner="reader", listed=False)
+    assert hbm.contains([key]) == [True]
+    assert tiers_listing(plane, key) == set()
+    pin = hbm.pin([key], "another")[0]
+    assert pin is not None
+    assert tiers_listing(plane, key) == {Tier.HBM}
+    hbm.unpin([pin.lease])
+    check(plane)

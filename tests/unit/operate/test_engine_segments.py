@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from cmx.operate.orphans import EngineSegments, ReapedSegment
+from cmx.operate.orphans import EngineSegments, ReapedSegment, is_engine_segment
 
 HOLDER = """
 import mmap, os, sys
@@ -136,6 +136,32 @@ def test_a_tensor_parallel_engines_rank_buffers_are_reaped_too(
         w.stop()
     assert sorted(r.name for r in segments.reap()) == names
     assert not any(b.exists() for b in buffers)
+
+
+def test_a_rank_buffer_an_engine_takes_again_while_reaping_is_kept(
+    segments: EngineSegments, shm: Path, holders: list[Holder],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A rank buffer is named by the engine's port: an engine started on the same port maps
+    the name again between the reaper's look at who holds what and its unlink. The reaper
+    asks afresh just before unlinking such a name, and keeps it."""
+    name = "vllm_dist_29500-pg0-[0-1]-cpushm_0"
+    buffer = make(shm, name)
+    worker = Holder("map", buffer)
+    holders.append(worker)
+    assert segments.record([worker.pid]) is not None
+    worker.stop()
+    looks = iter([set(), {name}])  # free at the first look, taken by the second
+    monkeypatch.setattr(segments, "_held_by_anyone", lambda: next(looks))
+    assert segments.reap() == []
+    assert buffer.exists()
+
+
+def test_only_vllms_rank_buffer_names_count_as_its_segments() -> None:
+    assert is_engine_segment("vllm_dist_x7q2-pg0-[0-1-2]-cpushm_2")
+    assert is_engine_segment("29500-pg1-[0-1]-cpushm")
+    assert not is_engine_segment("my-cpushm-notes")
+    assert not is_engine_segment("cmx-hbm-0a1b-cpushm")
 
 
 def test_a_segment_a_live_process_maps_or_holds_open_is_kept_until_it_lets_go(

@@ -16,7 +16,9 @@ stop, each naming itself in its responses). ``build_app`` is an application buil
 config files (``import_path: cmx.deploy.serve_llm:build_app``, ``args``: ``ServeOptions``
 fields); ``deploy/serve_llm_config.yaml`` is one, two replicas on two cores. What
 ``ray.serve.llm`` does not do, and ``cmx.deploy.app`` does: route by where the prefix is cached,
-prefetch on arrival, tenants by API key, ``cached_tokens`` in the usage.
+prefetch on arrival, tenants by API key. The usage reports ``prompt_tokens_details.cached_tokens``
+(vLLM's ``enable_prompt_tokens_details``): the prompt tokens vLLM's own cache and the context
+memory spared, as ``cmx.deploy.app`` reports them.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def llm_config(options: ServeOptions, ray_address: str) -> Any:
             "dtype": eng.dtype, "block_size": eng.block_size,
             "max_model_len": eng.max_model_len, "max_num_seqs": eng.max_num_seqs,
             "enforce_eager": True, "enable_prefix_caching": True,
+            "enable_prompt_tokens_details": True,
             "kv_transfer_config": transfer_config(options, model, service, ray_address),
         },
         placement_group_config={"bundles": [{"CPU": cpus}]},

@@ -105,8 +105,10 @@ def a_prefix_stored_by_one_replica_is_loaded_by_the_other(app: AppProcess) -> No
         if answered[-1] != first:
             break
     assert answered[-1] != first, f"{ATTEMPTS} requests, all answered by {first}"
-    # Loaded from the service: the replica that answered never saw the prefix.
+    # Loaded from the service: the replica that answered never saw the prefix. The usage
+    # says so as the OpenAI API does.
     assert report(hit)["loaded_tokens"] == PREFIX_TOKENS, report(hit)
+    assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] == PREFIX_TOKENS, hit["usage"]
 
     off = complete(client, prompt, kv_transfer_params={"cmx": {"skip": True}},
                    cache_salt=f"cache-off-{uuid.uuid4().hex}")  # nor vLLM's own cache

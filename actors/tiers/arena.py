@@ -30,7 +30,6 @@ by no one meanwhile.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 import uuid
@@ -185,11 +184,11 @@ class ArenaTierService:
                         self.publisher.unlist(res.key)
                     self.store.commit(res, size, csum)
                 except BaseException:  # its lease is taken: the slot goes back here or never
-                    aborted = False  # else committed after all (a later step raised): held
-                    with contextlib.suppress(BlockStateError, StoreClosedError):
+                    try:
                         self.store.abort(res)
-                        aborted = True
-                    if aborted:
+                    except (BlockStateError, StoreClosedError):
+                        pass  # committed after all (a later step raised): held as committed
+                    else:
                         self.publisher.relist(res.key)
                         self._tags.pop(res.key, None)
                     raise

@@ -89,31 +89,25 @@ class EventPublisher:
             for key, size, checksum in copies:
                 if key in self._unlisted:
                     self._unlisted.discard(key)
-                    shard = shard_of(key, self.num_shards)
-                    self._pending[shard].append(Entry(key=key, stored=True, size=size,
-                                                      checksum=checksum or 0,
-                                                      namespace=self._tag(key)))
-                    self._seq[shard] += 1
+                    self._queue(Entry(key, True, size, checksum or 0, self._tag(key)))
                     n += 1
             return n
 
     def on_event(self, event: StoreEvent) -> None:
+        stored = event.kind is EventKind.STORED
+        entry = Entry(event.key, stored, event.size, event.checksum or 0,
+                      self._tag(event.key) if stored else "")
         with self._lock:
-            if event.key in self._unlisted:
-                if event.kind is not EventKind.STORED:
-                    self._unlisted.discard(event.key)
-                return
-        entry = Entry(
-            key=event.key,
-            stored=event.kind is EventKind.STORED,
-            size=event.size,
-            checksum=event.checksum or 0,
-            namespace=self._tag(event.key) if event.kind is EventKind.STORED else "",
-        )
-        shard = shard_of(event.key, self.num_shards)
-        with self._lock:
-            self._pending[shard].append(entry)
-            self._seq[shard] += 1
+            if event.key not in self._unlisted:
+                self._queue(entry)
+            elif not stored:  # the unlisted copy went, unpublished as it came
+                self._unlisted.discard(event.key)
+
+    def _queue(self, entry: Entry) -> None:
+        """Add ``entry`` to its shard's next batch, numbered; under ``_lock``."""
+        shard = shard_of(entry.key, self.num_shards)
+        self._pending[shard].append(entry)
+        self._seq[shard] += 1
 
     def flush(self, heartbeat: bool = False) -> bool:
         """Send every pending batch, to all shards at once; with ``heartbeat``, empty ones too

@@ -33,7 +33,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -44,7 +44,8 @@ from cmx.actors.tiers.events import EventPublisher
 from cmx.actors.tiers.fences import SlotFences
 from cmx.actors.tiers.grants import ArenaInfo, Grant, Victim
 from cmx.actors.tiers.held import HeldKeys
-from cmx.actors.tiers.leases import ADMIN, Clock, LeasedPins, LeaseKind, Leases
+from cmx.actors.tiers.leased import LeasedPins, LeasedTier
+from cmx.actors.tiers.leases import ADMIN, Clock, LeaseKind, Leases
 from cmx.errors import BlockStateError, StoreClosedError, StoreFullError
 from cmx.keys import BlockHash
 from cmx.protocol import Pinned, PinnedColumns, arena_name, held_table_name
@@ -60,7 +61,7 @@ __all__ = ["ArenaInfo", "ArenaTierService", "Grant", "Pinned", "Victim"]
 DEFAULT_LEASE_S = 90.0
 
 
-class ArenaTierService:
+class ArenaTierService(LeasedTier[Pinned]):
     def __init__(
         self,
         tier: Tier,
@@ -89,7 +90,8 @@ class ArenaTierService:
             on_evict=self._on_evict,
         )
         self.leases = Leases(lease_s, clock)
-        self.leased = LeasedPins[Pinned](self.leases, self.pin, self._unpin_key)
+        self.leased = LeasedPins[Pinned](self.leases, self.pin,
+                                         lambda key: self._unpin_keys([key]), self._unpin_keys)
         self.fences = SlotFences(self.store, lease_s, clock)
         self._reservations: dict[int, Reservation] = {}  # lease -> open reservation
         self._quarantined = 0
@@ -170,6 +172,9 @@ class ArenaTierService:
         done: list[tuple[BlockHash | None, Pinned | None]] = []
         for lease, size, csum in items:
             held = self.leases.take(lease)
+            if held is not None and held.kind is LeaseKind.PIN:
+                held.undo(lease)  # a pin is no reservation to commit: ended, as abort ends it
+                held = None
             with self._lock:
                 res = self._reservations.pop(lease, None) if held is not None else None
             if res is None:
@@ -259,10 +264,10 @@ class ArenaTierService:
         # A doomed key goes at its last unpin, pinned by no one meanwhile.
         refs = self.store.pin_refs(keys, skip=self.held_keys.doomed)
         held = [key for key, ref in zip(keys, refs) if ref is not None]
-        leases = self.leases.grant_pins(owner, held, self.leased.unpin_later)
+        leases = self.leases.grant_pins(owner, held, self.leased.unpin_later,
+                                        self.leased.unpin_keys)
         if leases is None:  # a late pin of an owner already released: nobody would end them
-            for key in held:
-                self._unpin_key(key)
+            self._unpin_keys(held)
             return [None] * len(keys), []
         if publish and self.publisher.relist_stored(
                 (key, ref.size, ref.checksum) for key, ref in zip(keys, refs) if ref is not None):
@@ -278,27 +283,17 @@ class ArenaTierService:
         grants = iter(self.reserve([item for item, p in zip(items, pins) if p is None], owner))
         return [p if p is not None else next(grants) for p in pins]
 
-    # -- ending leases (``LeasedPins``) ---------------------------------------------------------
+    # -- undoing pins (``LeasedPins``, ``LeasedTier``) ----------------------------------------
 
-    def pin_for(self, keys: Sequence[BlockHash], ttl_s: float, owner: str = ADMIN
-                ) -> list[Pinned | None]:
-        return self.leased.pin_for(keys, ttl_s, owner)
-
-    def unpin(self, leases: Iterable[int | BlockHash]) -> None:
-        self.leased.unpin(leases)
-
-    def release_owner(self, owner: str) -> int:
-        return self.leased.release_owner(owner)
-
-    def expire(self) -> int:
-        return self.leased.expire()
-
-    def _unpin_key(self, key: BlockHash) -> None:
+    def _unpin_keys(self, keys: list[BlockHash]) -> None:
+        """One pin of each key undone, the store's lock taken once; a key quarantined under
+        its pins goes at the last. A key no longer pinned (it went with a close) is passed."""
         try:
-            self.store.unpin(key)
-        except (BlockStateError, StoreClosedError):
-            return  # the block went with a close, or the tier is stopping: nothing stays pinned
-        if key in self.held_keys.doomed and self._drop(key):
+            self.store.unpin_many(keys)
+        except StoreClosedError:
+            return  # the tier is stopping: nothing stays pinned
+        doomed = self.held_keys.doomed
+        if doomed and any([self._drop(key) for key in keys if key in doomed]):
             self.publisher.flush()
 
     def quarantine(self, keys: Sequence[BlockHash]) -> int:

@@ -24,12 +24,13 @@ import functools
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from cmx.actors.directory.shard import Entry, Source
 from cmx.actors.tiers.events import EventPublisher
-from cmx.actors.tiers.leases import ADMIN, Clock, LeasedPins, LeaseKind, Leases
+from cmx.actors.tiers.leased import LeasedPins, LeasedTier
+from cmx.actors.tiers.leases import ADMIN, Clock, LeaseKind, Leases
 from cmx.doors import MoveExtents
 from cmx.errors import BlockStateError
 from cmx.keys import BlockHash
@@ -47,7 +48,7 @@ DEFAULT_LEASE_S = 120.0
 Reserve = tuple[BlockHash, BlockHash | None, int] | tuple[BlockHash, BlockHash | None, int, str]
 
 
-class NvmeTierService:
+class NvmeTierService(LeasedTier[Extent]):
     def __init__(
         self,
         node: str,
@@ -150,20 +151,7 @@ class NvmeTierService:
                               entry.length, entry.checksum, lease, entry.chunk_sums, entry.tag))
         return out
 
-    # -- ending leases (``LeasedPins``) ---------------------------------------------------------
-
-    def pin_for(self, keys: Sequence[BlockHash], ttl_s: float, owner: str = ADMIN
-                ) -> list[Extent | None]:
-        return self.leased.pin_for(keys, ttl_s, owner)
-
-    def unpin(self, leases: Iterable[int | BlockHash]) -> None:
-        self.leased.unpin(leases)
-
-    def release_owner(self, owner: str) -> int:
-        return self.leased.release_owner(owner)
-
-    def expire(self) -> int:
-        return self.leased.expire()
+    # -- undoing pins (``LeasedPins``, ``LeasedTier``) ----------------------------------------
 
     def _unpin_key(self, key: BlockHash) -> None:
         try:

@@ -334,16 +334,6 @@ class DramStore(DramBooks):
                                       entry.size, entry.checksum, entry.reservation))
             return refs
 
-    def unpin(self, key: bytes) -> None:
-        key = check_key(key)
-        with self._lock:
-            self._check_open()
-            entry = self._visible(key)
-            if entry is None or not entry.pins:
-                raise BlockStateError(f"block {key.hex()[:12]} is not pinned")
-            entry.pins -= 1
-            self._pinned -= entry.pins == 0
-
     def delete(self, key: bytes) -> bool:
         """Remove an unpinned block; False on a miss, BlockStateError if it is pinned."""
         key = check_key(key)
@@ -371,10 +361,6 @@ class DramStore(DramBooks):
             self._arena.unlink()
 
     # -- internals (callers hold the lock) -----------------------------------------------------
-
-    def _visible(self, key: BlockHash) -> DramEntry | None:
-        entry = self._index.get(key)
-        return entry if entry is not None and entry.committed else None
 
     def _lookup(self, key: BlockHash) -> DramEntry | None:
         """A hit (counted, policy touched) or a miss (counted)."""

@@ -1,15 +1,17 @@
-"""The books of DramStore: its index and counters, what ``stats`` reports of them, the
-invariants ``check_integrity`` holds them to, and eviction (a block leaves the books, its slot
-freed, after ``on_evict`` had a pinned view of it). DramStore (dram.py) keeps them."""
+"""The books of DramStore: its index and counters, what ``stats`` reports of them, the pins read
+from them, the invariants ``check_integrity`` holds them to, and eviction (a block leaves the
+books, its slot freed, after ``on_evict`` had a pinned view of it). DramStore (dram.py) keeps
+them."""
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from cmx.errors import StoreClosedError, StoreFullError
-from cmx.keys import BlockHash
+from cmx.errors import BlockStateError, StoreClosedError, StoreFullError
+from cmx.keys import BlockHash, check_key
 from cmx.policies.eviction import EvictionPolicy
 from cmx.storage.arena import SharedArena, SlotAllocator
 from cmx.storage.base import BlockStore, DramStats, EventKind
@@ -162,6 +164,32 @@ class DramBooks(BlockStore):
         finally:
             entry.pins -= 1
             self._pinned -= 1
+
+    def unpin(self, key: bytes) -> None:
+        key = check_key(key)
+        with self._lock:
+            self._check_open()
+            entry = self._visible(key)
+            if entry is None or not entry.pins:
+                raise BlockStateError(f"block {key.hex()[:12]} is not pinned")
+            entry.pins -= 1
+            self._pinned -= entry.pins == 0
+
+    def unpin_many(self, keys: Iterable[BlockHash]) -> None:
+        """``unpin`` one pin of each key (pinned by ``pin_refs``, so already checked), in one
+        hold of the lock; a key no longer pinned here is passed over."""
+        with self._lock:
+            self._check_open()
+            for key in keys:
+                entry = self._visible(key)
+                if entry is None or not entry.pins:
+                    continue
+                entry.pins -= 1
+                self._pinned -= entry.pins == 0
+
+    def _visible(self, key: BlockHash) -> DramEntry | None:
+        entry = self._index.get(key)
+        return entry if entry is not None and entry.committed else None
 
     def _remove(self, key: BlockHash, entry: DramEntry) -> None:
         del self._index[key]

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from cmx.actors.tiers.leases import ADMIN, LeasedPins, LeaseKind, Leases
+from cmx.actors.tiers.leased import LeasedPins
+from cmx.actors.tiers.leases import ADMIN, LeaseKind, Leases
 from cmx.keys import BlockHash
 
 K1, K2 = BlockHash(b"\x01" * 32), BlockHash(b"\x02" * 32)

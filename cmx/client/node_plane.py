@@ -4,14 +4,16 @@ their books, with the operation a local hit needs fused into one round trip.
 Protocol, in call order:
 
 1. ``pin_prefix(keys, owner)``: the tiers pin the keys for ``owner`` (each pin a lease,
-   taken back when it expires), DRAM first, HBM for what DRAM lacks; the longest prefix of
+   taken back when it expires; one call's pins are one run of lease ids in the tier's books,
+   ``Leases.grant_pins``), DRAM first, HBM for what DRAM lacks; the longest prefix of
    held keys is returned, and every other pin is let go one way. A prefix in DRAM is one
    round trip, with no directory: a tier pins only committed blocks. A tier that fails or
    answers late is told to give back all ``owner`` holds there (``release_owner``, one way):
    ``owner`` names one load, and a late call may have pinned before its answer was lost, or
    may run after the release; the tier refuses ``owner``'s pins from then on.
 2. ``payload(pin)``: the block's bytes, read where they lie, in the shared-memory arena of the
-   pin's epoch (``arena_name``), mapped here once per tier incarnation. A tier that restarted
+   pin's epoch (``arena_name``), mapped here once per tier incarnation (a prefix pinned whole
+   in one tier: ``SlotRows``, its runs gathered from the slots by index). A tier that restarted
    unlinked that name: a read of its pin fails (OSError) where this process had not mapped it
    yet, and otherwise reads the earlier incarnation's pages, which nobody writes any more;
    never another block. The reader checks each block's checksum before using it.
@@ -41,6 +43,7 @@ from typing import Any, TypeVar, cast, overload
 
 import numpy as np
 
+from cmx.client.copy_out import SlotRows
 from cmx.copy_table import CopyTable
 from cmx.doors import (
     ArenaInfoOf,
@@ -265,11 +268,17 @@ class NodePlane:
             views.append(arena.slot_view(pin.pin.slot)[: pin.pin.size])
         return views
 
-    def pinned_payloads(self, pins: Sequence[LocalPin]) -> list[tuple[BlockHash, np.ndarray, int]]:
-        """(key, bytes in place, checksum) of each pin, as ``copy_payloads`` takes them."""
+    def pinned_payloads(self, pins: Sequence[LocalPin]
+                        ) -> Sequence[tuple[BlockHash, np.ndarray, int]]:
+        """(key, bytes in place, checksum) of each pin, as ``copy_payloads`` takes them: a
+        prefix pinned whole in one tier, its blocks of one size, as ``SlotRows``."""
         if isinstance(pins, PinnedPrefix):
-            return list(zip(pins.keys, self._prefix_payloads(pins),
-                            pins.columns.checksum.tolist()))
+            c = pins.columns
+            if len(c.size) and int(c.size.min()) == int(c.size.max()):
+                arena = self.arena(arena_name(pins.tier, self.node, c.epoch))
+                return SlotRows(pins.keys, arena.buffer, arena.slot_bytes, c.slot,
+                                min(int(c.size[0]), arena.slot_bytes), c.checksum)
+            return list(zip(pins.keys, self._prefix_payloads(pins), c.checksum.tolist()))
         return [(p.pin.key, view, p.pin.checksum) for p, view in zip(pins, self.payloads(pins))]
 
     def _prefix_payloads(self, pins: PinnedPrefix) -> list[np.ndarray]:

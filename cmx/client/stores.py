@@ -11,7 +11,10 @@ Protocol, per window of half the DRAM tier (so a store larger than DRAM streams 
    here before, the copy lands in memory no tier uses and its commit is refused. Each
    block's checksum is taken of the engine's bytes as they are copied (``copy_block``),
    never read back from the slot: a writer whose lease ran out may still copy into that
-   slot, and its late bytes must fail the checksum where they are used, not pass it.
+   slot, and its late bytes must fail the checksum where they are used, not pass it. Small
+   blocks of a KV tensor go a run at a time (``TensorSource.copy_run``): the run gathered into
+   one buffer in payload order, each block hashed there, the run written to its slots in one
+   numpy call.
 3. ``agent.commit_store(keys, parents, done, namespace, replication, owner)``: committed and
    visible to lookups, each block pinned for the store's owner as it is committed, then
    written through to NVMe and the pool as placement and admission say, then unpinned; a
@@ -33,11 +36,13 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import numpy as np
+import xxhash
 
 from cmx.checksum import Checksum, ChecksumStream
+from cmx.client.copy_out import run_blocks
 from cmx.doors import Abort, CommitStore, GrantStore, Pending
 from cmx.keys import BlockHash
 from cmx.layout import KVLayout
@@ -73,6 +78,19 @@ class TensorSource:
     def copy_block(self, i: int, slot: np.ndarray) -> Checksum:
         T = self.layout.block_tokens
         return copy_block(self.layout, slot, self.kv[:, :, :, i * T : (i + 1) * T])
+
+    def copy_run(self, i: int, n: int) -> tuple[np.ndarray, list[Checksum]]:
+        """Blocks ``i`` to ``i + n`` gathered in (layer-major) payload order into one buffer,
+        ``[n, block_bytes]``, and the checksum of each, taken there."""
+        T = self.layout.block_tokens
+        src = self.kv[:, :, :, i * T : (i + n) * T]
+        if src.device.type != "cpu":
+            src = src.cpu()
+        a = _numpy(src)
+        L, two, H, _, D = a.shape
+        rows = np.ascontiguousarray(a.reshape(L, two, H, n, T, D).transpose(3, 0, 1, 2, 4, 5))
+        rows = rows.view(np.uint8).reshape(n, -1)
+        return rows, [Checksum(xxhash.xxh3_64_intdigest(row.data)) for row in rows]
 
 
 @dataclass(frozen=True)
@@ -206,18 +224,45 @@ def _copy_window(
                            grant_timeout_s)
             for i, grant in zip(short, again):
                 grants[i] = grant
-        for i, grant in enumerate(grants):
+        runs = run_blocks(layout) if isinstance(kv, TensorSource) else 1
+        i = 0
+        while i < len(grants):
+            grant = grants[i]
             if grant is None:
+                i += 1
                 continue
             arena = cm.plane.arena(arena_name(Tier.DRAM, cm.node_id, grant.epoch))
-            slot = arena.slot_view(grant.slot)[: layout.block_bytes]
-            csum = kv.copy_block(first + i, slot)
-            done.append((grant, layout.block_bytes, csum))
+            n = _granted_run(grants, i, runs)
+            if n > 1:
+                run = grants[i : i + n]
+                rows, sums = cast(TensorSource, kv).copy_run(first + i, n)
+                _write_run(arena, [g.slot for g in run], rows)
+                done.extend((g, layout.block_bytes, c) for g, c in zip(run, sums))
+            else:
+                slot = arena.slot_view(grant.slot)[: layout.block_bytes]
+                done.append((grant, layout.block_bytes, kv.copy_block(first + i, slot)))
+            i += n
     except BaseException:
         cm.link.tell(actor_name(Tier.DRAM.value, cm.node_id),
                      Abort(leases=[g.lease for g in grants if g is not None]))
         raise
     return done
+
+
+def _granted_run(grants: list[Any], i: int, most: int) -> int:
+    """How many grants from ``i`` on (``grants[i]`` one) are granted, in one arena: at most
+    ``most``."""
+    n = 1
+    while n < most and i + n < len(grants) and grants[i + n] is not None \
+            and grants[i + n].epoch == grants[i].epoch:
+        n += 1
+    return n
+
+
+def _write_run(arena: Any, slots: list[int], rows: np.ndarray) -> None:
+    """``rows[j]`` into the first bytes of slot ``slots[j]`` of ``arena``, in one call."""
+    np.lib.stride_tricks.as_strided(arena.buffer, (arena.num_slots, rows.shape[1]),
+                                    (arena.slot_bytes, 1))[slots] = rows
 
 
 def _grant(cm: Any, keys: list[BlockHash], parents: list[BlockHash | None],

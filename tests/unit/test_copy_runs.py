@@ -1,7 +1,8 @@
 """Small blocks copied a run at a time (``cmx.client.copy_out``, ``Sink.put_run``): exact bytes
 in a KV tensor and in an engine's paged cache (every paged layout), a corrupt block in the
 middle of a run ends the prefix with none of its bytes written, and a block that is not a
-whole payload still goes block by block."""
+whole payload still goes block by block. A prefix lying in an arena's slots (``SlotRows``) is
+gathered a run at a time from its slots, with the same checks."""
 
 from __future__ import annotations
 
@@ -115,3 +116,64 @@ def test_a_payload_that_is_not_a_whole_block_goes_alone(
     assert copy_payloads(SMALL, payloads, out) == 8
     assert torch.equal(bits(out), bits(kv))
     assert calls["put"] > 0 and calls["put_run"] > 0
+
+
+def in_slots(payloads: list, extra: int = 4096, seed: int = 0) -> copy_out.SlotRows:
+    """``payloads`` laid in shuffled slots of an arena-like buffer, slots wider than blocks."""
+    width = SMALL.block_bytes + extra
+    slots = np.random.default_rng(seed).permutation(len(payloads) + 5)[: len(payloads)]
+    buffer = np.full((len(payloads) + 5) * width, 0xAB, np.uint8)
+    for slot, (_, p, _) in zip(slots.tolist(), payloads):
+        buffer[slot * width : slot * width + len(p)] = p
+    return copy_out.SlotRows([k for k, _, _ in payloads], buffer, width, slots.astype(np.int64),
+                             SMALL.block_bytes, np.array([c for _, _, c in payloads], np.uint64))
+
+
+def test_a_prefix_in_its_slots_is_gathered_a_run_at_a_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(copy_out, "COPY_THREADS", 2)
+    kv, payloads = items(N, seed=3)
+    rows = in_slots(payloads)
+    calls = counted(monkeypatch, TensorSink)
+    T = SMALL.block_tokens
+    out = torch.zeros(SMALL.shape(N * T), dtype=kv.dtype)
+    assert copy_payloads(SMALL, rows, out) == N
+    assert torch.equal(bits(out), bits(kv))
+    assert calls["put"] == 0 and calls["put_run"] <= 2 * (N // 64 + 1)
+    key, payload, want = rows[7]  # one asked by index: its bytes in place
+    assert key == payloads[7][0] and want == payloads[7][2]
+    assert np.array_equal(payload, payloads[7][1])
+
+
+@pytest.mark.parametrize("bad", [0, 70, N - 1])
+def test_a_corrupt_slot_ends_the_prefix_and_none_of_its_bytes_land(
+        bad: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(copy_out, "COPY_THREADS", 2)
+    kv, payloads = items(N, seed=4)
+    payloads[bad][1][9] ^= 0x40  # the slot's bytes differ from the checksum it was pinned with
+    rows = in_slots(payloads, seed=bad)
+    T = SMALL.block_tokens
+    out = torch.zeros(SMALL.shape(N * T), dtype=kv.dtype)
+    assert copy_payloads(SMALL, rows, out) == bad
+    assert torch.equal(bits(out[:, :, :, : bad * T]), bits(kv[:, :, :, : bad * T]))
+    base, stop = (0, N // 2) if bad < N // 2 else (N // 2, N)  # each thread's share
+    run_end = min(stop, base + ((bad - base) // 64 + 1) * 64)
+    assert not out[:, :, :, bad * T : run_end * T].any()  # nothing of its run from it on
+
+
+def test_a_checksum_no_block_can_have_fails_the_block_quietly() -> None:
+    kv, payloads = items(4, seed=6)
+    payloads[2] = (payloads[2][0], payloads[2][1], -1)  # no XXH3-64 is negative
+    out = torch.zeros(SMALL.shape(4 * SMALL.block_tokens), dtype=kv.dtype)
+    assert copy_payloads(SMALL, payloads, out) == 2
+
+
+def test_slots_a_tier_did_not_hold_are_refused() -> None:
+    _, payloads = items(4, seed=5)
+    rows = in_slots(payloads)
+    with pytest.raises(IndexError, match="out of range"):
+        copy_out.SlotRows(rows.keys, np.zeros(3 * 8192, np.uint8), 8192,
+                          np.array([0, 3], np.int64), 8192, rows.checksums[:2])
+    with pytest.raises(ValueError, match="in a slot of"):
+        copy_out.SlotRows(rows.keys, np.zeros(3 * 8192, np.uint8), 8192,
+                          np.array([0, 1], np.int64), 9000, rows.checksums[:2])

@@ -39,3 +39,21 @@ def test_copy_block_checksums_the_source_not_what_the_slot_holds_after() -> None
     slot[0] ^= 0xFF  # a late writer's byte lands
     assert csum != checksum(slot)
     assert csum == checksum(layout.to_payload(kv).contiguous())
+
+
+@pytest.mark.parametrize("strides", ["window", "contiguous"])
+def test_a_run_of_small_blocks_is_gathered_as_each_block_alone_would_be(strides: str) -> None:
+    from cmx.client.stores import TensorSource
+
+    layout = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="bfloat16",
+                      block_tokens=4)
+    kv = layout.random_kv(12 * layout.block_tokens, seed=3)
+    if strides == "window":  # the engine's blocks 2..9 of a wider tensor: strided
+        kv = kv[:, :, :, 2 * layout.block_tokens : 10 * layout.block_tokens]
+    source = TensorSource(layout, kv)
+    rows, sums = source.copy_run(1, 5)
+    assert rows.shape == (5, layout.block_bytes) and rows.flags.c_contiguous
+    for j in range(5):
+        slot = np.zeros(layout.block_bytes, np.uint8)
+        assert sums[j] == source.copy_block(1 + j, slot)
+        assert np.array_equal(rows[j], slot)

@@ -143,3 +143,23 @@ def test_a_closed_gate_lets_no_write_through(plane: Plane) -> None:
 def test_a_sink_refuses_block_ids_outside_the_cache() -> None:
     with pytest.raises(LayoutMismatchError):
         PagedSink(paged(4), PagedLayout.VLLM_CPU, D, [1, 4], WriteGate())
+
+
+def test_a_store_of_small_blocks_goes_a_run_at_a_time_and_loads_back_exact(
+        plane: Plane, monkeypatch: pytest.MonkeyPatch) -> None:
+    from cmx.client.stores import TensorSource
+
+    runs: list[int] = []
+    original = TensorSource.copy_run
+
+    def counted(self: TensorSource, i: int, n: int):  # type: ignore[no-untyped-def]
+        runs.append(n)
+        return original(self, i, n)
+    monkeypatch.setattr(TensorSource, "copy_run", counted)
+    ns, toks, kv = stored(plane, 6, seed=8)
+    assert sum(runs) == 6 and len(runs) <= 2  # 8 KiB blocks: 64 to a run
+    out = torch.zeros(LAYOUT.shape(6 * T), dtype=kv.dtype)
+    assert ns.load_into(toks, out) == 6 * T  # every block's checksum held as it was stored
+    assert torch.equal(bits(out), bits(kv))
+    assert nothing_held(plane)
+    check(plane)

@@ -86,6 +86,7 @@ def scattered(plane: Plane) -> tuple[NamespaceClient, np.ndarray]:
     keys = ns.keys(toks)
     agent = plane.agents[HERE]
     agent.release([b.lease for b in agent.load(keys[:1], plane.lookup(keys[:1])).blocks])
+    plane.tiers[(HERE, Tier.HBM)].publisher.flush()  # a load's copy is published behind it
     dram = plane.tiers[(HERE, Tier.DRAM)]
     dram.pin(keys[2:3], "reader:test")
     dram.quarantine(keys[2:3])

@@ -4,11 +4,14 @@ a client copies a block, right after its first piece landed."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 import pytest
 
 from cmx.buffers import Buffer
 from cmx.checksum import ChecksumStream
+from cmx.client import stores
 from cmx.links import LocalLink
 
 
@@ -20,15 +23,25 @@ class StoreLink(LocalLink):
 def during_copy(monkeypatch: pytest.MonkeyPatch, act: Callable[[], None]) -> Callable[[], bool]:
     """Run ``act`` once while a client copies a block into its slot: after the first piece
     is copied, before it is hashed (``cmx.client.stores.copy_block`` hashes each piece as it
-    lands). Returns whether it ran."""
+    lands); or, where blocks go a run at a time (hashed as they are gathered), once the run
+    has landed in its slots. Returns whether it ran."""
     ran: list[bool] = []
     feed = ChecksumStream.feed
+    write_run = stores._write_run
 
-    def feed_after(self: ChecksumStream, data: Buffer) -> None:
+    def once() -> None:
         if not ran:
             ran.append(True)
             act()
+
+    def feed_after(self: ChecksumStream, data: Buffer) -> None:
+        once()
         feed(self, data)
 
+    def write_run_then(arena: Any, slots: list[int], rows: np.ndarray) -> None:
+        write_run(arena, slots, rows)
+        once()
+
     monkeypatch.setattr(ChecksumStream, "feed", feed_after)
+    monkeypatch.setattr(stores, "_write_run", write_run_then)
     return lambda: bool(ran)

@@ -10,7 +10,8 @@ Through ``ContextMemory``, in order:
 - lookup: ``ns.lookup(tokens)``, every block asked of the directory;
 - the scheduler's lookup: ``vllm_scheduler.look_up`` as the vLLM connector's
   ``get_num_new_matched_tokens`` calls it (this node's tiers first, the prompt a tuple of ids);
-- load: ``ns.load(tokens)`` into a new tensor, checked byte for byte against what was stored.
+- load: ``ns.load(tokens)`` into a new tensor, checked byte for byte against what was stored;
+- load into a warm buffer: ``ns.load_into(tokens, buffer)``, the buffer loaded into before.
 
 Each repetition of each runs beside a warm numpy memcpy of the same 1 GB (into a buffer
 written before), the two alternated (``intervals.alternated``); its figure is the ratio of
@@ -138,6 +139,10 @@ def run_million(ctx: BenchContext) -> SuiteResult:
             if ns.load(toks).shape[3] != len(toks):
                 raise AssertionError("a DRAM hit came back short")
 
+        def load_into() -> None:
+            if ns.load_into(toks, into) != len(toks):
+                raise AssertionError("a DRAM hit came back short")
+
         for fn in (lookup, scheduler):  # the first calls of each actor, the tables mapped
             fn()
         got = ns.load(toks)
@@ -152,6 +157,11 @@ def run_million(ctx: BenchContext) -> SuiteResult:
         places = [(b.tier.value, b.node) for b in blocks]  # what the scheduler's plan reads
         read_s = time.perf_counter() - t0
         loaded, load_copy = alternated(reps, _seconds(load), _seconds(memcpy))
+        into = torch.zeros_like(kv)  # written: every load into it is warm
+        load_into()
+        if not torch.equal(into.view(torch.int16), kv.view(torch.int16)):
+            raise AssertionError("the load into a buffer brought other bytes than were stored")
+        loaded_into, into_copy = alternated(reps, _seconds(load_into), _seconds(memcpy))
     if len(places) != BLOCKS:
         raise AssertionError(f"read {len(places)} of {BLOCKS} blocks")
     result.figures.append(_against_memcpy(
@@ -172,5 +182,11 @@ def run_million(ctx: BenchContext) -> SuiteResult:
         "load of that prefix, a DRAM hit here, into a new tensor: ContextMemory load",
         loaded, load_copy, Goal("<=", 2.0),
         note=f"{_per_block(median(loaded))} in all, {extra:.2f} µs a block beyond the "
+             f"memcpy's; checked byte for byte once"))
+    extra = (median(loaded_into) - median(into_copy)) / BLOCKS * 1e6
+    result.figures.append(_against_memcpy(
+        "load of that prefix, a DRAM hit here, into the caller's warm buffer: ContextMemory "
+        "load_into", loaded_into, into_copy, Goal("<=", 2.0),
+        note=f"{_per_block(median(loaded_into))} in all, {extra:.2f} µs a block beyond the "
              f"memcpy's; checked byte for byte once"))
     return result

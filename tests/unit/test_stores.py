@@ -57,3 +57,24 @@ def test_a_run_of_small_blocks_is_gathered_as_each_block_alone_would_be(strides:
         slot = np.zeros(layout.block_bytes, np.uint8)
         assert sums[j] == source.copy_block(1 + j, slot)
         assert np.array_equal(rows[j], slot)
+
+
+def test_a_run_is_written_only_into_slots_the_arena_has_and_that_hold_it() -> None:
+    from types import SimpleNamespace
+
+    from cmx.client.stores import _write_run
+    from cmx.errors import LayoutMismatchError
+
+    buffer = np.zeros(4 * 64, np.uint8)
+    arena = SimpleNamespace(buffer=buffer, slot_bytes=64, num_slots=4)
+    rows = np.arange(2 * 64, dtype=np.uint8).reshape(2, 64)
+    _write_run(arena, [3, 1], rows)
+    assert np.array_equal(buffer[192:256], rows[0]) and np.array_equal(buffer[64:128], rows[1])
+    before = buffer.copy()
+    wide = np.ones((1, 65), np.uint8)  # would run into the next slot, or past the arena
+    with pytest.raises(LayoutMismatchError, match="does not fit"):
+        _write_run(arena, [3], wide)
+    for slots in ([4, 0], [-1, 0]):  # past the end; and one that numpy would wrap
+        with pytest.raises(IndexError, match="out of range"):
+            _write_run(arena, slots, rows)
+    assert np.array_equal(buffer, before)  # nothing written by any of them

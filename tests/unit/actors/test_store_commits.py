@@ -47,9 +47,10 @@ def test_a_store_whose_dram_restarted_under_it_is_told_every_block_was_refused(
     ns = client(plane)
     toks, kv = kv_of(2, seed=1)
     fresh: list[Any] = []
-    during_copy(monkeypatch, lambda: fresh.append(restart_tier(plane, NODE, Tier.DRAM)))
+    ran = during_copy(monkeypatch, lambda: fresh.append(restart_tier(plane, NODE, Tier.DRAM)),
+                      before_write=True)  # the run lands in the arena of the tier that was
     handle = ns.store(toks, kv)
-    assert handle.wait() == 0
+    assert ran() and handle.wait() == 0
     assert handle.refused == tuple(ns.keys(toks))
     assert fresh[0].stats().refused_commits == 2
     assert plane.agents[NODE].stats().store_commits == {"committed": 0, "refused": 2}

@@ -20,11 +20,13 @@ class StoreLink(LocalLink):
     and ``result`` hands its answer over, as ``ray.get`` does."""
 
 
-def during_copy(monkeypatch: pytest.MonkeyPatch, act: Callable[[], None]) -> Callable[[], bool]:
+def during_copy(monkeypatch: pytest.MonkeyPatch, act: Callable[[], None],
+                before_write: bool = False) -> Callable[[], bool]:
     """Run ``act`` once while a client copies a block into its slot: after the first piece
     is copied, before it is hashed (``cmx.client.stores.copy_block`` hashes each piece as it
     lands); or, where blocks go a run at a time (hashed as they are gathered), once the run
-    has landed in its slots. Returns whether it ran."""
+    has landed in its slots (``before_write``: once it is gathered and hashed, before it is
+    written to them). Returns whether it ran."""
     ran: list[bool] = []
     feed = ChecksumStream.feed
     write_run = stores._write_run
@@ -39,6 +41,8 @@ def during_copy(monkeypatch: pytest.MonkeyPatch, act: Callable[[], None]) -> Cal
         feed(self, data)
 
     def write_run_then(arena: Any, slots: list[int], rows: np.ndarray) -> None:
+        if before_write:
+            once()
         write_run(arena, slots, rows)
         once()
 

@@ -90,8 +90,7 @@ class ArenaTierService(LeasedTier[Pinned]):
             on_evict=self._on_evict,
         )
         self.leases = Leases(lease_s, clock)
-        self.leased = LeasedPins[Pinned](self.leases, self.pin,
-                                         lambda key: self._unpin_keys([key]), self._unpin_keys)
+        self.leased = LeasedPins[Pinned](self.leases, self.pin, lambda key: self._unpin_keys([key]))
         self.fences = SlotFences(self.store, lease_s, clock)
         self._reservations: dict[int, Reservation] = {}  # lease -> open reservation
         self._quarantined = 0
@@ -264,8 +263,7 @@ class ArenaTierService(LeasedTier[Pinned]):
         # A doomed key goes at its last unpin, pinned by no one meanwhile.
         refs = self.store.pin_refs(keys, skip=self.held_keys.doomed)
         held = [key for key, ref in zip(keys, refs) if ref is not None]
-        leases = self.leases.grant_pins(owner, held, self.leased.unpin_later,
-                                        self.leased.unpin_keys)
+        leases = self.leases.grant_pins(owner, held, self.leased.unpin_later, self._unpin_keys)
         if leases is None:  # a late pin of an owner already released: nobody would end them
             self._unpin_keys(held)
             return [None] * len(keys), []

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Generic, Protocol, TypeVar
 
-from cmx.actors.tiers.leases import ADMIN, Leases, UndoKeys, check_ttl
+from cmx.actors.tiers.leases import ADMIN, Leases, check_ttl
 from cmx.keys import BlockHash
 
 __all__ = ["Leased", "LeasedPins", "LeasedTier"]
@@ -29,12 +29,10 @@ class LeasedPins(Generic[P]):
     pin of a key is undone (``unpin_key``), and answers the calls of the same names with it."""
 
     def __init__(self, leases: Leases, pin: Callable[[Sequence[BlockHash], str], list[P | None]],
-                 unpin_key: Callable[[BlockHash], None],
-                 unpin_keys: UndoKeys | None = None) -> None:
+                 unpin_key: Callable[[BlockHash], None]) -> None:
         self.leases = leases
         self._pin = pin
         self._unpin_key = unpin_key
-        self._unpin_keys = unpin_keys
 
     def pin_for(self, keys: Sequence[BlockHash], ttl_s: float, owner: str = ADMIN
                 ) -> list[P | None]:
@@ -66,14 +64,6 @@ class LeasedPins(Generic[P]):
         def undo(_lease: int) -> None:
             self._unpin_key(key)
         return undo
-
-    def unpin_keys(self, keys: list[BlockHash]) -> None:
-        """The undo of a run of pins (``Leases.grant_pins``): one pin of each key."""
-        if self._unpin_keys is not None:
-            self._unpin_keys(keys)
-            return
-        for key in keys:
-            self._unpin_key(key)
 
 
 class LeasedTier(Generic[P]):

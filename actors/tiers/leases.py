@@ -193,9 +193,7 @@ class Leases:
         for at in np.unique(where[where >= 0]).tolist():
             run = self._runs[int(firsts[at])]
             offsets = wanted[where == at] - run.first
-            keys = run.end(offsets[offsets < len(run.keys)])
-            if not run.left:
-                del self._runs[run.first]
+            keys = self._end_in(run, offsets[offsets < len(run.keys)])
             if keys:
                 ended.append((run, keys))
         return ended
@@ -212,10 +210,16 @@ class Leases:
             return False
         offset = lease - run.first
         self._held[lease] = run.held(offset)
-        run.end(np.array([offset]))
+        self._end_in(run, np.array([offset]))
+        return True
+
+    def _end_in(self, run: _Run, offsets: np.ndarray) -> list[BlockHash]:
+        """``run.end(offsets)``, the run dropped from the books once it holds no pin (caller
+        holds the lock)."""
+        keys = run.end(offsets)
         if not run.left:
             del self._runs[run.first]
-        return True
+        return keys
 
     def _end_runs(self, runs: list[_Run]) -> list[tuple[_Run, list[BlockHash]]]:
         """Mark every pin of ``runs`` ended (caller holds the lock)."""
@@ -252,10 +256,8 @@ class Leases:
                 del self._held[i]
             gone = 0
             for run in list(self._runs.values()):
-                gone += len(run.end(np.array([i for i, k in enumerate(run.keys) if k == key],
-                                             np.int64)))
-                if not run.left:
-                    del self._runs[run.first]
+                gone += len(self._end_in(run, np.array(
+                    [i for i, k in enumerate(run.keys) if k == key], np.int64)))
             return len(ids) + gone
 
     def release_owner(self, owner: str) -> int:

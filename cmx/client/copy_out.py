@@ -49,7 +49,7 @@ from cmx.checksum import ChecksumStream, checksum
 from cmx.keys import BlockHash
 from cmx.layout import KVLayout, PayloadOrder
 from cmx.protocol import Loaded
-from cmx.storage.arena import SharedArena
+from cmx.storage.arena import SharedArena, check_slots, slot_rows
 
 __all__ = [
     "COPY_THREADS", "PIECE_BYTES", "Sink", "SlotRows", "TensorSink", "as_sink", "checked",
@@ -129,13 +129,10 @@ class SlotRows(Sequence[Payload]):
 
     def __init__(self, keys: Sequence[BlockHash], buffer: np.ndarray, slot_bytes: int,
                  slots: np.ndarray, size: int, checksums: np.ndarray) -> None:
-        if len(slots) and (int(slots.min()) < 0 or int(slots.max()) >= len(buffer) // slot_bytes):
-            raise IndexError(f"a slot out of range 0..{len(buffer) // slot_bytes - 1}")
-        if not 0 < size <= slot_bytes:
-            raise ValueError(f"a payload of {size} bytes in a slot of {slot_bytes}")
+        check_slots(slots, len(buffer) // slot_bytes)
         self.keys = keys
-        self.rows = np.lib.stride_tricks.as_strided(
-            buffer, (len(buffer) // slot_bytes, size), (slot_bytes, 1), writeable=False)
+        self.rows = slot_rows(buffer, slot_bytes, size)
+        self.rows.flags.writeable = False  # a reader's view: it never writes a slot
         self.slots = slots
         self.size = size
         self.checksums = checksums

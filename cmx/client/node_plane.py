@@ -57,7 +57,7 @@ from cmx.doors import (
 )
 from cmx.keys import BlockHash
 from cmx.protocol import Copy, Pinned, PinnedColumns, actor_name, arena_name, held_table_name
-from cmx.storage.arena import SHM_DIR, SharedArena
+from cmx.storage.arena import SHM_DIR, SharedArena, check_slots
 from cmx.storage.held_table import HeldTable
 from cmx.tiers import Tier
 
@@ -284,8 +284,7 @@ class NodePlane:
     def _prefix_payloads(self, pins: PinnedPrefix) -> list[np.ndarray]:
         arena = self.arena(arena_name(pins.tier, self.node, pins.columns.epoch))
         c = pins.columns
-        if len(c.slot) and (int(c.slot.min()) < 0 or int(c.slot.max()) >= arena.num_slots):
-            raise IndexError(f"a slot out of range 0..{arena.num_slots - 1}")
+        check_slots(c.slot, arena.num_slots)
         buffer, width = arena.buffer, arena.slot_bytes
         return [buffer[o : o + n] for o, n in
                 zip((c.slot * width).tolist(), np.minimum(c.size, width).tolist())]

@@ -44,10 +44,10 @@ import xxhash
 from cmx.checksum import Checksum, ChecksumStream
 from cmx.client.copy_out import run_blocks
 from cmx.doors import Abort, CommitStore, GrantStore, Pending
-from cmx.errors import LayoutMismatchError
 from cmx.keys import BlockHash
 from cmx.layout import KVLayout
 from cmx.protocol import StoreCommit, actor_name, arena_name
+from cmx.storage.arena import check_slots, slot_rows
 from cmx.tiers import Tier
 
 __all__ = ["Source", "StoreHandle", "StoreTimes", "TensorSource", "copy_block",
@@ -264,13 +264,8 @@ def _write_run(arena: Any, slots: list[int], rows: np.ndarray) -> None:
     """``rows[j]`` into the first bytes of slot ``slots[j]`` of ``arena``, in one call. A
     block wider than the arena's slots (LayoutMismatchError) or a slot it does not have
     (IndexError) writes nothing."""
-    if rows.shape[1] > arena.slot_bytes:
-        raise LayoutMismatchError(f"a block of {rows.shape[1]} bytes does not fit a slot of "
-                                  f"{arena.slot_bytes}")
-    if slots and not 0 <= min(slots) <= max(slots) < arena.num_slots:
-        raise IndexError(f"a slot out of range 0..{arena.num_slots - 1}")
-    np.lib.stride_tricks.as_strided(arena.buffer, (arena.num_slots, rows.shape[1]),
-                                    (arena.slot_bytes, 1))[slots] = rows
+    check_slots(slots, arena.num_slots)
+    slot_rows(arena.buffer, arena.slot_bytes, rows.shape[1])[slots] = rows
 
 
 def _grant(cm: Any, keys: list[BlockHash], parents: list[BlockHash | None],

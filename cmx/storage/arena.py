@@ -35,7 +35,13 @@ from multiprocessing import resource_tracker
 import numpy as np
 
 from cmx.buffers import ALIGN, align_up
-from cmx.errors import BlockStateError, BlockTooLargeError, StoreClosedError, StoreFullError
+from cmx.errors import (
+    BlockStateError,
+    BlockTooLargeError,
+    LayoutMismatchError,
+    StoreClosedError,
+    StoreFullError,
+)
 from cmx.storage.arena_owners import (
     HEADER,
     MAGIC,
@@ -49,8 +55,8 @@ from cmx.storage.arena_owners import (
 
 # The owners' part (``arena_owners``) is named here too: callers find an arena's whole surface
 # in one module.
-__all__ = ["SHM_DIR", "SharedArena", "SlotAllocator", "SlotRef", "owner_of", "read_slot",
-           "reap_orphans", "unlink_prefixed"]
+__all__ = ["SHM_DIR", "SharedArena", "SlotAllocator", "SlotRef", "check_slots", "owner_of",
+           "read_slot", "reap_orphans", "slot_rows", "unlink_prefixed"]
 
 HEADER_BYTES = ALIGN  # one page, so slot 0 starts page-aligned
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")  # no "/" (a path) and no ":" (tracker protocol)
@@ -275,6 +281,24 @@ class SharedArena:
         if not 0 <= size <= self._slot_bytes:
             raise BlockTooLargeError(f"size {size} outside 0..{self._slot_bytes}")
         return self.slot_view(slot)[:size].copy()
+
+
+def slot_rows(buffer: np.ndarray, slot_bytes: int, size: int) -> np.ndarray:
+    """An arena's ``buffer`` as one row per slot, each the slot's first ``size`` bytes: a view
+    (writable where ``buffer`` is), for gathering or writing many slots in one numpy call.
+    LayoutMismatchError unless ``0 < size <= slot_bytes``: wider rows would overlap."""
+    if not 0 < size <= slot_bytes:
+        raise LayoutMismatchError(f"a payload of {size} bytes does not fit in a slot of "
+                                  f"{slot_bytes}")
+    return np.lib.stride_tricks.as_strided(
+        buffer, (len(buffer) // slot_bytes, size), (slot_bytes, 1),
+        writeable=buffer.flags.writeable)
+
+
+def check_slots(slots: np.ndarray | list[int], num_slots: int) -> None:
+    """IndexError unless every slot is one of ``num_slots`` (numpy would wrap a negative one)."""
+    if len(slots) and not 0 <= int(min(slots)) <= int(max(slots)) < num_slots:
+        raise IndexError(f"a slot out of range 0..{num_slots - 1}")
 
 
 def read_slot(ref: SlotRef) -> np.ndarray:

@@ -18,11 +18,14 @@ import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from cmx.config import ServiceConfig
 from cmx.errors import CmxError, LayoutMismatchError
 from cmx.layout import KVLayout
+
+if TYPE_CHECKING:
+    from cmx.connectors.shards import HeadPlan
 
 __all__ = ["ConnectorSettings", "LoadMode", "Namespaces", "SaveMode", "SettingError",
            "adopt_service_slots", "connect", "quiet_driver", "namespace_salt"]
@@ -90,6 +93,11 @@ class ConnectorSettings:
     #                        peer, the pool) starts moving them here at once; the load that
     #                        follows waits for a move of its blocks still under way and pins
     #                        its result (the agent's ``InFlight``), never coming back short
+    store_wait_s: float = 5.0  # a request told of a producer's store (its kv_transfer_params'
+    #                            expect_tokens: vllm_requests) waits this long for its commit
+    share_tp: bool = True  # an engine at TP=1 also loads the prefixes engines of other
+    #                        tensor-parallel degrees stored (a KV head a namespace:
+    #                        cmx.connectors.shards); a miss then asks one more namespace
     block_tokens: int = 0  # if set, must equal the engine's block size (a check, no more)
     paged_layout: str = ""  # the engine's KV layout (cmx.connectors.paged); "" means detect
 
@@ -109,8 +117,9 @@ class ConnectorSettings:
         return cls(**values)
 
     def __post_init__(self) -> None:
-        if self.lookup_wait_s < 0 or self.load_timeout_s < 0 or self.max_pending_stores < 1:
-            raise ValueError("lookup_wait_s and load_timeout_s must be >= 0, "
+        if min(self.lookup_wait_s, self.load_timeout_s, self.store_wait_s) < 0 or \
+                self.max_pending_stores < 1:
+            raise ValueError("lookup_wait_s, load_timeout_s and store_wait_s must be >= 0, "
                              "max_pending_stores >= 1")
         # The engine's config gives the modes as strings (JSON): each becomes its member here.
         object.__setattr__(self, "load_mode", _mode(LoadMode, "load_mode", self.load_mode))
@@ -216,28 +225,38 @@ def adopt_service_slots(cm: Any) -> None:
 
 
 class Namespaces:
-    """The namespace of each salt, for one model and layout, opened once."""
+    """The namespace of each salt, for one model and layout, opened once.
 
-    def __init__(self, cm: Any, model: str, layout: KVLayout, weights: str) -> None:
-        if layout.block_bytes > cm.config.block_bytes:
-            fits = cm.config.block_bytes // layout.token_bytes
+    With a ``plan`` (``cmx.connectors.shards``) each salt's is a ``HeadShards``: the model's
+    whole blocks and each KV head's, so engines of any tensor-parallel degree share them;
+    ``layout`` is then this process's, its own heads only."""
+
+    def __init__(self, cm: Any, model: str, layout: KVLayout, weights: str,
+                 plan: HeadPlan | None = None) -> None:
+        whole = layout if plan is None else dataclasses.replace(layout, num_kv_heads=plan.total)
+        if whole.block_bytes > cm.config.block_bytes:
+            fits = cm.config.block_bytes // whole.token_bytes
             raise LayoutMismatchError(
-                f"a block of {model} ({layout.block_tokens} tokens x {layout.token_bytes} "
-                f"bytes) is {layout.block_bytes} bytes; the service's slots hold "
+                f"a block of {model} ({whole.block_tokens} tokens x {whole.token_bytes} "
+                f"bytes) is {whole.block_bytes} bytes; the service's slots hold "
                 f"{cm.config.block_bytes}: start the service with "
-                f"CMX_BLOCK_BYTES={layout.block_bytes} (ServiceConfig.block_bytes), or set the "
+                f"CMX_BLOCK_BYTES={whole.block_bytes} (ServiceConfig.block_bytes), or set the "
                 f"engine's block_size to at most {fits}")
+        if plan is not None and len(plan.local) not in (plan.total, layout.num_kv_heads):
+            raise LayoutMismatchError(f"this process holds {layout.num_kv_heads} KV heads, "
+                                      f"its plan {len(plan.local)}")
         self.cm = cm
         self.model = model
         self.layout = layout
+        self.whole = whole
         self.weights = weights
+        self.plan = plan
         self._open: dict[str, Any] = {}
 
     def get(self, salt: str) -> Any:
         ns = self._open.get(salt)
         if ns is None:
-            ns = self._open[salt] = self.cm.namespace(self.model, self.layout, salt,
-                                                      self.weights)
+            ns = self._open[salt] = self._opened(salt)
         return ns
 
     def opened(self) -> list[Any]:
@@ -245,10 +264,21 @@ class Namespaces:
         return list(self._open.values())
 
     def forget(self) -> list[Any]:
-        """Every namespace opened so far, no longer held open here."""
+        """Every namespace client opened so far (each head's too), no longer held open here."""
         opened, self._open = list(self._open.values()), {}
-        return opened
+        return [c for ns in opened for c in (ns.clients() if self.plan else [ns])]
 
     @property
     def node_id(self) -> str:
         return str(self.cm.node_id)
+
+    def _opened(self, salt: str) -> Any:
+        whole = self.cm.namespace(self.model, self.whole, salt, self.weights)
+        if self.plan is None:
+            return whole
+        from cmx.connectors.shards import HeadShards, head_model
+
+        one = dataclasses.replace(self.whole, num_kv_heads=1)
+        heads = [self.cm.namespace(head_model(self.model, h), one, salt, self.weights)
+                 for h in range(self.plan.total)]
+        return HeadShards(whole, heads, self.plan, self.layout)

@@ -18,6 +18,10 @@ only wires vLLM's hooks to the two, and answers vLLM's questions about the conne
 whole: it works in the layer-wise hooks (so CUDA graphs must be piecewise), its counters
 (``vllm_stats``), and ``reset_cache`` (every namespace the engine used is dropped).
 
+Under tensor parallelism each rank stores and loads its own KV heads, and engines of every
+degree share one prefix (``shards``): the scheduler counts a block only when every head of it
+is held, and vLLM's join of the ranks' reports counts a load or store once all have ended.
+
 A request's namespace is (model, KV layout, salt): the salt is the connector's ``salt`` with
 the request's ``cache_salt``, so tenants with different cache salts never share a block. A
 request keeps out of the cache with ``kv_transfer_params={"cmx": {"skip": True}}`` (or only
@@ -45,6 +49,7 @@ from cmx.connectors.settings import (
     adopt_service_slots,
     connect,
 )
+from cmx.connectors.shards import HeadPlan
 from cmx.connectors.vllm_meta import CMXStepMetadata, CMXWorkerReport
 from cmx.connectors.vllm_scheduler import SchedulerSide
 from cmx.connectors.vllm_stats import CMXConnectorStats, CMXPromMetrics
@@ -63,7 +68,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["CMXConnector", "engine_layout"]
+__all__ = ["CMXConnector", "check_parallel", "engine_layout"]
 
 log = logging.getLogger(__name__)
 
@@ -103,14 +108,15 @@ class CMXConnector(KVConnectorBase_V1):
         if settings.block_tokens and settings.block_tokens != layout.block_tokens:
             raise LayoutMismatchError(f"block_tokens {settings.block_tokens} != the engine's "
                                       f"block_size {layout.block_tokens}")
-        if vllm_config.parallel_config.tensor_parallel_size != 1:
-            raise ValueError("CMXConnector does not support tensor parallelism yet")
+        check_parallel(vllm_config.parallel_config)
         model_config = vllm_config.model_config
+        plan = _head_plan(vllm_config, role, layout.num_kv_heads)
         model = settings.model or _served_name(model_config)
         weights = settings.weights or _fingerprint(model_config.model)
         self._cm = self._connect(settings)
         adopt_service_slots(self._cm)  # the running service's slots, checked by Namespaces
-        namespaces = Namespaces(self._cm, model, layout, weights)
+        shared = plan.tp > 1 or settings.share_tp
+        namespaces = Namespaces(self._cm, model, layout, weights, plan if shared else None)
         load, save = transfer.is_kv_consumer, transfer.is_kv_producer
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -121,10 +127,11 @@ class CMXConnector(KVConnectorBase_V1):
                             "recompute it instead", transfer.kv_load_failure_policy)
             chunk = vllm_config.scheduler_config.max_num_batched_tokens
             self._scheduler = SchedulerSide(settings, namespaces, layout.block_tokens,
-                                            load=load, save=save, chunk_tokens=chunk)
+                                            load=load, save=save, chunk_tokens=chunk,
+                                            ranks=(plan.tp, plan.storing_ranks))
         else:
             self._worker = WorkerSide(settings, namespaces, layer_names,
-                                      _paged_layout(settings.paged_layout))
+                                      _paged_layout(settings.paged_layout), plan)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -253,6 +260,32 @@ class CMXConnector(KVConnectorBase_V1):
         if self._scheduler is None:
             raise RuntimeError("a scheduler hook was called on a worker's connector")
         return self._scheduler
+
+
+def check_parallel(parallel: Any) -> None:
+    """Tensor parallelism only: under pipeline or context parallelism each stage or context
+    rank holds other layers or tokens of a block, under the same keys, and what one stored
+    another would load as its own."""
+    sizes = (parallel.pipeline_parallel_size, parallel.decode_context_parallel_size,
+             parallel.prefill_context_parallel_size)
+    if sizes != (1, 1, 1):
+        raise ValueError("CMXConnector supports tensor parallelism only, not pipeline or "
+                         f"context parallelism (pipeline, decode, prefill context: {sizes})")
+
+
+def _head_plan(vllm_config: VllmConfig, role: KVConnectorRole, heads: int) -> HeadPlan:
+    """The KV heads this process holds: every one on the scheduler (a block counts as cached
+    when each rank can load it), a worker's own under tensor parallelism (``heads`` is the
+    number in its cache)."""
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    if tp == 1:
+        return HeadPlan.everything(heads)
+    total = vllm_config.model_config.get_total_num_kv_heads()
+    if role == KVConnectorRole.SCHEDULER:
+        return HeadPlan.everything(total, tp)
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return HeadPlan.of(total, tp, get_tensor_model_parallel_rank())
 
 
 def _served_name(model_config: Any) -> str:

@@ -36,6 +36,7 @@ from cmx.client.copy_out import Sink
 from cmx.client.matches import Match
 from cmx.connectors.paged import LoadCancelled, WriteGate
 from cmx.connectors.settings import Namespaces
+from cmx.connectors.shards import cut
 from cmx.connectors.vllm_meta import LoadSpec
 from cmx.policies.breakeven import source_class
 
@@ -142,10 +143,10 @@ class Fetcher:
         """The blocks of ``spec``'s range the service holds now, and the source class of each."""
         T = self.block_tokens
         match = self.namespaces.get(spec.salt).lookup(spec.token_ids, here_first=True)
-        blocks = match.blocks[spec.start // T:spec.end // T]
+        match = cut(match, spec.start // T, spec.end // T)
         here = self.namespaces.node_id
-        sources = tuple(source_class(b.tier.value, b.node, here) for b in blocks)
-        return Match(len(blocks) * T, tuple(blocks)), sources
+        sources = tuple(source_class(b.tier.value, b.node, here) for b in match.blocks)
+        return match, sources
 
 
 @dataclass(frozen=True)

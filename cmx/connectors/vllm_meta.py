@@ -6,14 +6,15 @@ processes and these objects are all that crosses between them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
 
-__all__ = ["CMXStepMetadata", "CMXWorkerReport", "LoadSpec", "LoadResult", "SaveSpec",
-           "StoreResult"]
+__all__ = ["CMXStepMetadata", "CMXWorkerReport", "LoadSpec", "LoadResult", "RankReports",
+           "SaveSpec", "StoreResult"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,8 @@ class LoadResult:
     nbytes: int
     seconds: float
     sources: tuple[tuple[str, int], ...]  # (source class, bytes) of what was loaded
+    start: int = field(default=0, compare=False)  # the load's first token: which load
+    rank: int = field(default=0, compare=False)  # the tensor-parallel rank that loaded
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,7 @@ class StoreResult:
     failed_tokens: int  # in blocks refused, or of a store that raised or timed out
     # The rest (tokens - committed - failed) were already held, or found no room: not stored.
     start: int = field(default=0, compare=False)  # the save's first token: which blocks
+    rank: int = field(default=0, compare=False)  # the tensor-parallel rank that stored
 
 
 @dataclass
@@ -91,7 +95,74 @@ class CMXWorkerReport(KVConnectorWorkerMetadata):
     computed: list[tuple[int, int]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        # vLLM joins a step's reports of all its workers here, the first as ``self``. The
-        # connector refuses tensor parallelism (CMXConnector.__init__): with one worker there
-        # is nothing to join; with more (pipeline stages) the first's report stands, alone.
+        """vLLM joins a step's reports of all its workers here, the first as ``self``. Each
+        tensor-parallel rank loads and stores its own heads of the same blocks: their loads
+        and stores ended are all kept (``RankReports`` joins each one's ends from every
+        rank), what they handed or dropped is the same save seen by each, counted once."""
+        if not isinstance(other, CMXWorkerReport):
+            return self
+        self.loads.extend(other.loads)
+        self.stores.extend(other.stores)
+        for mine, theirs in ((self.handed, other.handed), (self.dropped, other.dropped)):
+            for req_id, tokens in theirs.items():
+                mine[req_id] = max(mine.get(req_id, 0), tokens)
+        self.step_s = max(self.step_s, other.step_s)
+        self.computed = self.computed or other.computed
         return self
+
+
+class RankReports:
+    """The ends of each load and store from every rank of a tensor-parallel engine, joined:
+    a load or store is over once each rank that runs it said so, and counts what all of them
+    did (the fewest tokens loaded or committed). One rank: each end passes as it is."""
+
+    def __init__(self, loading: int, storing: int) -> None:
+        self.loading = loading  # ranks that run each load
+        self.storing = storing  # ranks that run each store (each head stored once)
+        # (request, first token) -> rank -> its ends not yet joined
+        self._loads: dict[tuple[str, int], dict[int, list[Any]]] = {}
+        self._stores: dict[tuple[str, int], dict[int, list[Any]]] = {}
+
+    def loads(self, ended: list[LoadResult]) -> list[LoadResult]:
+        if self.loading == 1:
+            return ended
+        return [_join_loads(ends) for ends in _gather(self._loads, ended, self.loading)]
+
+    def stores(self, ended: list[StoreResult]) -> list[StoreResult]:
+        if self.storing == 1:
+            return ended
+        return [_join_stores(ends) for ends in _gather(self._stores, ended, self.storing)]
+
+
+def _gather(waiting: dict[tuple[str, int], dict[int, list[Any]]], ended: list[Any],
+            ranks: int) -> list[list[Any]]:
+    """Each (request, first token) once an end from each of ``ranks`` ranks is in: the first
+    of each rank's (vLLM may use a request id again: a later one waits its turn)."""
+    over = []
+    for end in ended:
+        key = (end.req_id, end.start)
+        by_rank = waiting.setdefault(key, {})
+        by_rank.setdefault(end.rank, []).append(end)
+        if len(by_rank) == ranks:
+            over.append([ends.pop(0) for ends in by_rank.values()])
+            left = {rank: ends for rank, ends in by_rank.items() if ends}
+            if left:
+                waiting[key] = left
+            else:
+                del waiting[key]
+    return over
+
+
+def _join_loads(ends: list[LoadResult]) -> LoadResult:
+    least = min(ends, key=lambda e: e.loaded_tokens)
+    return LoadResult(least.req_id, least.asked_tokens, least.loaded_tokens,
+                      sum(e.nbytes for e in ends), max(e.seconds for e in ends),
+                      least.sources, least.start)
+
+
+def _join_stores(ends: list[StoreResult]) -> StoreResult:
+    """Committed what every rank committed; handed what any rank handed (a rank that dropped
+    the save ends it with none: ``StorePipeline.drops_end``)."""
+    least = min(ends, key=lambda e: e.committed_tokens)
+    return StoreResult(least.req_id, max(e.tokens for e in ends), least.committed_tokens,
+                       max(e.failed_tokens for e in ends), least.start)

@@ -27,11 +27,11 @@ it done. With ``save_mode`` "async" ``hold_blocks`` (vLLM's ``request_finished``
 blocks of a finished request that stored anything until the workers have copied them: the
 request goes to them in ``held``, and they name it back when its blocks may be freed.
 
-A request keeps itself out of the cache with its ``kv_transfer_params`` (vLLM's
-``SamplingParams.extra_args["kv_transfer_params"]``): ``{"cmx": {"skip": true}}`` neither
-loads nor stores, ``{"cmx": {"load": false}}`` or ``{"cmx": {"store": false}}`` one of the two.
-A ``"cmx"`` entry that is not one of these is a warning, and the request is kept out of the
-cache (what was meant to stay out never goes in).
+A request keeps itself out of the cache, or tells of a producer's store to wait for, with its
+``kv_transfer_params["cmx"]`` (``vllm_requests``). A request told to expect ``expect_tokens``
+(prefill and decode on different engines) whose lookup finds fewer is answered "not known
+yet" and looked up again every ``LOOK_AGAIN_S``, up to ``store_wait_s``; its producer's
+report names the tokens to expect (``finished``).
 """
 
 from __future__ import annotations
@@ -39,71 +39,45 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as LookupPending
-from dataclasses import dataclass, field
 from typing import Any
 
 from cmx.client.matches import block_places
 from cmx.connectors.settings import ConnectorSettings, Namespaces, namespace_salt
+from cmx.connectors.shards import ShardMatch
 from cmx.connectors.vllm_events import StoreEvents
-from cmx.connectors.vllm_meta import CMXStepMetadata, CMXWorkerReport, LoadSpec, SaveSpec
+from cmx.connectors.vllm_meta import (
+    CMXStepMetadata,
+    CMXWorkerReport,
+    LoadSpec,
+    RankReports,
+    SaveSpec,
+)
+from cmx.connectors.vllm_requests import (
+    RequestOptions,
+    RequestState,
+    note_expected,
+    note_pending,
+)
 from cmx.connectors.vllm_stats import CMXConnectorStats, Counters
 from cmx.policies.breakeven import BreakEven, source_class
 
-__all__ = ["RequestOptions", "RequestState", "SchedulerSide"]
+__all__ = ["SchedulerSide", "look_up"]
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class RequestOptions:
-    """What one request lets the connector do, from its ``kv_transfer_params``."""
-
-    load: bool = True
-    store: bool = True
-
-    @classmethod
-    def of(cls, params: Any) -> RequestOptions:
-        entry = params.get("cmx") if isinstance(params, dict) else None
-        if entry is None:
-            return cls()
-        if isinstance(entry, dict) and set(entry) <= {"skip", "load", "store"} and \
-                all(isinstance(v, bool) for v in entry.values()):
-            skip = entry.get("skip", False)
-            return cls(load=not skip and entry.get("load", True),
-                       store=not skip and entry.get("store", True))
-        log.warning("kv_transfer_params['cmx'] must be a dict of booleans 'skip', 'load', "
-                    "'store', not %.200r: the request is kept out of the cache", entry)
-        return cls(load=False, store=False)
-
-
-@dataclass
-class RequestState:
-    """What the scheduler side knows of one unfinished request."""
-
-    salt: str
-    prompt: tuple[int, ...]
-    options: RequestOptions = field(default_factory=RequestOptions)
-    block_ids: list[int] = field(default_factory=list)
-    stored_upto: int = -1  # tokens handed to the store; -1: not scheduled yet
-    offer: tuple[int, int] | None = None  # (local tokens asked about, tokens offered beyond)
-    load: tuple[int, int] | None = None  # [start, end) to load in the next step
-    prefetched: bool = False  # its first lookup may start a prefetch; no later one does
-    report: dict[str, Any] = field(default_factory=dict)
-    store_handed: int = 0  # tokens the workers handed to their store threads
-    store_ended: int = 0  # of those, in stores that ended (committed, failed or not needed)
-    loading: bool = False  # an asynchronous load into its blocks is under way
-    saved: bool = False  # a save of its blocks went to the workers
-    hashes: Sequence[Any] = ()  # vLLM's block hashes of the request (its own list, growing)
-    generation: int = 0  # resets before it was tracked: its salt's
+LOOK_AGAIN_S = 0.02  # a request waiting for a producer's store looks again this often
 
 
 class SchedulerSide:
     def __init__(self, settings: ConnectorSettings, namespaces: Namespaces, block_size: int,
-                 load: bool = True, save: bool = True, chunk_tokens: int = 0) -> None:
+                 load: bool = True, save: bool = True, chunk_tokens: int = 0,
+                 ranks: tuple[int, int] = (1, 1)) -> None:
         self.settings = settings
+        self.ranks = RankReports(*ranks)  # (loading, storing) ranks' ends, joined
         self.namespaces = namespaces
         self.block_size = block_size
         self.do_load = load
@@ -150,6 +124,8 @@ class SchedulerSide:
         if not (self.do_load and state.options.load) or limit <= local_tokens:
             return 0  # one prompt token is always computed, so nothing is left to offer
         future = self._lookups.get(req_id)
+        if future is None and time.monotonic() < state.look_again_at:
+            return None  # waiting for a producer's store: not yet time to look again
         if future is None:
             ns = self.namespaces.get(state.salt)
             prefetch = self.settings.prefetch and not state.prefetched
@@ -166,11 +142,39 @@ class SchedulerSide:
             self.counters.add(lookup_failures=1)
             match = None
         del self._lookups[req_id]
+        if self._store_awaited(state, match, limit):
+            return None
         tokens = self._offer(state, match, local_tokens)
         state.offer = (local_tokens, tokens)
+        state.other_form = tokens > 0 and self._other_form(match)
         hit = 0 if match is None else max(0, match.num_tokens - local_tokens)
         self.counters.add(lookups=1, hit_tokens=hit, offered_tokens=tokens)
         return tokens
+
+    def _store_awaited(self, state: RequestState, match: Any, limit: int) -> bool:
+        """True while the request waits for a producer's store it was told of: the lookup
+        found less than ``expect_tokens`` and ``store_wait_s`` has not passed since the
+        first; it looks again after ``LOOK_AGAIN_S``. Past the wait it takes what is there."""
+        want = min(state.options.expect_tokens, limit)
+        if not want or (match is not None and match.num_tokens >= want):
+            return False
+        now = time.monotonic()
+        if state.expect_until is None:
+            state.expect_until = now + self.settings.store_wait_s
+        if now >= state.expect_until:
+            log.info("a producer's store of %d tokens was not committed within %.1f s; "
+                     "%d found", want, self.settings.store_wait_s,
+                     0 if match is None else match.num_tokens)
+            return False
+        state.look_again_at = now + LOOK_AGAIN_S
+        return True
+
+    def _other_form(self, match: Any) -> bool:
+        """The match is of blocks stored in the form this engine does not store."""
+        if not isinstance(match, ShardMatch):
+            return False
+        plan = self.namespaces.plan  # a ShardMatch comes only of namespaces with one
+        return plan is not None and match.whole != plan.whole
 
     def _offer(self, state: RequestState, match: Any, local_tokens: int) -> int:
         if match is None or match.num_tokens <= local_tokens:
@@ -229,6 +233,8 @@ class SchedulerSide:
             future.cancel()
         if state is None or not (state.report or (self.do_save and state.options.store)):
             return None
+        if self.do_save and state.options.store:
+            note_expected(state)
         # The dict vLLM now holds: what the workers report this step is still added to it.
         self._finishing[req_id] = state
         return state.report
@@ -275,8 +281,10 @@ class SchedulerSide:
         if scheduled > 0:
             meta.computed.append((computed, computed + scheduled))
         if state.stored_upto < 0:
-            # Blocks the engine did not compute itself (its own cache, or loaded) are stored.
-            state.stored_upto = computed // T * T
+            # Blocks the engine did not compute itself (its own cache, or loaded) are stored,
+            # in the form it stores, unless they came from the other (``shards``): each
+            # form's keys chain from the prompt's first block, so its blocks are stored again.
+            state.stored_upto = 0 if state.other_form else computed // T * T
         upto = min(computed + scheduled, len(state.prompt)) // T * T
         if self.do_save and state.options.store and upto > state.stored_upto:
             start = state.stored_upto
@@ -289,7 +297,7 @@ class SchedulerSide:
 
     def take_report(self, report: CMXWorkerReport) -> None:
         """What the workers did last step: per-request figures, and measurements for the gate."""
-        for load in report.loads:
+        for load in self.ranks.loads(report.loads):
             figures = self._report_of(load.req_id)
             if figures is not None:
                 figures["loaded_tokens"] = figures.get("loaded_tokens", 0) + load.loaded_tokens
@@ -301,8 +309,8 @@ class SchedulerSide:
             state = self._state_of(req_id)
             if state is not None:
                 state.store_handed += tokens
-                _note_pending(state)
-        for store in report.stores:
+                note_pending(state)
+        for store in self.ranks.stores(report.stores):
             self.events.ended(store.req_id, store.start, store.tokens, store.committed_tokens)
             state = self._state_of(store.req_id)
             if state is None:
@@ -310,11 +318,14 @@ class SchedulerSide:
             state.store_ended += store.tokens
             _add(state.report, "stored_tokens", store.committed_tokens)
             _add(state.report, "store_failed_tokens", store.failed_tokens)
-            _note_pending(state)
+            note_pending(state)
+            if store.failed_tokens:
+                state.report.pop("expect_tokens", None)
         for req_id, tokens in report.dropped.items():
             figures = self._report_of(req_id)
             if figures is not None:
                 _add(figures, "store_dropped_tokens", tokens)
+                figures.pop("expect_tokens", None)
         if len(report.computed) == 1 and report.step_s > 0 and not report.loads:
             start, end = report.computed[0]
             if end - start > 1:  # a prefill chunk, alone in its step: a clean measurement
@@ -362,7 +373,10 @@ def look_up(ns: Any, tokens: Sequence[int], prefetch_from: int | None) -> Any:
     match = ns.lookup(tokens, here_first=True)
     if prefetch_from is not None and match.num_blocks > prefetch_from:
         try:
-            ns.prefetch_away(match.blocks[prefetch_from:])
+            if isinstance(match, ShardMatch):
+                ns.prefetch(match, prefetch_from)
+            else:
+                ns.prefetch_away(match.blocks[prefetch_from:])
         except Exception as exc:  # noqa: BLE001 - the load finds the blocks where they are
             log.debug("prefetch not sent: %s", exc)
     return match
@@ -377,12 +391,3 @@ def generation_salt(salt: str, generation: int) -> str:
 def _add(figures: dict[str, Any], name: str, tokens: int) -> None:
     if tokens:
         figures[name] = figures.get(name, 0) + tokens
-
-
-def _note_pending(state: RequestState) -> None:
-    """``store_pending_tokens``: handed to a store that has not ended; absent when none."""
-    pending = state.store_handed - state.store_ended
-    if pending > 0:
-        state.report["store_pending_tokens"] = pending
-    else:
-        state.report.pop("store_pending_tokens", None)

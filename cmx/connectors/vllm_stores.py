@@ -18,6 +18,7 @@ Per save, in vLLM's call order:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -42,8 +43,13 @@ DIRECT_GRANT_S = 1.0
 
 class StorePipeline:
     def __init__(self, settings: ConnectorSettings, namespaces: Callable[[], Namespaces],
-                 paged: PagedLayout, counters: Counters) -> None:
+                 paged: PagedLayout, counters: Counters, drops_end: bool = False,
+                 rank: int = 0) -> None:
         self.settings = settings
+        # A rank of a tensor-parallel engine says a dropped save ended (nothing stored): the
+        # scheduler joins each save's ends from every rank that stores (``RankReports``).
+        self.drops_end = drops_end
+        self.rank = rank
         self._namespaces = namespaces  # the worker's, looked up at each store
         self.layout = namespaces().layout
         self.counters = counters
@@ -114,6 +120,8 @@ class StorePipeline:
                     self._pending, staged)
         with self._lock:
             _add(self._dropped, save.req_id, tokens)
+            if self.drops_end:  # handed nothing: ends nothing the scheduler counts as handed
+                self._ended.append(StoreResult(save.req_id, 0, 0, 0, save.start, self.rank))
         self.counters.add(store_dropped_tokens=tokens)
 
     # -- on the gather thread ------------------------------------------------------------------
@@ -183,6 +191,7 @@ class StorePipeline:
             self._ended_one(StoreResult(save.req_id, tokens, committed, failed, save.start))
 
     def _ended_one(self, result: StoreResult) -> None:
+        result = dataclasses.replace(result, rank=self.rank)
         with self._lock:
             self._pending -= 1
             self._ended.append(result)

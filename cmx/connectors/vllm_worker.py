@@ -38,6 +38,7 @@ finished requests whose blocks vLLM kept for it once their copies are done, and 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -56,6 +57,7 @@ from cmx.connectors.paged import (
     scatter_layer,
 )
 from cmx.connectors.settings import ConnectorSettings, Namespaces
+from cmx.connectors.shards import HeadPlan
 from cmx.connectors.vllm_loads import AsyncLoads, Fetcher, Loaded
 from cmx.connectors.vllm_meta import (
     CMXStepMetadata,
@@ -92,8 +94,10 @@ class _Step:
 
 class WorkerSide:
     def __init__(self, settings: ConnectorSettings, namespaces: Namespaces,
-                 layer_names: list[str], paged_layout: PagedLayout) -> None:
+                 layer_names: list[str], paged_layout: PagedLayout,
+                 plan: HeadPlan | None = None) -> None:
         self.settings = settings
+        self.plan = plan or HeadPlan.everything(namespaces.layout.num_kv_heads)
         self.fetcher = Fetcher(namespaces)  # holds the namespaces: see ``namespaces``
         self.layout = namespaces.layout
         self.index = {name: i for i, name in enumerate(layer_names)}
@@ -107,7 +111,8 @@ class WorkerSide:
         self.loads = AsyncLoads(self.fetcher.fetch, self._write_layer, len(layer_names),
                                 settings.load_bound_s, settings.load_threads)
         self.stores = StorePipeline(settings, lambda: self.namespaces, paged_layout,
-                                    self.counters)
+                                    self.counters, drops_end=not self.plan.whole,
+                                    rank=self.plan.rank)
         self._held: set[str] = set()  # finished requests whose blocks vLLM keeps for us
 
     @property
@@ -139,11 +144,15 @@ class WorkerSide:
         on_host = all(getattr(c, "device", None) is not None and c.device.type == "cpu"
                       for c in caches)
         self.loads.direct = self._load_direct if on_host else None
-        self.stores.direct(on_host)
+        # A rank of a tensor-parallel engine stores each of its heads apart (shards): from a
+        # host tensor, gathered after the step.
+        self.stores.direct(on_host and self.plan.whole)
 
     # -- a step --------------------------------------------------------------------------------
 
     def begin_step(self, meta: CMXStepMetadata) -> None:
+        if not self.plan.stores:  # another rank holds these heads too, and stores them
+            meta = dataclasses.replace(meta, saves=[])
         self._step = _Step(meta, len(self.caches))
         self._held.update(meta.held)
 
@@ -232,7 +241,10 @@ class WorkerSide:
         return report
 
     def take_stats(self) -> CMXConnectorStats | None:
-        return self.counters.take()
+        stats = self.counters.take()
+        # vLLM sums its workers' counters: ranks load and store the same blocks, so one
+        # rank's stand for the engine's.
+        return stats if self.plan.rank == 0 else None
 
     def shutdown(self) -> None:
         self.loads.shutdown()
@@ -318,6 +330,7 @@ class WorkerSide:
         self._failed.update(spec.block_ids[got:])
         found = tuple((c, nbytes) for c in sources[:got])
         self._report.loads.append(LoadResult(spec.req_id, spec.end - spec.start, got * T,
-                                             got * nbytes, seconds, found))
+                                             got * nbytes, seconds, found, spec.start,
+                                             self.plan.rank))
         self.counters.add(loads=1, loaded_tokens=got * T, load_s=seconds,
                           load_failed_tokens=spec.end - spec.start - got * T)

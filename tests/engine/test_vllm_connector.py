@@ -44,7 +44,15 @@ def report(out: Any) -> dict[str, Any]:
 
 
 def namespace(cm: Any, llm: Any, salt: str = "") -> Any:
-    """The service's namespace that the engine's connector uses for ``salt``."""
+    """The service's namespace in which the engine's connector stores for ``salt`` (its whole
+    blocks: the engine runs at TP=1)."""
+    ns = shards(salt)
+    return getattr(ns, "whole", ns)
+
+
+def shards(salt: str = "") -> Any:
+    """The namespaces the engine's connector loads from for ``salt``: its whole blocks and
+    each KV head's (``cmx.connectors.shards``)."""
     return worker_side().namespaces.get(namespace_salt("", salt))
 
 
@@ -131,9 +139,11 @@ def test_an_engine_in_async_mode_loads_and_stores_the_same_tokens(
     assert list(again.outputs[0].token_ids) == baseline[computed]
 
 
-def run_fresh_engine(service: Any, requests: list[dict[str, str]],
-                     settings: dict[str, Any]) -> list[dict[str, Any]]:
-    """What a fresh engine in another process (multiprocessing on) made of each request."""
+def run_fresh_engine(service: Any, requests: list[dict[str, Any]],
+                     settings: dict[str, Any], engine: dict[str, Any] | None = None,
+                     timeout_s: float = 480) -> list[dict[str, Any]]:
+    """What a fresh engine in another process (multiprocessing on) made of each request;
+    ``engine``: more of its ``LLM`` arguments."""
     import ray
 
     here = os.path.dirname(__file__)
@@ -142,10 +152,10 @@ def run_fresh_engine(service: Any, requests: list[dict[str, str]],
     address = ray.get_runtime_context().gcs_address
     run = subprocess.run(
         [sys.executable, os.path.join(here, "fresh_engine.py"), address,
-         json.dumps(asdict(service)), json.dumps({"requests": requests,
+         json.dumps(asdict(service)), json.dumps({"requests": requests, "engine": engine or {},
                                                   "max_tokens": MAX_TOKENS}),
          json.dumps(settings)],
-        env=env, capture_output=True, text=True, timeout=480)
+        env=env, capture_output=True, text=True, timeout=timeout_s)
     lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
     assert run.returncode == 0 and len(lines) == len(requests), run.stderr[-3000:]
     return [json.loads(line.removeprefix("RESULT ")) for line in lines]

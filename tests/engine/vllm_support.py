@@ -34,7 +34,36 @@ def engine_kwargs(**extra: Any) -> dict[str, Any]:
 
     # float32: greedy tokens that do not hinge on bfloat16 rounding of a different batch shape.
     return dict(model=smollm2_path(), enforce_eager=True, block_size=BLOCK_SIZE,
-                max_model_len=2048, seed=0, dtype="float32", **extra)
+                max_model_len=2048, seed=0, dtype="float32") | extra
+
+
+def hybrid_model(root: str) -> str:
+    """A model whose layers alternate sliding-window and full attention (Gemma 3's text
+    model, four small layers), written into ``root`` with SmolLM2's tokenizer; its weights
+    are vLLM's dummy ones (``load_format="dummy"``): random, the same for a seed."""
+    import json
+    import shutil
+
+    from cmx.models import smollm2_path
+
+    source = smollm2_path()
+    os.makedirs(root, exist_ok=True)
+    for name in os.listdir(source):
+        if name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(os.path.join(source, name), root)
+    config = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+              "vocab_size": 49152, "hidden_size": 128, "intermediate_size": 256,
+              "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 32, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+              "rope_theta": 1e6, "rope_local_base_freq": 1e4, "tie_word_embeddings": True,
+              "sliding_window": 64, "query_pre_attn_scalar": 32,
+              "hidden_activation": "gelu_pytorch_tanh",
+              "layer_types": ["sliding_attention", "full_attention"] * 2,
+              "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
+              "pad_token_id": 0}
+    with open(os.path.join(root, "config.json"), "w") as f:
+        json.dump(config, f)
+    return root
 
 
 def transfer_config(service: ServiceConfig, **settings: Any) -> dict[str, Any]:

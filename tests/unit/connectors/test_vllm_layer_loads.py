@@ -63,7 +63,7 @@ def engine(plane: Plane) -> tuple[CMXConnector, list[torch.Tensor], Any, torch.T
     conn = connector(plane, KVConnectorRole.WORKER, load_layer_groups=3)
     caches = paged_caches()
     conn.register_kv_caches(dict(zip(NAMES, caches)))
-    ns = conn._side_worker().namespaces.get("")
+    ns = conn._side_worker().namespaces.get("").whole  # TP=1: blocks stored whole
     stored = LAYOUT.random_kv(3 * T, seed=11)
     assert ns.store(list(PROMPT), stored).wait() == 3
     return conn, caches, ns, stored

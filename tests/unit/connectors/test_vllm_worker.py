@@ -8,6 +8,7 @@ running.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Any
 
@@ -18,6 +19,7 @@ from cmx.client import BlockLocation, Match, NamespaceClient, StoreHandle
 from cmx.client.copy_out import Sink, copy_payloads
 from cmx.connectors.paged import PagedLayout, block_view
 from cmx.connectors.settings import ConnectorSettings, Namespaces
+from cmx.connectors.shards import HeadPlan
 from cmx.connectors.vllm_loads import Loaded
 from cmx.connectors.vllm_meta import CMXStepMetadata, LoadSpec, SaveSpec, StoreResult
 from cmx.connectors.vllm_worker import WorkerSide
@@ -189,5 +191,43 @@ def test_stores_past_the_bound_are_dropped_and_reported() -> None:
     report = w.take_report()
     assert report is not None
     assert report.handed == {"a": 4} and report.dropped == {"b": 4}
+    ns.store_done.set()
+    w.shutdown()
+
+
+def test_a_rank_whose_heads_another_rank_stores_stores_nothing() -> None:
+    # 2 heads at TP=4: ranks 0 and 1 hold head 0, and rank 0 stores it
+    ns = FakeNamespace()
+    one = dataclasses.replace(LAYOUT, num_kv_heads=1)
+    names = FakeNamespaces(ns)
+    names.layout = one
+    w = WorkerSide(ConnectorSettings(save_mode="sync"), names, NAMES,  # type: ignore[arg-type]
+                   PagedLayout.VLLM_CPU, HeadPlan.of(HEADS, 4, 1))
+    w.register(dict(zip(NAMES, [torch.randn(BLOCKS, 1, T, 2 * DIM) for _ in range(LAYERS)])))
+    w.begin_step(CMXStepMetadata(saves=[SaveSpec("r", "", PROMPT[:8], 0, 8, (3, 1))]))
+    for name, cache in zip(NAMES, w.caches):
+        w.save_layer(name, cache)
+    w.end_step()
+    ns.store_done.set()
+    w.shutdown()
+    assert ns.stored == [] and w.take_report() is None
+
+
+def test_a_rank_says_a_dropped_save_ended_with_nothing_stored() -> None:
+    # at TP>1 the scheduler joins each save's ends from every storing rank: a drop is one
+    ns = FakeNamespace()
+    w = WorkerSide(ConnectorSettings(max_pending_stores=1, save_mode="sync"),  # type: ignore
+                   FakeNamespaces(ns), NAMES, PagedLayout.VLLM_CPU,
+                   HeadPlan(HEADS, range(HEADS), True, tp=2))  # a rank's heads, at TP=2
+    caches = [torch.randn(BLOCKS, HEADS, T, 2 * DIM) for _ in range(LAYERS)]
+    w.register(dict(zip(NAMES, caches)))
+    for req in ("a", "b"):
+        w.begin_step(CMXStepMetadata(saves=[SaveSpec(req, "", PROMPT[:4], 0, 4, (0,))]))
+        for name, cache in zip(NAMES, caches):
+            w.save_layer(name, cache)
+        w.end_step()
+    report = w.take_report()
+    assert report is not None and report.dropped == {"b": 4}
+    assert report.stores == [StoreResult("b", 0, 0, 0, 0)]  # ended, nothing handed
     ns.store_done.set()
     w.shutdown()

@@ -27,8 +27,8 @@ demo: install
 
 # Headless Chromium renders the dashboard in its test (Debian's package). The suites marked
 # `apart` (a Ray cluster of their own stopped and counted) and `hosts` (each node on a host of
-# its own: cmx.bench.hosts) each run in a pytest run of their own, after the rest: no session
-# cluster is up beside them. Every run runs; any failing fails the target.
+# its own: cmx.bench.harness.hosts) each run in a pytest run of their own, after the rest: no
+# session cluster is up beside them. Every run runs; any failing fails the target.
 test: install
 	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium) \
 		|| echo "chromium could not be installed; the dashboard test will fail"

@@ -88,11 +88,11 @@ def bench(
     strict: Annotated[bool, typer.Option(help="Exit 1 if any goal is missed.")] = False,
 ) -> None:
     """Measure the stores against the machine's own limits; every figure a ratio to a baseline."""
-    from cmx.bench.core import BenchConfig, Verdict
-    from cmx.bench.raw import FioMissingError
-    from cmx.bench.render import print_suite
-    from cmx.bench.report import write_outputs
-    from cmx.bench.runner import resolve_suites, run_bench
+    from cmx.bench.harness.baselines import FioMissingError
+    from cmx.bench.harness.core import BenchConfig, Verdict
+    from cmx.bench.harness.render import print_suite
+    from cmx.bench.harness.report import write_outputs
+    from cmx.bench.harness.runner import resolve_suites, run_bench
 
     try:
         names = resolve_suites(suites or [])

@@ -1,5 +1,5 @@
 """Rich renderings of the demo for the command line: its progress and its tiers (a bench suite's
-figures: ``cmx.bench.render``)."""
+figures: ``cmx.bench.harness.render``)."""
 
 from __future__ import annotations
 

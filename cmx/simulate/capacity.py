@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from cmx.simulate.engine import SimConfig, Simulator
+from cmx.simulate.config import SimConfig
+from cmx.simulate.engine import Simulator
 from cmx.simulate.scenarios import scenario
 from cmx.simulate.strategy import Strategy
 

@@ -20,70 +20,26 @@ import random
 import struct
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from cmx.policies.breakeven import BreakEven, Plan
 from cmx.policies.prefetch import make_prefetch
 from cmx.simulate.agent import Agent, Job, Priority
-from cmx.simulate.cluster import Cluster, ClusterSpec, Node, Replica
+from cmx.simulate.cluster import Cluster, Node, Replica
 from cmx.simulate.collector import collect_in_batches
-from cmx.simulate.hardware import LLAMA3_8B, ModelSpec, prefill_cost
+from cmx.simulate.config import SimConfig
+from cmx.simulate.hardware import prefill_cost
 from cmx.simulate.lookup import Lookup
 from cmx.simulate.movement import Mover
 from cmx.simulate.probe import Probe
-from cmx.simulate.routing import Router, check_routing
-from cmx.simulate.strategy import CMX, Strategy
-from cmx.simulate.workload import WorkloadSpec, generate
+from cmx.simulate.request import Req
+from cmx.simulate.routing import Router
+from cmx.simulate.workload import generate
 
-__all__ = ["SimConfig", "Simulator"]
+__all__ = ["Simulator"]
 
 _KEY = struct.Struct("<QI")
 _SUFFIX = 1 << 62  # suffix keys live above every shared prefix id
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    workload: WorkloadSpec
-    cluster: ClusterSpec = ClusterSpec()
-    model: ModelSpec = LLAMA3_8B
-    strategy: Strategy = CMX
-    unit_tokens: int = 4096  # tokens per simulated block (an extent of 256-token blocks)
-    samples: int = 200  # points of the occupancy and queue-depth series
-    routing: str = "least-loaded"  # ``routing.ROUTINGS``: how a request finds its replica
-
-    def __post_init__(self) -> None:
-        if self.unit_tokens < 1 or self.samples < 2:
-            raise ValueError("unit_tokens >= 1 and samples >= 2 needed")
-        check_routing(self.routing)
-        longest = max(t.context_tokens[1] for t in self.workload.tenants)
-        need = self.model.weight_bytes + longest * self.model.kv_bytes_per_token
-        have = self.cluster.node.replica_hbm_bytes
-        if need > have:
-            raise ValueError(
-                f"{self.model.name} with a {longest:,}-token context needs {need / 1e9:.0f} GB "
-                f"of HBM (weights + KV), a replica of {self.cluster.node.gpus_per_replica} "
-                f"GPU(s) has {have / 1e9:.0f} GB: use more GPUs per replica")
-
-
-class Req:
-    __slots__ = ("i", "replica", "keys", "sources", "load_keys", "job", "start",
-                 "compute_start", "cut", "late", "context", "gpu_s", "parts")
-
-    def __init__(self, i: int, replica: Replica, context: int) -> None:
-        self.i = i
-        self.replica = replica
-        self.context = context
-        self.keys: list[bytes] = []
-        self.sources: list[int] = []  # where each loaded block is read from
-        self.load_keys: list[bytes] = []
-        self.job: Job | None = None
-        self.start = -1.0
-        self.compute_start = -1.0
-        self.cut = False  # its load was refused: it recomputed everything
-        self.late = False  # its prefetch missed the deadline: its own load overtook it
-        self.gpu_s = 0.0  # the prefill's seconds on an idle host
-        self.parts = 0  # of the prefill still running: its GPU work, its host work
 
 
 class _Pending:
@@ -154,7 +110,7 @@ class Simulator:
                 self.now, _, handler, arg = pop(queue)
                 handler(arg)
                 events += 1
-        return self.probe.result(self, events, time.perf_counter() - t0,
+        return self.probe.result(self.now, self.mover.traffic, events, time.perf_counter() - t0,
                                  time.process_time() - c0)
 
     def run_jobs(self, jobs: list[Job]) -> None:

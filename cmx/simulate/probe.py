@@ -7,14 +7,14 @@ and ``result`` folds it into a frozen ``SimResult``: what the table, the JSON an
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from cmx.simulate.cluster import DRAM, HBM, NVME, POOL, Cluster
-
-if TYPE_CHECKING:
-    from cmx.simulate.engine import Req, SimConfig, Simulator
+from cmx.simulate.config import SimConfig
+from cmx.simulate.movement import Traffic
+from cmx.simulate.request import Req
 
 __all__ = ["Distribution", "Probe", "SimResult", "TierStats"]
 
@@ -146,24 +146,26 @@ class Probe:
         self.peak = [max(a, b) for a, b in zip(self.peak, used)]
         self.rows.append((now, work, *used, queued, running))
 
-    def result(self, sim: Simulator, events: int, wall_s: float, cpu_s: float) -> SimResult:
-        cfg, cluster, traffic = self.config, self.cluster, sim.mover.traffic
+    def result(self, now: float, traffic: Traffic, events: int, wall_s: float,
+               cpu_s: float) -> SimResult:
+        """The run's result at its end, simulated time ``now``, with what its moves carried."""
+        cfg, cluster = self.config, self.cluster
         done = ~np.isnan(self.ttft)
         ctx = self.context[done].sum()
         compute = self.ttft[done] - self.queue[done] - self.io_wait[done]
         busy = compute.sum() + self.io_wait[done].sum()
-        self.sample(sim.now)
+        self.sample(now)
         series = {name: [row[k] for row in self.rows] for k, name in enumerate(
             ("t_s", "hbm_work_bytes", "hbm_bytes", "dram_bytes", "nvme_bytes", "pool_bytes",
              "queued", "running"))}
         agents = [n.agent for n in cluster.all_nodes]
         for agent in agents:
-            agent.advance(sim.now)
-        span = max(sim.now, 1e-9)
+            agent.advance(now)
+        span = max(now, 1e-9)
         return SimResult(
             strategy=cfg.strategy.name, model=cfg.model.name, nodes=cfg.cluster.nodes,
             gpus=cfg.cluster.gpus, replicas=cfg.cluster.replicas, requests=len(self.ttft),
-            completed=int(done.sum()), duration_s=cfg.workload.duration_s, end_s=sim.now,
+            completed=int(done.sum()), duration_s=cfg.workload.duration_s, end_s=now,
             ttft_s=Distribution.of(self.ttft[done]), queue_s=Distribution.of(self.queue[done]),
             io_wait_s=Distribution.of(self.io_wait[done]),
             io_wait_fraction=float(self.io_wait[done].sum() / busy) if busy > 0 else 0.0,

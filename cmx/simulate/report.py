@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cmx.simulate.capacity import Capacity, Outcome
-from cmx.simulate.engine import SimConfig
+from cmx.simulate.config import SimConfig
 from cmx.simulate.probe import SimResult
 
 __all__ = [

@@ -21,7 +21,7 @@ from dataclasses import replace
 from typing import Any
 
 from cmx.simulate.cluster import ClusterSpec
-from cmx.simulate.engine import SimConfig
+from cmx.simulate.config import SimConfig
 from cmx.simulate.hardware import MODELS, ModelSpec, NodeSpec, prefill_cost
 from cmx.simulate.strategy import CMX, Strategy
 from cmx.simulate.workload import TenantSpec, WorkloadSpec

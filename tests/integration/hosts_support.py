@@ -1,4 +1,4 @@
-"""Running a scenario on hosts of their own (cmx.bench.hosts), in a process of its own.
+"""Running a scenario on hosts of their own (cmx.bench.harness.hosts), in a process of its own.
 
 The scenario's driver runs in a network namespace of its own (``driver_network``) and makes
 its cluster there. Hosts are used only in a test process that started no Ray cluster of its
@@ -13,7 +13,7 @@ from typing import Any
 import ray
 from lifecycle_support import Machine
 
-from cmx.bench.hosts import driver_network, unavailable
+from cmx.bench.harness.hosts import driver_network, unavailable
 
 __all__ = ["no_hosts", "on_hosts"]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cmx.simulate.calibrate_service import _prefixes
+from cmx.simulate.calibrate.service import _prefixes
 
 pytestmark = pytest.mark.multinode
 

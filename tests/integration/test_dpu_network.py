@@ -1,13 +1,13 @@
 """An agent on a DPU that reaches its host only over the network (``dpu_access="nixl"``).
 
 A cluster of its own, in a process of its own: a host node and a node labelled as its DPU,
-on a host of its own (cmx.bench.hosts: its own network and /dev/shm) where namespaces can be made.
-The host's agent runs on the DPU in a process that refuses to map host memory or open host
-files; blocks stored through it come back exact from the host's DRAM and, after a DRAM
-eviction demoted them, from the host's NVMe, every byte through NIXL; so do one head and one
-layer of them (partial loads, checked on the host). The DPU agent's
-process holds no mapping of the host's arenas, and an attempt to map one or to open a
-segment file there raises HostAccessForbidden.
+on a host of its own (cmx.bench.harness.hosts: its own network and /dev/shm) where namespaces
+can be made. The host's agent runs on the DPU in a process that refuses to map host memory or
+open host files; blocks stored through it come back exact from the host's DRAM and, after a
+DRAM eviction demoted them, from the host's NVMe, every byte through NIXL; so do one head and
+one layer of them (partial loads, checked on the host). The DPU agent's process holds no
+mapping of the host's arenas, and an attempt to map one or to open a segment file there raises
+HostAccessForbidden.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.hosts
 SCENARIO = """
 import dataclasses, json, os, time, sys, torch, ray
 import numpy as np
-from cmx.bench.hosts import hosts_or_local
+from cmx.bench.harness.hosts import hosts_or_local
 from cmx import ContextMemory, KVLayout
 from cmx.config import ServiceConfig
 from cmx.links import RAY_NAMESPACE, actor_name

@@ -1,7 +1,7 @@
 """A node whose agent is on a DPU (``dpu_access="nixl"``) on the cluster's peer path.
 
 A cluster of its own, in a process of its own, each node on a host of its own where namespaces
-can be made (cmx.bench.hosts): host A with its DPU, and host B. A's agent
+can be made (cmx.bench.harness.hosts): host A with its DPU, and host B. A's agent
 runs on the DPU in a process that refuses to map host memory or open host files. B loads a
 prefix that lives only on A, one head of it and then whole (B's transport reads A's host
 memory, as A's host endpoint registered it with NIXL), and A loads a prefix that lives only
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.hosts
 
 SCENARIO = """
 import dataclasses, json, os, time, sys, torch, ray
-from cmx.bench.hosts import hosts_or_local
+from cmx.bench.harness.hosts import hosts_or_local
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from cmx import ContextMemory, KVLayout
 from cmx.config import ServiceConfig

@@ -1,6 +1,6 @@
 """The directory on hosts other than its client's: a pulled cable, and a host that loses power.
 
-A cluster of its own, in a process of its own, on hosts (cmx.bench.hosts): host A (the head,
+A cluster of its own, in a process of its own, on hosts (cmx.bench.harness.hosts): host A (the head,
 the driver, the client) and hosts B and C, labelled ``directory_label``, so the service starts
 its two directory shards there and none on A (actors/directory/placement.py). Prompts stored
 from A are found through the shards on B and C and load exact; so does a prefix held only on
@@ -36,7 +36,7 @@ sys.path.insert(0, sys.argv[2])
 from hosts_scenario import Far, timed_load
 from pool_support import until
 from cmx import ContextMemory, KVLayout
-from cmx.bench.hosts import Hosts
+from cmx.bench.harness.hosts import Hosts
 from cmx.config import ServiceConfig
 from cmx.links import RAY_NAMESPACE, actor_name
 from cmx.protocol import shard_of

@@ -1,7 +1,7 @@
 """Faults only a network has: a host's cable pulled before a load and mid-load, and a host that
 loses power.
 
-A cluster of its own, in a process of its own, on hosts (cmx.bench.hosts): host A (the head,
+A cluster of its own, in a process of its own, on hosts (cmx.bench.harness.hosts): host A (the head,
 the driver) and host B, each with its own network, hostname and /dev/shm, TCP between them.
 A prefix lives only on B. With B's cable down, A's loads of it are misses (never wrong
 bytes) within their bound; with the cable back, they are whole again. Pulled while a load
@@ -31,7 +31,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 sys.path.insert(0, sys.argv[3])
 from hosts_scenario import held_only_on
 from cmx import ContextMemory, KVLayout
-from cmx.bench.hosts import Hosts
+from cmx.bench.harness.hosts import Hosts
 from cmx.config import ServiceConfig
 
 layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=64)

@@ -1,6 +1,6 @@
 """The pooled NVMe tier (G4) on pool nodes that are hosts of their own.
 
-A cluster of its own, in a process of its own, on hosts (cmx.bench.hosts): host A (the head,
+A cluster of its own, in a process of its own, on hosts (cmx.bench.harness.hosts): host A (the head,
 the driver) and pool hosts P1 and P2, each with its own network, /dev/shm and NVMe root, TCP
 between them. Blocks stored on A with replication 2 have a copy on each pool host; with A's
 own copies evicted, A loads them exact from the pool, over the network. Then every process of
@@ -27,7 +27,7 @@ sys.path.insert(0, sys.argv[2])
 from pool_support import N, T, drop_local_copies, prompts, reconcile, until
 from support import LAYOUT
 from cmx import ContextMemory
-from cmx.bench.hosts import Hosts
+from cmx.bench.harness.hosts import Hosts
 from cmx.config import ServiceConfig
 from cmx.links import RAY_NAMESPACE, actor_name
 from cmx.tiers import Tier

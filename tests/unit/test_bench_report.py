@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from cmx.bench.core import BenchConfig, Figure, Goal, SuiteResult, Table, Verdict, median
-from cmx.bench.report import BenchReport, render_markdown, update_docs, write_outputs
-from cmx.bench.runner import resolve_suites, suite_command
-from cmx.bench.slices import head_pieces, io_size_bytes, share_at_least
+from cmx.bench.harness.core import BenchConfig, Figure, Goal, SuiteResult, Table, Verdict, median
+from cmx.bench.harness.report import BenchReport, render_markdown, update_docs, write_outputs
+from cmx.bench.harness.runner import resolve_suites, suite_command
+from cmx.bench.suites.stores.slices import head_pieces, io_size_bytes, share_at_least
 from cmx.layout import KVLayout, PayloadOrder
 
 MACHINE = {"cpu": "Test CPU", "cores": 2, "memory_gib": 4.0, "disk": "vda", "filesystem": "ext4",
@@ -137,7 +137,7 @@ def working_suite(ctx: object) -> SuiteResult:
 def test_a_failing_suite_is_reported_and_the_next_one_runs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from cmx.bench import runner
+    from cmx.bench.harness import runner
 
     monkeypatch.setattr(runner, "SUITES", {"broken": f"{__name__}:broken_suite",
                                            "working": f"{__name__}:working_suite"})

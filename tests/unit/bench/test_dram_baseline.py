@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cmx.bench import storage
-from cmx.bench.core import BenchConfig, BenchContext, Verdict
-from cmx.bench.raw import ThreadedMemcpy, copy_threads
-from cmx.bench.storage import dram_figures, run_dram
+from cmx.bench.harness.baselines import ThreadedMemcpy, copy_threads
+from cmx.bench.harness.core import BenchConfig, BenchContext, Verdict
+from cmx.bench.suites.stores import storage
+from cmx.bench.suites.stores.storage import dram_figures, run_dram
 
 
 def test_the_baseline_uses_the_stores_thread_count() -> None:

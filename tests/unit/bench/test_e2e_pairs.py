@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from cmx.bench.core import Verdict
-from cmx.bench.e2e_miss import BASE, VARIANTS, _figures
-from cmx.bench.e2e_pairs import (
+from cmx.bench.harness.core import Verdict
+from cmx.bench.suites.e2e.e2e_miss import BASE, VARIANTS, _figures
+from cmx.bench.suites.e2e.e2e_pairs import (
     VOCAB,
     Slot,
     prompt_ids,

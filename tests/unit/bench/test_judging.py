@@ -9,10 +9,10 @@ from collections.abc import Callable
 
 import pytest
 
-from cmx.bench.core import Figure, Goal, SuiteResult, Verdict
-from cmx.bench.hits import checksum_cost_figure
-from cmx.bench.intervals import Interval, alternated
-from cmx.bench.report import BenchReport, figure_rows, render_markdown
+from cmx.bench.harness.core import Figure, Goal, SuiteResult, Verdict
+from cmx.bench.harness.intervals import Interval, alternated
+from cmx.bench.harness.report import BenchReport, figure_rows, render_markdown
+from cmx.bench.suites.hits.hits import checksum_cost_figure
 
 AT_MOST = Goal("<=", 0.10)
 MACHINE = {"cpu": "Test CPU", "cores": 2, "memory_gib": 4.0, "disk": "vda", "filesystem": "ext4",

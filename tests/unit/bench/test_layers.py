@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cmx.bench.core import Verdict
-from cmx.bench.layers import StepTimes, layer_figures, mismatched_layers
+from cmx.bench.harness.core import Verdict
+from cmx.bench.suites.layers import StepTimes, layer_figures, mismatched_layers
 from cmx.layout import KVLayout
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cmx.bench.core import BenchConfig, BenchContext, Figure, Verdict
-from cmx.bench.lmcache_env import (
+from cmx.bench.harness.core import BenchConfig, BenchContext, Figure, Verdict
+from cmx.bench.suites.lmcache.lmcache_env import (
     DRIVER,
     REQUIRED_KEYS,
     Peer,
@@ -26,15 +26,15 @@ from cmx.bench.lmcache_env import (
     parse_result,
     run_driver,
 )
-from cmx.bench.peer import CHUNK_TOKENS, Samples, _disk_figures, run_lmcache
-from cmx.bench.prefetch import (
+from cmx.bench.suites.lmcache.peer import CHUNK_TOKENS, Samples, _disk_figures, run_lmcache
+from cmx.bench.suites.lmcache.prefetch import (
     READY_GOAL,
     ThreadLoad,
     _figures,
     prefix_tokens,
     time_to_ready,
 )
-from cmx.bench.prefix import head_runs, llama_layout, prefix_keys
+from cmx.bench.suites.lmcache.prefix import head_runs, llama_layout, prefix_keys
 from cmx.policies.prefetch import PrefetchOutcome, make_prefetch
 
 

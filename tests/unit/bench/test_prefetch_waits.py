@@ -9,10 +9,15 @@ from typing import Any
 
 import pytest
 
-from cmx.bench import prefetch
-from cmx.bench.core import BenchConfig, BenchContext
-from cmx.bench.lmcache_env import REQUIRED_KEYS, Peer, PeerError
-from cmx.bench.prefetch import WAIT_FRACTIONS, _theirs_waited, queue_waits, run_prefetch
+from cmx.bench.harness.core import BenchConfig, BenchContext
+from cmx.bench.suites.lmcache import prefetch
+from cmx.bench.suites.lmcache.lmcache_env import REQUIRED_KEYS, Peer, PeerError
+from cmx.bench.suites.lmcache.prefetch import (
+    WAIT_FRACTIONS,
+    _theirs_waited,
+    queue_waits,
+    run_prefetch,
+)
 
 
 def context(tmp_path: Path) -> BenchContext:

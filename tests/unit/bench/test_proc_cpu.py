@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from cmx.bench.proc_cpu import REST, CpuMeter, CpuUse, machine_busy_s, process_table
+from cmx.bench.harness.proc_cpu import REST, CpuMeter, CpuUse, machine_busy_s, process_table
 
 # Burns ``seconds`` of its own CPU time (not wall time: a busy machine only makes it slower).
 _BURN = ("import time,sys\nt=float(sys.argv[1])\n"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from cmx.bench.core import MiB, Verdict
-from cmx.bench.soak_figures import (
+from cmx.bench.harness.core import MiB, Verdict
+from cmx.bench.suites.soak.soak_figures import (
     Outcome,
     RequestRecord,
     Snapshot,

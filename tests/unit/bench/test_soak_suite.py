@@ -15,13 +15,14 @@ import httpx
 import pytest
 import ray
 
-from cmx.bench import NAMED_ONLY, SUITES, soak
-from cmx.bench import soak_faults as faults
-from cmx.bench.core import BenchConfig, BenchContext
-from cmx.bench.runner import resolve_suites, suite_command
-from cmx.bench.soak import SoakSettings
-from cmx.bench.soak_figures import Outcome
-from cmx.bench.soak_traffic import Prompt, ask
+from cmx.bench import NAMED_ONLY, SUITES
+from cmx.bench.harness.core import BenchConfig, BenchContext
+from cmx.bench.harness.runner import resolve_suites, suite_command
+from cmx.bench.suites.soak import soak
+from cmx.bench.suites.soak import soak_faults as faults
+from cmx.bench.suites.soak.soak import SoakSettings
+from cmx.bench.suites.soak.soak_figures import Outcome
+from cmx.bench.suites.soak.soak_traffic import Prompt, ask
 
 
 def test_the_soak_runs_only_when_named() -> None:

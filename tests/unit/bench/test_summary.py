@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cmx.bench.core import Figure, Goal, SuiteResult
-from cmx.bench.report import DOCS_HEADER, BenchReport, update_docs
-from cmx.bench.summary import (
+from cmx.bench.harness.core import Figure, Goal, SuiteResult
+from cmx.bench.harness.report import DOCS_HEADER, BenchReport, update_docs
+from cmx.bench.harness.summary import (
     SUMMARY_BEGIN,
     SUMMARY_END,
     SectionCount,
@@ -106,4 +106,5 @@ def test_the_projects_page_carries_its_summary_as_counted() -> None:
     text = (ROOT / "docs" / "BENCHMARKS.md").read_text()
     assert SUMMARY_BEGIN in text and SUMMARY_END in text
     assert refresh_summary(text) == text, (
-        "docs/BENCHMARKS.md's summary is stale: python -m cmx.bench.summary docs/BENCHMARKS.md")
+        "docs/BENCHMARKS.md's summary is stale: "
+        "python -m cmx.bench.harness.summary docs/BENCHMARKS.md")

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from cmx.bench.serve_report import sustained
-from cmx.bench.vllm_results import (
+from cmx.bench.suites.e2e.serve_report import sustained
+from cmx.bench.suites.e2e.vllm_results import (
     ClientResult,
     ServeRun,
     merge,
@@ -17,7 +17,7 @@ from cmx.bench.vllm_results import (
     percentile,
     read_result,
 )
-from cmx.bench.vllm_serve import ServeSettings, client_args
+from cmx.bench.suites.e2e.vllm_serve import ServeSettings, client_args
 
 
 def _result(ttfts: list[float], errors: list[str] | None = None, duration: float = 10.0,
@@ -123,8 +123,8 @@ def test_the_throughput_judged_is_the_fastest_run_whose_p99_held() -> None:
 
 
 def test_the_throughput_goal_compares_the_connector_with_vllm_alone_at_the_same_p99() -> None:
-    from cmx.bench.core import SuiteResult, Verdict
-    from cmx.bench.serve_report import report as _report
+    from cmx.bench.harness.core import SuiteResult, Verdict
+    from cmx.bench.suites.e2e.serve_report import report as _report
 
     none = {("prefix_repetition", r): _run(r, p) for r, p in ((0.2, 6_000), (0.4, 20_000))}
     cmx = {("prefix_repetition", r): _run(r, p) for r, p in ((0.2, 2_000), (0.4, 7_000))}
@@ -144,7 +144,7 @@ def test_the_throughput_goal_compares_the_connector_with_vllm_alone_at_the_same_
 
 
 def test_rounds_pool_every_request_and_add_their_durations() -> None:
-    from cmx.bench.vllm_results import ClientResult, pool
+    from cmx.bench.suites.e2e.vllm_results import ClientResult, pool
 
     def client(duration: float, ttfts: tuple[float, ...]) -> ClientResult:
         return ClientResult(len(ttfts), 0, duration, 100 * len(ttfts), len(ttfts), ttfts)
@@ -159,9 +159,9 @@ def test_rounds_pool_every_request_and_add_their_durations() -> None:
 
 
 def test_the_cpu_table_gives_seconds_per_completed_request() -> None:
-    from cmx.bench.core import SuiteResult
-    from cmx.bench.proc_cpu import REST, CpuUse
-    from cmx.bench.serve_report import report as _report
+    from cmx.bench.harness.core import SuiteResult
+    from cmx.bench.harness.proc_cpu import REST, CpuUse
+    from cmx.bench.suites.e2e.serve_report import report as _report
 
     key = ("prefix_repetition", 1.0)
     got = {"cmx": {key: _run(1.0, 4_000)}, "none": {key: _run(1.0, 5_000)}}
@@ -180,7 +180,7 @@ def test_the_cpu_table_gives_seconds_per_completed_request() -> None:
 
 
 def test_prompt_tokens_are_read_by_source_from_the_servers_metrics() -> None:
-    from cmx.bench.vllm_results import prompt_tokens
+    from cmx.bench.suites.e2e.vllm_results import prompt_tokens
 
     text = """# HELP vllm:prompt_tokens_by_source_total Number of prompt tokens by source.
 # TYPE vllm:prompt_tokens_by_source_total counter

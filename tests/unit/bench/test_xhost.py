@@ -12,10 +12,17 @@ import numpy as np
 import pytest
 
 from cmx.bench import SUITES
-from cmx.bench.core import BenchConfig, BenchContext, GiB, MiB, Verdict
-from cmx.bench.tcp_copy import TcpSource
-from cmx.bench.xhost import SUITE, blocks_for, child_command, figure, rep_table, run_transfer_hosts
-from cmx.bench.xhost_run import RunArgs, Samples, parse_args
+from cmx.bench.harness.core import BenchConfig, BenchContext, GiB, MiB, Verdict
+from cmx.bench.suites.xhost.tcp_copy import TcpSource
+from cmx.bench.suites.xhost.xhost import (
+    SUITE,
+    blocks_for,
+    child_command,
+    figure,
+    rep_table,
+    run_transfer_hosts,
+)
+from cmx.bench.suites.xhost.xhost_run import RunArgs, Samples, parse_args
 
 SAMPLES = Samples(nbytes=8 * 32 * MiB, load=[0.27, 0.25, 0.28], tcp=[0.99, 1.20, 0.99],
                   via="nixl-ucx", hosts=["vm", "b"])
@@ -23,7 +30,7 @@ SAMPLES = Samples(nbytes=8 * 32 * MiB, load=[0.27, 0.25, 0.28], tcp=[0.99, 1.20,
 
 def test_the_suite_is_registered_beside_transfer() -> None:
     names = list(SUITES)
-    assert SUITES[SUITE] == "cmx.bench.xhost:run_transfer_hosts"
+    assert SUITES[SUITE] == "cmx.bench.suites.xhost.xhost:run_transfer_hosts"
     assert names.index(SUITE) == names.index("transfer") + 1
 
 
@@ -46,7 +53,7 @@ def test_the_measuring_process_refuses_what_it_cannot_run(argv: list[str]) -> No
 def test_the_command_runs_after_the_namespace_prefix_and_parses_back() -> None:
     cmd = child_command(["ip", "netns", "exec", "ns1"], blocks=8, reps=3, nvme_dir="/d")
     assert cmd[:4] == ["ip", "netns", "exec", "ns1"]
-    assert cmd[5:7] == ["-m", "cmx.bench.xhost_run"]
+    assert cmd[5:7] == ["-m", "cmx.bench.suites.xhost.xhost_run"]
     assert parse_args(cmd[7:]) == RunArgs(8, 3, "/d")
 
 

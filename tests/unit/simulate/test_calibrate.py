@@ -7,14 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from cmx.simulate.calibrate import (
-    CalibrationResult,
-    ControlCosts,
-    MachineSpeeds,
-    Row,
-    predict_load,
-)
-from cmx.simulate.calibrate_docs import BEGIN, END, rewrite_section
+from cmx.simulate.calibrate.docs import BEGIN, END, rewrite_section
+from cmx.simulate.calibrate.predict import predict_load
+from cmx.simulate.calibrate.result import CalibrationResult, ControlCosts, MachineSpeeds, Row
 
 MiB = 1 << 20
 SPEEDS = MachineSpeeds(copy=4e9, copy_out=2e9, odirect_read=1e9, checksum=8e9, nixl=3e9,
@@ -55,7 +50,7 @@ def test_a_cell_compares_the_median_load_with_the_median_prediction() -> None:
 
 
 def test_each_speed_recorded_is_the_median_of_the_repetitions() -> None:
-    from cmx.simulate.calibrate import _median_speeds
+    from cmx.simulate.calibrate.run import _median_speeds
 
     slow = MachineSpeeds(copy=1e9, copy_out=3e9, odirect_read=0.5e9, checksum=9e9, nixl=1e9,
                          nixl_note="test")
@@ -80,7 +75,7 @@ def test_the_docs_section_is_replaced_between_its_markers_and_nothing_else(
 
 
 def test_control_costs_come_from_the_tiny_loads_less_the_slots_a_peer_moves() -> None:
-    from cmx.simulate.calibrate import _control
+    from cmx.simulate.calibrate.run import _control
 
     tiny = {1: [0.012], 8: [0.026]}
     local = _control(tiny, 0)

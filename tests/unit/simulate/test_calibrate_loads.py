@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from cmx.simulate.calibrate_service import TINY, _block_sum, _prefixes, _timed_loads
+from cmx.simulate.calibrate.service import TINY, _block_sum, _prefixes, _timed_loads
 
 
 class _Namespace:
@@ -59,7 +59,7 @@ def test_one_client_loads_one_after_another_and_clients_at_once() -> None:
 
 
 def test_the_arenas_hold_the_widest_cell() -> None:
-    from cmx.simulate.calibrate_service import TINY_LOADS, TINY_SIZES, _cells, _most
+    from cmx.simulate.calibrate.service import TINY_LOADS, TINY_SIZES, _cells, _most
 
     assert _prefixes(1) >= 3 and _prefixes(4) == 4 and _prefixes(16) == 16
     for blocks, clients in ((6, (1, 4, 16)), (2, (1, 4)), (1, (1,))):
@@ -70,7 +70,7 @@ def test_the_arenas_hold_the_widest_cell() -> None:
 
 
 def test_a_loads_own_cpu_is_the_machines_less_what_it_keeps_busy_idle() -> None:
-    from cmx.simulate.calibrate_service import ServiceLoads
+    from cmx.simulate.calibrate.service import ServiceLoads
 
     loads = ServiceLoads()
     loads.idle["dram"] = [0.5, 0.0]
@@ -88,9 +88,9 @@ def test_a_loads_own_cpu_is_the_machines_less_what_it_keeps_busy_idle() -> None:
 def test_only_cells_of_several_clients_are_bounded_by_one_loads_cpu(monkeypatch: Any) -> None:
     """One client's cell is predicted without its own measured CPU; the others are bounded by
     it (an absurd CPU per load makes the difference plain)."""
-    import cmx.simulate.calibrate_service as service
-    from cmx.simulate.calibrate import MachineSpeeds, run_calibration
-    from cmx.simulate.calibrate_service import ServiceLoads
+    import cmx.simulate.calibrate.run as run
+    from cmx.simulate.calibrate.result import MachineSpeeds
+    from cmx.simulate.calibrate.service import ServiceLoads
 
     speeds = MachineSpeeds(copy=4e9, copy_out=2e9, odirect_read=1e9, checksum=8e9, nixl=3e9,
                            nixl_note="test")
@@ -104,8 +104,8 @@ def test_only_cells_of_several_clients_are_bounded_by_one_loads_cpu(monkeypatch:
         loads.add_large("dram", 4, [0.2] * 4, busy_s=1.0)
         return loads
 
-    monkeypatch.setattr(service, "measure_service", fake)
-    result = run_calibration(log=lambda m: None, reps=1, clients=(1, 4), sources=("dram",))
+    monkeypatch.setattr(run, "measure_service", fake)
+    result = run.run_calibration(log=lambda m: None, reps=1, clients=(1, 4), sources=("dram",))
     alone, four = result.rows
     assert alone.predicted < 1.0  # not 10 CPU-s over 2 cores
     assert min(four.predicted_s) >= 4 * 10.0 / (os.cpu_count() or 1) - 1e-9

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from cmx.simulate.calibrate import ControlCosts, MachineSpeeds
-from cmx.simulate.calibrate_predict import cpu_seconds, predict_loads
+from cmx.simulate.calibrate.predict import cpu_seconds, predict_loads
+from cmx.simulate.calibrate.result import ControlCosts, MachineSpeeds
 
 MiB = 1 << 20
 SPEEDS = MachineSpeeds(copy=4e9, copy_out=2e9, odirect_read=1e9, checksum=8e9, nixl=3e9,
@@ -37,7 +37,7 @@ def test_peer_loads_queue_on_the_network_link() -> None:
 
 
 def test_loads_together_end_no_sooner_than_the_cores_supply_their_cpu() -> None:
-    from cmx.simulate.calibrate_predict import machine_bound
+    from cmx.simulate.calibrate.predict import machine_bound
 
     # 16 loads of 0.1 CPU-s each on 2 cores: none ends before 0.8 s.
     assert machine_bound([0.3] * 16, 0.1, 2) == [0.8] * 16

@@ -1,0 +1,3 @@
+"""Suite "soak" (``soak``): ``cmx serve`` under streamed OpenAI traffic (``soak_traffic``) while
+actors and replicas are killed (``soak_faults``), judged from what it recorded
+(``soak_figures``)."""

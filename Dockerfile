@@ -1,17 +1,17 @@
-# The image deploy/kuberay/rayservice.yaml runs: Ray's own image with this package installed.
+# The CPU image, cmx-ray:0.1.0: Ray's own image with this package and vLLM's CPU build. The
+# RayServices (deploy/kuberay/) run it on their head, their CPU hosts and their pools;
+# Dockerfile.gpu builds the GPU hosts' image, cmx-ray:0.1.0-gpu.
 #
 #   docker build -t cmx-ray:0.1.0 .
-#     the head, hosts and pools: Ray's x86_64 image, torch's CPU wheel and vLLM's CPU build
+#     the head, CPU hosts and pools: Ray's x86_64 image, torch's CPU wheel and vLLM's CPU build
 #     (the engines extra, as `make install` has it)
 #   docker buildx build --platform linux/arm64 -t cmx-ray:0.1.0-arm64 \
 #       --build-arg RAY_VARIANT=py311-aarch64 --build-arg EXTRAS= .
 #     the BlueField DPUs: Ray publishes its arm64 images under their own tags (-aarch64), and a
 #     DPU runs only its host's offload agent, no replica, so no engine
 #
-# torch goes first, pinned as in the Makefile, from TORCH_INDEX: the CPU wheels by default (the
-# service's tiers run on host memory, docs/GPU.md). GPU hosts would take the CUDA wheel of the
-# same torch instead (TORCH_INDEX=https://download.pytorch.org/whl/cu<version>, with
-# RAY_VARIANT=py311-gpu) and a CUDA build of vLLM in place of the engines extra's CPU one.
+# torch goes first, pinned as in the Makefile, from TORCH_INDEX: the CPU wheels (the service's
+# tiers run on host memory, docs/GPU.md), on which vLLM's CPU build is pinned.
 
 ARG RAY_VERSION=2.60.0
 ARG RAY_VARIANT=py311

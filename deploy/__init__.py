@@ -4,8 +4,9 @@ cluster-wide through the context memory (``CMXConnector``).
     config         ServeOptions: the model, the vLLM engine, the deployment (frozen dataclasses)
     model          the served model's directory, tokenizer and chat template, KV layout and
                    namespace (weights fingerprint)
-    vllm_engine    vLLM's AsyncLLM in a replica and its kv_transfer_config (CMXConnector,
-                   vLLM's ExampleConnector, or none)
+    devices        what a replica's node gives its engine: CUDA devices, Ray's GPUs
+    vllm_engine    vLLM's AsyncLLM in a replica: its settings by the node's devices (CPU or
+                   CUDA), its kv_transfer_config (CMXConnector, vLLM's ExampleConnector, or none)
     service        a replica's link to the context memory: started or joined, slots checked
     server         LLMServer: the replica (prefetch on arrival, vLLM, a stream of deltas)
     messages       GenerateRequest / Delta / Summary between the ingress and the replicas
@@ -28,5 +29,6 @@ cluster-wide through the context memory (``CMXConnector``).
     cli            the `demo` and `serve` commands; keys_cli: `cmx keys add | list`
 
 Files: serve_config.yaml (Serve), serve_llm_config.yaml (Ray Serve LLM's app, two replicas on
-two cores), kuberay/ (RayService, Redis for GCS fault tolerance), cluster.yaml (`ray up`).
+two cores), kuberay/ (RayServices on CPU hosts and on GPU hosts, Redis for GCS fault tolerance),
+cluster.yaml (`ray up`); each says at its top which image it runs.
 """

@@ -77,7 +77,7 @@ def build(options: ServeOptions) -> Any:
     llm = serve.deployment(
         name="LLMServer", num_replicas=options.replicas,
         max_ongoing_requests=options.max_ongoing_requests,
-        ray_actor_options={"num_cpus": options.replica_cpus},
+        ray_actor_options={"num_cpus": options.replica_cpus, "num_gpus": options.replica_gpus},
         request_router_config=router, health_check_timeout_s=120.0,
         # The replica's __del__ stops its engine (up to 5 s) and waits for its processes to
         # exit (up to server.ENGINE_EXIT_S) to reap their shared memory.

@@ -58,9 +58,10 @@ class EngineOptions:
     block_size: int = 128  # tokens per block, vLLM's and the context memory's; a multiple of 32
     dtype: ModelDType = "bfloat16"  # of the weights and the KV cache
     max_model_len: int = 8192  # prompt plus completion; SmolLM2 was trained to 8,192
-    kv_cache_gib: float = 1.0  # vLLM's CPU KV cache per replica (VLLM_CPU_KVCACHE_SPACE)
+    kv_cache_gib: float = 1.0  # vLLM's CPU KV cache per replica (VLLM_CPU_KVCACHE_SPACE); on a
+    #                            GPU vLLM sizes its cache from the GPU's memory
     max_num_seqs: int = 16  # requests a replica runs at once (vLLM's batch)
-    threads: int | None = None  # OpenMP threads per replica; None: cores / replicas, at least 1
+    threads: int | None = None  # a CPU engine's OpenMP threads; None: cores / replicas, >= 1
     connector: str = "cmx"  # "cmx": CMXConnector; "none"; "example": vLLM's ExampleConnector
     salt: str = ""  # the deployment's salt; each tenant's is derived from it (deploy.tenants)
     prefetch: str = "wait_complete"  # prefetch policy on arrival (cmx.policies.prefetch)
@@ -105,6 +106,8 @@ class ServeOptions:
     app_name: str = "cmx-llm"  # Serve application name
     route_prefix: str = "/"  # the OpenAI routes live under <route_prefix>v1/
     replica_cpus: float = 0.0  # Ray CPUs reserved per replica (0: fit beside the service)
+    replica_gpus: float = 0.0  # Ray GPUs reserved per replica (1 on GPU hosts: replicas land
+    #                           only where a GPU is free, and see that one)
     max_ongoing_requests: int = 32  # per replica; requests queue in the replica, prefetching
     max_replicas_per_node: int | None = None  # 1 spreads replicas over nodes
     directory_shards: int = 2  # of the running service, for the router's lookups

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cmx.deploy.config import ServeOptions
+from cmx.deploy.config import ServeOptions, SettingsError
 
 __all__ = ["SERVER_CLS", "build_app", "llm_config"]
 
@@ -33,7 +33,11 @@ SERVER_CLS = "cmx.deploy.serve_llm_server:CMXLLMServer"  # each replica
 
 
 def llm_config(options: ServeOptions, ray_address: str) -> Any:
-    """The ``LLMConfig`` of ``options``'s model, its replicas on CPU with the connector."""
+    """The ``LLMConfig`` of ``options``'s model, its replicas on CPU with the connector;
+    ``SettingsError`` where the options reserve GPUs, which these replicas would leave idle."""
+    if options.replica_gpus:
+        raise SettingsError(f"replica_gpus {options.replica_gpus}: Ray Serve LLM's replicas "
+                            "here run vLLM's CPU build; GPU replicas are cmx.deploy.app's")
     from ray.serve.llm import LLMConfig
 
     from cmx.deploy.model import model_info

@@ -58,3 +58,12 @@ def test_its_llm_config_fits_two_cores_and_passes_the_connectors_checks(
     model = model_info(options.model, options.engine)
     assert model.layout.block_tokens == config.engine_kwargs["block_size"]
     check_slots(extra["service"]["block_bytes"], model)  # raises where a block does not fit
+
+
+def test_its_llm_config_refuses_gpus_its_cpu_engines_would_leave_idle() -> None:
+    from cmx.deploy.config import SettingsError
+    from cmx.deploy.serve_llm import llm_config
+
+    _, options = shipped()
+    with pytest.raises(SettingsError, match="replica_gpus"):
+        llm_config(options.replace(replica_gpus=1), UNREACHABLE)

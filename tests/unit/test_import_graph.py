@@ -24,10 +24,10 @@ commands; nothing imports it in turn.
 
 from __future__ import annotations
 
-import ast
 import sys
-from collections.abc import Iterator
 from pathlib import Path
+
+from import_graph_read import circles, imports_of
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -63,87 +63,9 @@ def _modules() -> dict[str, Path]:
     return found
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
-def _import_nodes(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
-    """The imports that run: all of them but those under ``if TYPE_CHECKING:``."""
-    if isinstance(node, (ast.Import, ast.ImportFrom)):
-        yield node
-    elif isinstance(node, ast.If) and _is_type_checking(node.test):
-        for child in node.orelse:
-            yield from _import_nodes(child)
-    else:
-        for child in ast.iter_child_nodes(node):
-            yield from _import_nodes(child)
-
-
-def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The modules of the tree that module ``name`` imports, by the rules above."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    edges: set[str] = set()
-    for node in _import_nodes(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            edges.update(alias.name for alias in node.names)
-            continue
-        base = node.module or ""
-        if node.level:
-            anchor = package.split(".")
-            anchor = anchor[:len(anchor) - node.level + 1]
-            base = ".".join([*anchor, base] if base else anchor)
-        for alias in node.names:
-            sub = f"{base}.{alias.name}"
-            edges.add(sub if sub in modules else base)
-    return {edge for edge in edges if edge in modules and edge != name}
-
-
 def _graph() -> dict[str, set[str]]:
     modules = _modules()
-    return {name: _imports(name, path, modules) for name, path in modules.items()}
-
-
-def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan's, iteratively)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[list[str]] = []
-    for root in sorted(graph):
-        if root in index:
-            continue
-        work = [(root, iter(sorted(graph[root])))]
-        index[root] = low[root] = len(index)
-        stack.append(root)
-        on_stack.add(root)
-        while work:
-            node, edges = work[-1]
-            step = next(edges, None)
-            if step is not None:
-                if step not in index:
-                    index[step] = low[step] = len(index)
-                    stack.append(step)
-                    on_stack.add(step)
-                    work.append((step, iter(sorted(graph[step]))))
-                elif step in on_stack:
-                    low[node] = min(low[node], index[step])
-                continue
-            work.pop()
-            if work:
-                low[work[-1][0]] = min(low[work[-1][0]], low[node])
-            if low[node] == index[node]:
-                component = []
-                while True:
-                    top = stack.pop()
-                    on_stack.discard(top)
-                    component.append(top)
-                    if top == node:
-                        break
-                if len(component) > 1:
-                    found.append(sorted(component))
-    return found
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
 
 
 def _path(graph: dict[str, set[str]], start: str, members: set[str]) -> list[str]:
@@ -171,10 +93,10 @@ def test_the_graph_sees_the_whole_tree() -> None:
 
 def test_no_module_imports_itself_through_others() -> None:
     graph = _graph()
-    circles = [" -> ".join(_path(graph, members[0], set(members)))
-               + (f" (and {len(members)} modules in all: {members})" if len(members) > 2 else "")
-               for members in _circles(graph)]
-    assert not circles, "import circles:\n" + "\n".join(circles)
+    found = [" -> ".join(_path(graph, members[0], set(members)))
+             + (f" (and {len(members)} modules in all: {members})" if len(members) > 2 else "")
+             for members in circles(graph)]
+    assert not found, "import circles:\n" + "\n".join(found)
 
 
 def test_the_core_imports_neither_bench_nor_simulator() -> None:

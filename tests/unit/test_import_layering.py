@@ -5,18 +5,15 @@ that drives it.
 
 Stricter than ``test_import_graph`` inside these two packages: every import counts, at module
 level, inside a function, or under ``if TYPE_CHECKING:`` (an import that never runs still says
-that a part knows its caller). The graph is read from the sources with ``ast``:
-
-- ``import a.b.c`` and ``from a.b.c import x`` import the module ``a.b.c``, or its submodule
-  ``a.b.c.x`` when there is one; the packages above it are not counted (a package's
-  ``__init__`` that re-exports its parts would otherwise close a circle with each of them).
-- Relative imports resolve against the importing module.
+that a part knows its caller). The graph is read from the sources with ``ast``
+(``import_graph_read``, the rules of ``test_import_graph``).
 """
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
+
+from import_graph_read import circles, imports_of
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("bench", "simulate")
@@ -37,47 +34,10 @@ def _modules() -> dict[str, Path]:
     return found
 
 
-def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The modules of the two packages that module ``name`` imports, anywhere in its source."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    edges: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            edges.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
-                base = ".".join([*anchor, base] if base else anchor)
-            for alias in node.names:
-                sub = f"{base}.{alias.name}"
-                edges.add(sub if sub in modules else base)
-    return {edge for edge in edges if edge in modules and edge != name}
-
-
 def _graph() -> dict[str, set[str]]:
     modules = _modules()
-    return {name: _imports(name, path, modules) for name, path in modules.items()}
-
-
-def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
-    """Every module that ``start`` imports through a chain of one or more imports."""
-    seen: set[str] = set()
-    frontier = list(graph[start])
-    while frontier:
-        node = frontier.pop()
-        if node not in seen:
-            seen.add(node)
-            frontier.extend(graph[node])
-    return seen
-
-
-def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The modules that reach themselves, grouped by circle (those that reach one another)."""
-    reach = {name: _reach(graph, name) for name in graph}
-    groups = {tuple(sorted({name} | {other for other in reach[name] if name in reach[other]}))
-              for name in graph if name in reach[name]}
-    return sorted(list(group) for group in groups)
+    return {name: imports_of(name, path, modules, type_checking=True)
+            for name, path in modules.items()}
 
 
 def _under(name: str, *roots: str) -> bool:
@@ -93,13 +53,13 @@ def test_the_graph_sees_both_packages() -> None:
 
 def test_a_circle_is_found() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a", "e"}, "e": {"d"}, "f": {"a"}}
-    assert _circles(graph) == [["a", "b", "c"], ["d", "e"]]
-    assert _circles({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
+    assert circles(graph) == [["a", "b", "c"], ["d", "e"]]
+    assert circles({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
 
 
 def test_bench_and_simulate_have_no_import_circle() -> None:
-    circles = _circles(_graph())
-    assert not circles, "import circles:\n" + "\n".join(" <-> ".join(c) for c in circles)
+    found = circles(_graph())
+    assert not found, "import circles:\n" + "\n".join(" <-> ".join(c) for c in found)
 
 
 def test_the_harness_imports_no_suite() -> None:

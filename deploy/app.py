@@ -1,5 +1,7 @@
 """The Serve application: ``OpenAIIngress`` -> ``LLMServer`` x N (vLLM with the context memory
-as its KV connector), routed by ``PrefixAwareRouter``.
+as its KV connector), routed by ``PrefixAwareRouter``. With ``prefill_replicas`` the ingress
+sends each prompt to an ``LLMPrefill`` replica first (one token; its KV stored), then the
+request to an ``LLMServer`` replica, which loads that KV and decodes.
 
     from ray import serve
     from cmx.deploy.app import build
@@ -15,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from cmx.deploy.config import ServeOptions
+from cmx.errors import CmxError
 
 __all__ = ["ROUTER_CLASS", "build", "build_app", "check_block_size", "check_options",
            "router_kwargs"]
@@ -54,6 +57,12 @@ def check_options(options: ServeOptions) -> None:
     from cmx.deploy.tenants import Tenancy
 
     Tenancy.load(options.engine.salt, options.tenants)
+    if options.prefill_replicas < 0:
+        raise CmxError(f"prefill_replicas must be >= 0, got {options.prefill_replicas}")
+    if options.prefill_replicas and options.engine.connector != "cmx":
+        raise CmxError("prefill replicas hand their prompts' KV to the decode replicas through "
+                       "the context memory: they need engine.connector 'cmx', not "
+                       f"{options.engine.connector!r}")
     check_block_size(options)
 
 
@@ -74,20 +83,30 @@ def build(options: ServeOptions) -> Any:
         "request_router_class": ROUTER_CLASS, "request_router_kwargs": router_kwargs(options),
         "request_routing_stats_period_s": 2.0, "request_routing_stats_timeout_s": 5.0}
     router = RequestRouterConfig(**router_options)
-    llm = serve.deployment(
-        name="LLMServer", num_replicas=options.replicas,
-        max_ongoing_requests=options.max_ongoing_requests,
-        ray_actor_options={"num_cpus": options.replica_cpus, "num_gpus": options.replica_gpus},
-        request_router_config=router, health_check_timeout_s=120.0,
-        # The replica's __del__ stops its engine (up to 5 s) and waits for its processes to
-        # exit (up to server.ENGINE_EXIT_S) to reap their shared memory.
-        graceful_shutdown_timeout_s=20.0, **placement,
-    )(LLMServer)
+
+    def replicas(name: str, count: int) -> Any:
+        return serve.deployment(
+            name=name, num_replicas=count, max_ongoing_requests=options.max_ongoing_requests,
+            ray_actor_options={"num_cpus": options.replica_cpus,
+                               "num_gpus": options.replica_gpus},
+            request_router_config=router, health_check_timeout_s=120.0,
+            # The replica's __del__ stops its engine (up to 5 s) and waits for its processes
+            # to exit (up to server.ENGINE_EXIT_S) to reap their shared memory.
+            graceful_shutdown_timeout_s=20.0, **placement,
+        )(LLMServer)
+
     ingress = serve.deployment(
         name="OpenAIIngress", num_replicas=1, max_ongoing_requests=256,
         ray_actor_options={"num_cpus": 0},
     )(OpenAIIngress)
-    return ingress.bind(llm.bind(args), args)
+    if not options.prefill_replicas:
+        return ingress.bind(replicas("LLMServer", options.replicas).bind(args), args)
+    # Prefill and decode apart: prefill replicas load what is cached and store each prompt's
+    # KV (kv_both), the decode replicas load it (kv_consumer), waiting for the store the
+    # prefill names.
+    prefill = replicas("LLMPrefill", options.prefill_replicas).bind(args, "kv_both")
+    decode = replicas("LLMServer", options.replicas).bind(args, "kv_consumer")
+    return ingress.bind(decode, args, prefill)
 
 
 def build_app(args: dict[str, Any] | None = None) -> Any:

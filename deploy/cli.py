@@ -74,6 +74,9 @@ def demo(
 @app.command()
 def serve(
     replicas: Annotated[int, typer.Option(min=1, help="LLM replicas.")] = 2,
+    prefill_replicas: Annotated[int, typer.Option(
+        min=0, help="Replicas that only compute prompts and store their KV; the others then "
+                    "decode, loading it (0: every replica does both).")] = 0,
     model: ModelOpt = None,
     port: Annotated[int, typer.Option(help="HTTP port of Serve's proxy (loopback).")] = 8000,
     address: Annotated[str | None, typer.Option(
@@ -120,7 +123,8 @@ def serve(
         # The environment's settings are read here, and every setting (the API key file, the
         # slots for the model's blocks) is checked by ``start`` before it starts anything; the
         # slots of a service already running are checked by each replica as it joins it.
-        options = ServeOptions(model=_model(model), replicas=replicas, engine=engine)
+        options = ServeOptions(model=_model(model), replicas=replicas, engine=engine,
+                               prefill_replicas=prefill_replicas)
         with err.status("starting"):
             state, already = launch.start(options, address, port, step=lambda s: err.log(s))
     except CmxError as exc:

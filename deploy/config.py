@@ -102,7 +102,12 @@ class ServeOptions:
 
     model: ModelOptions = field(default_factory=ModelOptions)
     engine: EngineOptions = field(default_factory=EngineOptions)
-    replicas: int = 2  # LLM replicas
+    replicas: int = 2  # LLM replicas (with prefill_replicas: those that decode)
+    prefill_replicas: int = 0  # replicas that compute prompts and store their KV, each
+    #                            request's decode then loading it on a replica of ``replicas``;
+    #                            0: every replica does both
+    prefill_timeout_s: float = 120.0  # a prefill not over by then: the decode replica
+    #                                   computes the prompt itself
     app_name: str = "cmx-llm"  # Serve application name
     route_prefix: str = "/"  # the OpenAI routes live under <route_prefix>v1/
     replica_cpus: float = 0.0  # Ray CPUs reserved per replica (0: fit beside the service)

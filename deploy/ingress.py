@@ -22,6 +22,8 @@ so the router asks the directory where the prefix is before any replica sees the
 # at runtime, through Serve's ingress wrapper, and cannot resolve postponed ones there.
 
 import asyncio
+import dataclasses
+import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +42,8 @@ from cmx.deploy.openai_types import ChatRequest, CompletionRequest
 from cmx.deploy.routing import known_replicas
 from cmx.deploy.tenants import Tenancy
 
+log = logging.getLogger(__name__)
+
 __all__ = ["PARSE_THREADS", "OpenAIIngress", "app"]
 
 # Bodies decoded at once: more would not go faster (the GIL) and would hold more memory, each
@@ -52,12 +56,13 @@ install_handlers(app)
 
 @serve.ingress(app)
 class OpenAIIngress:
-    def __init__(self, llm: Any, args: dict[str, Any]) -> None:
+    def __init__(self, llm: Any, args: dict[str, Any], prefill: Any = None) -> None:
         from cmx.deploy.model import load_tokenizer
 
         self.options = ServeOptions.from_args(args)
         self.tenancy = Tenancy.load(self.options.engine.salt, self.options.tenants)  # auth
         self.llm = llm
+        self.prefill = prefill  # replicas that compute prompts only (``prefill_replicas``)
         self.tokenizer = load_tokenizer(self.options.model)
         # Tokenizing runs on this one thread, never on the event loop, which serves every other
         # request meanwhile; one thread, as a Hugging Face tokenizer is not made to be called
@@ -110,6 +115,7 @@ class OpenAIIngress:
         return tuple(chain_keys(digest, ids, info.block_tokens))
 
     async def _answer(self, kind: Kind, body: Any, req: GenerateRequest) -> Any:
+        req = await self._prefilled(req)
         reply = Reply(kind, self.model_id, req.sampling.n)
         stream = self.llm.options(stream=True).generate.remote(req)
         if body.stream:
@@ -122,6 +128,25 @@ class OpenAIIngress:
                 for delta in item:
                     reply.add(delta)
         return JSONResponse(reply.body())
+
+    async def _prefilled(self, req: GenerateRequest) -> GenerateRequest:
+        """With prefill replicas, the prompt is computed on one of them first (one token, its
+        KV stored), and the decode replica is told how many of its tokens to wait for. A
+        prefill that fails leaves the decode replica to compute the prompt itself."""
+        if self.prefill is None or not req.use_cache:
+            return req
+        one = dataclasses.replace(req.sampling, max_tokens=1, n=1)
+        first = dataclasses.replace(req, request_id=f"{req.request_id}-prefill", sampling=one,
+                                    replica=None)
+        expect = 0
+        try:
+            async with asyncio.timeout(self.options.prefill_timeout_s):
+                async for item in self.prefill.options(stream=True).generate.remote(first):
+                    if isinstance(item, Summary):
+                        expect = int(item.memory.get("expect_tokens", 0) or 0)
+        except Exception as exc:  # noqa: BLE001 - the decode replica computes the prompt
+            log.warning("prefill of request %s failed or was late: %r", req.request_id, exc)
+        return dataclasses.replace(req, expect_tokens=expect)
 
     async def _events(self, reply: Reply, stream: Any, usage: bool) -> AsyncIterator[str]:
         async for item in stream:

@@ -32,6 +32,7 @@ class GenerateRequest:
     use_cache: bool = True  # False: computed from scratch (no load, no store, no local reuse)
     keys: tuple[bytes, ...] = ()  # the prompt's block keys in the tenant's namespace (router)
     replica: str | None = None  # route to this replica id (tests, benchmarks), if it exists
+    expect_tokens: int = 0  # a prefill replica stored this many of its prompt's tokens
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ ENGINE_EXIT_S = 8.0  # how long a stopping replica waits for its engine's proces
 
 
 class LLMServer:
-    def __init__(self, args: dict[str, Any]) -> None:
+    def __init__(self, args: dict[str, Any], kv_role: str = "kv_both") -> None:
         from cmx.deploy.vllm_engine import build_engine, transfer_config
 
         self.options = ServeOptions.from_args(args)
@@ -56,7 +56,7 @@ class LLMServer:
         if eng.connector == "cmx":
             self.memory = join_service(self.options, self.model)
             kv = transfer_config(self.options, self.model, self.memory.config,
-                                 self.memory.ray_address, self.node)
+                                 self.memory.ray_address, self.node, kv_role)
         elif eng.connector != "none":
             kv = transfer_config(self.options, self.model, self.options.service or _default())
         self._segments = EngineSegments.default()
@@ -81,7 +81,9 @@ class LLMServer:
         arrived = time.monotonic()
         prefetch = await self._prefetch(req)
         s = req.sampling
-        kv_params = {"cmx": {"load": req.use_cache, "store": req.use_cache}}
+        kv_params: dict[str, Any] = {"cmx": {"load": req.use_cache, "store": req.use_cache}}
+        if req.expect_tokens:  # the prefill's store to wait for (cmx.connectors.vllm_requests)
+            kv_params["cmx"]["expect_tokens"] = req.expect_tokens
         try:
             params = SamplingParams(
                 n=s.n, temperature=s.temperature, top_p=s.top_p, seed=s.seed,

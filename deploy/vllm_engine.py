@@ -35,8 +35,11 @@ CONNECTOR_MODULE = "cmx.connectors.vllm"
 
 
 def transfer_config(options: ServeOptions, model: ModelInfo, service: ServiceConfig,
-                    ray_address: str = "", node_id: str = "") -> dict[str, Any] | None:
-    """The ``kv_transfer_config`` of ``options.engine.connector`` (None: no connector)."""
+                    ray_address: str = "", node_id: str = "",
+                    kv_role: str = "kv_both") -> dict[str, Any] | None:
+    """The ``kv_transfer_config`` of ``options.engine.connector`` (None: no connector);
+    ``kv_role`` "kv_producer" for a replica that only prefills, "kv_consumer" for one that
+    decodes what those stored."""
     eng = options.engine
     if eng.connector == "none":
         return None
@@ -58,7 +61,7 @@ def transfer_config(options: ServeOptions, model: ModelInfo, service: ServiceCon
         # cluster as a driver, and on a host with several raylets a driver joins the head's.
         extra["node_id"] = node_id
     return {"kv_connector": CONNECTOR_CLASS, "kv_connector_module_path": CONNECTOR_MODULE,
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_role": kv_role, "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": extra}
 
 

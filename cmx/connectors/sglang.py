@@ -290,7 +290,7 @@ class CMXHiCacheStorage(HiCacheStorage):
             if name == KV and self._page_bytes and pages.page_bytes != self._page_bytes:
                 raise LayoutMismatchError(f"the host pool's pages are {pages.page_bytes} bytes, "
                                           f"configured {self._page_bytes}")
-            model = self._identity(pages.kind, name, pages.order)
+            model = self._identity(pages.kind, name, pages.order, getattr(pool, "dtype", None))
             ns = self._cm.namespace(model, page_layout(pages.page_bytes), self._salt)
             self._pools[name] = _Pool(pages, ns)
             if name == KV:
@@ -329,10 +329,12 @@ class CMXHiCacheStorage(HiCacheStorage):
                                           f"are {self._page_bytes}")
             return self._tensors
 
-    def _identity(self, kind: str | None, pool: str = KV, order: str = "") -> str:
+    def _identity(self, kind: str | None, pool: str = KV, order: str = "",
+                  dtype: Any = None) -> str:
         """Who may read a pool's pages: the model, and each rank of it whose pages differ (the
         tensor-parallel rank unless an MLA model's MLA pool, which every rank holds whole; the
-        pipeline stage; the context-parallel rank), the pool and its pages' byte order."""
+        pipeline stage; the context-parallel rank), the pool, its pages' byte order and their
+        element type (pages of bfloat16 and float16, or of two fp8 kinds, are the same size)."""
         c = self._config
         name = self._model
         if not (c.is_mla_model and kind != "mha"):
@@ -343,6 +345,8 @@ class CMXHiCacheStorage(HiCacheStorage):
             name += f"@cp{c.attn_cp_rank}/{c.attn_cp_size}"
         if pool != KV:
             name += f"@{pool}"
+        if dtype is not None:
+            name += f"@{str(dtype).removeprefix('torch.')}"
         return f"{name}@{order}" if order else name
 
 

@@ -85,6 +85,7 @@ class RequestState:
     saved: bool = False  # a save of its blocks went to the workers
     hashes: Sequence[Any] = ()  # vLLM's block hashes of the request (its own list, growing)
     generation: int = 0  # resets before it was tracked: its salt's
+    stored_from: int = 0  # the first token its stores took (those before: held already)
     other_form: bool = False  # its prefix came from blocks stored in the form this engine
     #                           does not store (``shards``): its stores start at block 0
     expect_until: float | None = None  # waiting for a producer's store: until then
@@ -96,7 +97,10 @@ def note_expected(state: RequestState) -> None:
     once any of the request's stores failed or was dropped."""
     report = state.report
     lost = report.get("store_failed_tokens", 0) or report.get("store_dropped_tokens", 0)
-    if lost or state.stored_upto <= 0:
+    # The tokens before its first store were the engine's own or loaded: in the service only
+    # as far as its lookup found them (the engine's own cache may hold what the service lost).
+    unknown = state.stored_from > report.get("lookup_tokens", 0)
+    if lost or unknown or state.stored_upto <= 0:
         report.pop("expect_tokens", None)
     else:
         report["expect_tokens"] = state.stored_upto

@@ -285,6 +285,7 @@ class SchedulerSide:
             # in the form it stores, unless they came from the other (``shards``): each
             # form's keys chain from the prompt's first block, so its blocks are stored again.
             state.stored_upto = 0 if state.other_form else computed // T * T
+            state.stored_from = state.stored_upto
         upto = min(computed + scheduled, len(state.prompt)) // T * T
         if self.do_save and state.options.store and upto > state.stored_upto:
             start = state.stored_upto

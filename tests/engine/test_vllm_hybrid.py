@@ -21,12 +21,13 @@ def test_a_hybrid_models_prefix_loads_with_the_output_it_gives_alone(
     alone, stored, hit = run_fresh_engine(service, [
         {"text": prompt, "salt": "hybrid", "cmx": {"skip": True}},  # without the cache
         {"text": prompt, "salt": "hybrid"},  # computed and stored
-        {"text": prompt, "salt": "hybrid", "until_cached": 40},  # loaded once committed
-    ], {}, engine={"model": model, "load_format": "dummy", "enable_prefix_caching": False})
+        {"text": prompt, "salt": "hybrid", "until_cached": 240},  # loaded once committed
+    ], {}, engine={"model": model, "load_format": "dummy", "enable_prefix_caching": False},
+        timeout_s=900)
     ids = alone["prompt_ids"]
     tokens = (len(ids) - 1) // BLOCK_SIZE * BLOCK_SIZE
-    assert stored["cached"] == 0 and stored["tokens"] == alone["tokens"]
-    assert hit["cached"] == tokens > 64  # past the sliding window of 64 tokens
+    assert stored["cached"] == 0 and stored["tokens"] == alone["tokens"], stored
+    assert hit["cached"] == tokens > 64, (stored, hit)  # past the sliding window of 64 tokens
     assert hit["report"]["cmx"]["loaded_tokens"] == tokens
     assert hit["tokens"] == alone["tokens"]
     # dummy weights choose alike tokens easily: the log-probabilities say the KV is the same

@@ -152,6 +152,17 @@ def test_pools_whose_pages_lie_in_another_order_share_none(cm: Any) -> None:
     assert torch.equal(page_bytes(direct, 16), page_bytes(layer_first, 8))
 
 
+def test_pools_of_another_element_type_share_none(cm: Any) -> None:
+    """bfloat16 and float16 pages of one model are the same size: the same bytes mean other
+    numbers, so neither finds the other's pages."""
+    bf16, fp16 = mha_pool(seed=7), mha_pool(seed=8, dtype=torch.float16)
+    assert storage(cm, bf16).batch_set_v1(["dtype"], slots(bf16, 2, 1)) == [True]
+    assert storage(cm, fp16).batch_exists(["dtype"]) == 0
+    assert storage(cm, fp16).batch_get_v1(["dtype"], slots(fp16, 2, 1)) == [False]
+    again = mha_pool(seed=9)
+    assert storage(cm, again).batch_get_v1(["dtype"], slots(again, 4, 1)) == [True]
+
+
 def test_the_generic_path_keeps_pools_of_another_order_apart(cm: Any) -> None:
     """SGLang's generic path hands the pool's flat page: a page_first pool's, token-major,
     put back by a layer_first pool's ``set_from_flat_data_page`` would scramble every page."""

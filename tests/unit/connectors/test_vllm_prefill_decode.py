@@ -101,3 +101,16 @@ def test_the_producers_answer_names_the_tokens_it_stored(plane: Plane) -> None:
 def test_a_bad_expectation_keeps_the_request_out_of_the_cache(expect: Any) -> None:
     options = RequestOptions.of({"cmx": {"expect_tokens": expect}})
     assert (options.load, options.store, options.expect_tokens) == (False, False, 0)
+
+
+def test_no_store_to_wait_for_when_the_prompts_head_was_the_engines_own(plane: Plane) -> None:
+    # The engine's own prefix cache held the first two blocks (the service holds none of
+    # them): it stores from there on, and a consumer waiting for the whole would wait in vain.
+    scheduler = connector(plane, KVConnectorRole.SCHEDULER, **SETTINGS)
+    req = request("r", PROMPT)
+    scheduler.on_new_request(req)
+    assert scheduler.get_num_new_matched_tokens(req, 2 * T) == (0, False)
+    scheduler.build_connector_meta(
+        step_output(new=(("r", [1, 2, 3, 4, 5], 2 * T, len(PROMPT) - 2 * T),)))
+    _, params = scheduler.request_finished(req, [1, 2, 3, 4, 5])
+    assert params is not None and "expect_tokens" not in params["cmx"]

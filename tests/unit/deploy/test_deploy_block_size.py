@@ -71,3 +71,15 @@ def test_cmx_serve_exits_2_with_the_message_before_it_starts_anything(
     assert f"CMX_BLOCK_BYTES={BLOCK_BYTES}" in text and "Traceback" not in text
     assert "no Ray cluster answers" not in text  # refused before any cluster was sought
     assert not (state / "serve.json").exists()
+
+
+def test_prefill_replicas_need_the_context_memory(model_dir: str) -> None:
+    from cmx.deploy.app import check_options
+
+    split = options(model_dir).replace(prefill_replicas=1)
+    check_options(split)
+    assert ServeOptions.from_args(split.to_args()).prefill_replicas == 1
+    with pytest.raises(CmxError, match="need engine.connector 'cmx'"):
+        check_options(split.replace(engine=EngineOptions(connector="none")))
+    with pytest.raises(CmxError, match="prefill_replicas must be >= 0"):
+        check_options(split.replace(prefill_replicas=-1))

@@ -117,11 +117,7 @@ def mha_pool(layout: str = "page_first", *, layers: int = 2, heads: int = 2, hea
     p = sglang_pools()
     device = p.MHA(tokens, page, dtype, heads, head_dim, layers, "cpu", False,
                    start_layer=0, end_layer=layers - 1)
-    with p.budget(POOL_BUDGET):
-        host = p.MHAHost(device.get_device_pool_infos()[0].buffer_info, 2.0, 0, page, layout,
-                         pin_memory=False, device_capacity_tokens=device.size,
-                         start_layer=device.start_layer, end_layer=device.end_layer)
-    return fill(host, seed)
+    return host_of(p.MHAHost, device, page, layout, seed)
 
 
 def mla_pool(layout: str = "page_first", *, layers: int = 2, rank: int = 16, rope: int = 8,
@@ -131,11 +127,16 @@ def mla_pool(layout: str = "page_first", *, layers: int = 2, rank: int = 16, rop
     p = sglang_pools()
     device = p.MLA(tokens, page, dtype, rank, rope, layers, "cpu", False,
                    start_layer=0, end_layer=layers - 1)
-    with p.budget(POOL_BUDGET):
-        host = p.MLAHost(device.get_device_pool_infos()[0].buffer_info, 2.0, 0, page, layout,
-                         pin_memory=False, device_capacity_tokens=device.size,
-                         start_layer=device.start_layer, end_layer=device.end_layer,
-                         target_layer_num=layers)
+    return host_of(p.MLAHost, device, page, layout, seed, target_layer_num=layers)
+
+
+def host_of(cls: Any, device: Any, page: int, layout: str, seed: int | None,
+            **more: Any) -> Any:
+    """SGLang's host pool ``cls`` over ``device``, twice its size, filled as ``fill`` says."""
+    with sglang_pools().budget(POOL_BUDGET):
+        host = cls(device.get_device_pool_infos()[0].buffer_info, 2.0, 0, page, layout,
+                   pin_memory=False, device_capacity_tokens=device.size,
+                   start_layer=device.start_layer, end_layer=device.end_layer, **more)
     return fill(host, seed)
 
 

@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 import torch
 from plane import Plane
-from scenarios import check
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 from test_sglang_host import config, mha_pool, page_bytes
 from test_sglang_pages import client, service_plane, slots
@@ -28,10 +27,7 @@ TRAILING = PoolHitPolicy.TRAILING_PAGES
 
 @pytest.fixture
 def plane(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Plane]:
-    p = service_plane(tmp_path, monkeypatch, NODE)
-    yield p
-    check(p)
-    p.close()
+    yield from service_plane(tmp_path, monkeypatch, NODE)
 
 
 def hybrid(plane: Plane, seed: int) -> tuple[CMXHiCacheStorage, Any, Any]:

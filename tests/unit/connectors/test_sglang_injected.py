@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 import torch
 from plane import Plane
-from scenarios import check
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector
 from test_sglang_host import config, mha_pool
 from test_sglang_pages import client, every_page, service_plane, slots
@@ -27,10 +26,7 @@ NODE = f"sgl-inject-{uuid.uuid4().hex[:6]}"
 
 @pytest.fixture
 def plane(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Plane]:
-    p = service_plane(tmp_path, monkeypatch, NODE)
-    yield p
-    check(p)
-    p.close()
+    yield from service_plane(tmp_path, monkeypatch, NODE)
 
 
 def injected(plane: Plane, pool: Any) -> tuple[HiCacheStorageFailureInjector, CMXHiCacheStorage]:

@@ -31,10 +31,15 @@ POOLS = [("mha", layout) for layout in ("layer_first", "page_first", "page_first
 POOLS += [("mla", layout) for layout in ("layer_first", "page_first", "page_first_direct")]
 
 
-def service_plane(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, node: str) -> Plane:
-    """One node's tiers, agent and directory (DRAM of 8 blocks, HBM of 4, NVMe of 256)."""
+def service_plane(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                  node: str) -> Iterator[Plane]:
+    """One node's tiers, agent and directory (DRAM of 8 blocks, HBM of 4, NVMe of 256), for
+    a module's ``plane`` fixture: its books checked whole after the test."""
     monkeypatch.setattr(ray, "get", lambda ref, timeout=None: ref)  # StoreLink answers itself
-    return make_plane(small_config(tmp_path), nodes=(node,), link_type=StoreLink)
+    p = make_plane(small_config(tmp_path), nodes=(node,), link_type=StoreLink)
+    yield p
+    check(p)
+    p.close()
 
 
 def client(plane: Plane, node: str) -> Any:
@@ -64,10 +69,7 @@ def copies(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
 
 @pytest.fixture
 def plane(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Plane]:
-    p = service_plane(tmp_path, monkeypatch, NODE)
-    yield p
-    check(p)
-    p.close()
+    yield from service_plane(tmp_path, monkeypatch, NODE)
 
 
 @pytest.fixture

@@ -177,10 +177,8 @@ def test_a_step_ends_while_its_store_is_still_running() -> None:
         assert torch.equal(kv[layer], blocks_of(caches[layer], [3, 1]))
 
 
-def test_stores_past_the_bound_are_dropped_and_reported() -> None:
-    ns = FakeNamespace()
-    w = WorkerSide(ConnectorSettings(max_pending_stores=1), FakeNamespaces(ns), NAMES,
-                   PagedLayout.VLLM_CPU)
+def two_saves(w: WorkerSide) -> Any:
+    """A save of requests "a" and "b" in a step each, from random caches; the report."""
     caches = [torch.randn(BLOCKS, HEADS, T, 2 * DIM) for _ in range(LAYERS)]
     w.register(dict(zip(NAMES, caches)))
     for req in ("a", "b"):
@@ -188,7 +186,14 @@ def test_stores_past_the_bound_are_dropped_and_reported() -> None:
         for name, cache in zip(NAMES, caches):
             w.save_layer(name, cache)
         w.end_step()
-    report = w.take_report()
+    return w.take_report()
+
+
+def test_stores_past_the_bound_are_dropped_and_reported() -> None:
+    ns = FakeNamespace()
+    w = WorkerSide(ConnectorSettings(max_pending_stores=1), FakeNamespaces(ns), NAMES,
+                   PagedLayout.VLLM_CPU)
+    report = two_saves(w)
     assert report is not None
     assert report.handed == {"a": 4} and report.dropped == {"b": 4}
     ns.store_done.set()
@@ -219,14 +224,7 @@ def test_a_rank_says_a_dropped_save_ended_with_nothing_stored() -> None:
     w = WorkerSide(ConnectorSettings(max_pending_stores=1, save_mode="sync"),  # type: ignore
                    FakeNamespaces(ns), NAMES, PagedLayout.VLLM_CPU,
                    HeadPlan(HEADS, range(HEADS), True, tp=2))  # a rank's heads, at TP=2
-    caches = [torch.randn(BLOCKS, HEADS, T, 2 * DIM) for _ in range(LAYERS)]
-    w.register(dict(zip(NAMES, caches)))
-    for req in ("a", "b"):
-        w.begin_step(CMXStepMetadata(saves=[SaveSpec(req, "", PROMPT[:4], 0, 4, (0,))]))
-        for name, cache in zip(NAMES, caches):
-            w.save_layer(name, cache)
-        w.end_step()
-    report = w.take_report()
+    report = two_saves(w)
     assert report is not None and report.dropped == {"b": 4}
     assert report.stores == [StoreResult("b", 0, 0, 0, 0)]  # ended, nothing handed
     ns.store_done.set()

@@ -169,21 +169,25 @@ class Leases:
 
     def end(self, leases: Iterable[int]) -> int:
         """End leases and give back what they hold; how many were held."""
+        items = leases if isinstance(leases, list) else list(leases)
         held = []
-        rest = []
         with self._lock:
-            for lease in leases:
-                h = self._held.pop(lease, None)
+            # A reader's run of 62,500 pins ends in a few C passes: the ids held alone found
+            # by one set intersection, the rest ended in their runs by one vectorised pass.
+            alone = self._held.keys() & set(items) if self._held else set()
+            for lease in items if alone else ():
+                h = self._held.pop(lease, None) if lease in alone else None
                 if h is not None:
                     held.append((lease, h))
-                elif self._runs and isinstance(lease, int | np.integer) and 0 < lease < _ID_END:
-                    rest.append(lease)
+            rest = [lease for lease in items if lease not in alone
+                    and isinstance(lease, int | np.integer) and 0 < lease < _ID_END] \
+                if self._runs else []
             ended = self._end_in_runs(rest) if rest else []
         for lease, h in held:
             h.undo(lease)
         return len(held) + _give_back(ended)
 
-    def _end_in_runs(self, ids: list[int]) -> list[tuple[_Run, list[BlockHash]]]:
+    def _end_in_runs(self, ids: Sequence[int | np.integer]) -> list[tuple[_Run, list[BlockHash]]]:
         """Mark the pins of runs named by ``ids`` ended (caller holds the lock); each run with
         the keys to give back."""
         firsts = np.fromiter(self._runs, np.int64, len(self._runs))

@@ -316,22 +316,34 @@ class DramStore(DramBooks):
                  ) -> list[PinnedRef | None]:
         """``pin`` then ``locate`` each key, its checksum known (``checksum_of``), in one hold
         of the lock: a reader's whole prefix in one step (None where a key is not here, or is
-        in ``skip``)."""
+        in ``skip``). The hits are counted and touched in the policy together, in order, as
+        ``pin`` one key at a time would."""
         checked = [check_key(key) for key in keys]
         with self._lock:
             self._check_open()
+            index, offset_of = self._index, self._arena.slot_offset
             refs: list[PinnedRef | None] = []
+            hits: list[BlockHash] = []
+            asked = 0
             for key in checked:
-                entry = None if key in skip else self._lookup(key)
-                if entry is None:
+                if key in skip:
                     refs.append(None)
                     continue
+                asked += 1
+                entry = index.get(key)
+                if entry is None or not entry.committed:
+                    refs.append(None)
+                    continue
+                hits.append(key)
                 entry.pins += 1
                 self._pinned += entry.pins == 1
                 if entry.checksum is None:
                     entry.checksum = checksum(self._payload(entry))
-                refs.append(PinnedRef(entry.slot, self._arena.slot_offset(entry.slot),
-                                      entry.size, entry.checksum, entry.reservation))
+                refs.append(PinnedRef(entry.slot, offset_of(entry.slot), entry.size,
+                                      entry.checksum, entry.reservation))
+            self._hits += len(hits)
+            self._misses += asked - len(hits)
+            self._policy.touch_many(hits)
             return refs
 
     def delete(self, key: bytes) -> bool:

@@ -180,9 +180,10 @@ class DramBooks(BlockStore):
         hold of the lock; a key no longer pinned here is passed over."""
         with self._lock:
             self._check_open()
+            index = self._index
             for key in keys:
-                entry = self._visible(key)
-                if entry is None or not entry.pins:
+                entry = index.get(key)
+                if entry is None or not entry.committed or not entry.pins:
                     continue
                 entry.pins -= 1
                 self._pinned -= entry.pins == 0

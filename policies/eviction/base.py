@@ -4,7 +4,7 @@ Protocol, in call order (the store calls these, under its own lock):
 
 1. ``insert(key, parent)`` when a block is committed. ``parent`` is the key of the previous
    block of the same prefix, or None for a first block.
-2. ``touch(key)`` on every hit.
+2. ``touch(key)`` on every hit (``touch_many(keys)`` for a reader's whole prefix, in order).
 3. ``victims(can_evict)`` when space is needed: yields keys, best victim first. The store calls
    ``can_evict`` itself (pinned and uncommitted blocks are skipped) and stops iterating once it
    has room, then calls ``remove`` for each block it actually evicted.
@@ -18,7 +18,7 @@ policy's order; interior blocks last. A policy only orders keys: ``_order()``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import ClassVar
 
 __all__ = ["EvictionPolicy"]
@@ -54,6 +54,11 @@ class EvictionPolicy(ABC):
         if key in self._parent:
             self._on_touch(key)
 
+    def touch_many(self, keys: Sequence[Key]) -> None:
+        """``touch`` each key, in order; a policy may do it in one pass (``_on_touch_many``)."""
+        resident = self._parent
+        self._on_touch_many([key for key in keys if key in resident])
+
     def remove(self, key: Key) -> None:
         if key not in self._parent:
             return
@@ -67,6 +72,10 @@ class EvictionPolicy(ABC):
         for child in self._kids.get(key, ()):
             self._orphans[child] = None
         self._on_remove(key)
+
+    def _on_touch_many(self, keys: list[Key]) -> None:
+        for key in keys:
+            self._on_touch(key)
 
     def victims(self, can_evict: Callable[[Key], bool]) -> Iterator[Key]:
         """Candidates best-first: orphans, then leaves in policy order, then everything else."""

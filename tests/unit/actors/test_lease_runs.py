@@ -76,6 +76,16 @@ def test_a_pin_taken_alone_leaves_the_rest_of_its_run() -> None:
     assert leases.end(ids) == 3 and given.keys() == sorted(key(i) for i in range(4))
 
 
+def test_a_pin_held_alone_and_its_run_end_together_each_once() -> None:
+    leases, given = Leases(10.0, clock=lambda: 0.0), Given()
+    ids = grant(leases, given, 4)
+    assert leases.hold([ids[1]], ttl_s=100.0) == 1  # out of its run, a lease of its own
+    assert leases.end([ids[1], ids[1], ids[0], ids[3], ids[3]]) == 3
+    assert given.calls == [[key(1)], [key(0), key(3)]] and len(leases) == 1
+    assert leases.end(iter(ids)) == 1 and given.keys() == sorted(key(i) for i in range(4))
+    assert len(leases) == 0
+
+
 def test_a_run_expires_whole_and_a_pin_held_longer_stays() -> None:
     now = [0.0]
     leases, given = Leases(10.0, clock=lambda: now[0]), Given()

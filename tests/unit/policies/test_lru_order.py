@@ -58,3 +58,24 @@ def test_victims_under_random_evictions_and_touches_keep_their_promises() -> Non
         # Every key still resident and evictable was offered.
         assert {k for k in keys if k in lru and k not in pinned} <= set(offered)
         lru.check_integrity()
+
+
+def test_a_prefix_touched_at_once_orders_as_its_keys_touched_one_by_one() -> None:
+    import random
+
+    from cmx.policies import EVICTION_POLICIES, make_eviction
+
+    rng = random.Random(3)
+    keys = _keys(300)
+    for name in EVICTION_POLICIES:
+        one, many = make_eviction(name), make_eviction(name)
+        for policy in (one, many):
+            for k in keys:
+                policy.insert(k, None)
+        for _ in range(5):
+            hit = rng.sample(keys, 120) + [b"never-stored"] + keys[:3]  # a repeat, a stranger
+            for k in hit:
+                one.touch(k)
+            many.touch_many(hit)
+        assert list(one.victims(lambda k: True)) == list(many.victims(lambda k: True)), name
+        many.check_integrity()

@@ -204,6 +204,28 @@ def test_pin_refs_pins_each_key_here_once_and_names_its_bytes(make_store: MakeSt
     store.check_integrity()
 
 
+def test_pin_refs_counts_and_touches_as_pins_one_by_one(make_store: MakeStore) -> None:
+    """A prefix pinned in one call: a hit and a miss counted for each key asked (a skipped key
+    is not asked), and the hits made the newest in the eviction order, in order."""
+    store = make_store(slots=4)
+    for i in (1, 2, 3, 4):
+        store.put(key(i), payload(i, 100))
+    for k in (key(1), key(2), key(3), key(4)):  # each one hit, in store order
+        assert store.pin(k)
+        store.unpin(k)
+    hits, misses = store.stats().hits, store.stats().misses
+    refs = store.pin_refs([key(2), key(9), key(1), key(4)], skip={key(4)})
+    assert [r is None for r in refs] == [False, True, False, True]
+    assert (store.stats().hits, store.stats().misses) == (hits + 2, misses + 1)
+    for k in (key(2), key(1)):
+        store.unpin(k)
+    store.put(key(5), payload(5, 100))  # evicts the least recent: 3, untouched since its hit
+    assert key(3) not in store and all(k in store for k in (key(1), key(2), key(4)))
+    store.put(key(6), payload(6, 100))  # then 4 (skipped, so not touched), before 2 and 1
+    assert key(4) not in store and key(1) in store and key(2) in store
+    store.check_integrity()
+
+
 def test_another_process_reads_a_committed_block_by_arena_name(make_store: MakeStore) -> None:
     store = make_store(slots=3, block_bytes=9000)
     data = payload(5, 8999)

@@ -24,9 +24,10 @@ another family's.
     lmcache    "lmcache", "prefetch": the stores against LMCache 0.5 in a virtual environment of
                its own, and loads started at a request's arrival against at its scheduling
     dpu        "dpu": loads through an agent on the host and one on a DPU over NIXL
-    e2e        "e2e", "e2e-miss", "e2e-serve": time to first token through the Serve
-               application, a miss's cost with and without CMXConnector, and vLLM's OpenAI
-               servers driven by ``vllm bench serve``
+    e2e        "e2e", "e2e-miss", "e2e-serve", "prefill-decode": time to first token through the
+               Serve application, a miss's cost with and without CMXConnector, vLLM's OpenAI
+               servers driven by ``vllm bench serve``, and ``cmx serve``'s prefill and decode
+               replicas against colocated ones, driven the same way
     soak       "soak": ``cmx serve`` under streamed OpenAI traffic for ``--minutes`` while actors
                and replicas are killed
 """
@@ -58,6 +59,7 @@ SUITES: dict[str, str] = {
     "e2e": "cmx.bench.suites.e2e.e2e:run_e2e",
     "e2e-miss": "cmx.bench.suites.e2e.e2e_miss:run_e2e_miss",
     "e2e-serve": "cmx.bench.suites.e2e.vllm_serve:run_e2e_serve",
+    "prefill-decode": "cmx.bench.suites.e2e.prefill_decode:run_prefill_decode",
     "soak": "cmx.bench.suites.soak.soak:run_soak",
 }
 # Suites the default run leaves out, run only when named: the soak takes half an hour.

@@ -18,6 +18,7 @@ import ray
 from cmx.bench import NAMED_ONLY, SUITES
 from cmx.bench.harness.core import BenchConfig, BenchContext
 from cmx.bench.harness.runner import resolve_suites, suite_command
+from cmx.bench.harness.serve_app import ServeApp
 from cmx.bench.suites.soak import soak
 from cmx.bench.suites.soak import soak_faults as faults
 from cmx.bench.suites.soak.soak import SoakSettings
@@ -127,15 +128,15 @@ def test_a_start_that_times_out_is_still_stopped(monkeypatch: pytest.MonkeyPatch
                                                  tmp_path: Path) -> None:
     stopped: list[bool] = []
 
-    def start(self: soak._Serve) -> str:
+    def start(self: ServeApp) -> str:
         raise subprocess.TimeoutExpired("cmx serve", 900)
 
-    def stop(self: soak._Serve) -> str:
+    def stop(self: ServeApp) -> str:
         stopped.append(True)
         raise RuntimeError("--stop found nothing to stop")  # must not replace the start's error
 
-    monkeypatch.setattr(soak._Serve, "start", start)
-    monkeypatch.setattr(soak._Serve, "stop", stop)
+    monkeypatch.setattr(ServeApp, "start", start)
+    monkeypatch.setattr(ServeApp, "stop", stop)
     # The soak ends its own connection to Ray; this process's (a session cluster's) stays.
     monkeypatch.setattr(ray, "shutdown", lambda: None)
     ctx = BenchContext(BenchConfig(dir=tmp_path), tmp_path)

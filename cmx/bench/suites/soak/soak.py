@@ -16,16 +16,13 @@ end over start (goal: flat); p99 TTFT per window.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 from cmx.bench.harness.core import BenchContext, SuiteResult
+from cmx.bench.harness.serve_app import ServeApp, replicas_up, wait_replicas
 from cmx.bench.suites.soak.soak_faults import Killer, ProcessMemory
 from cmx.bench.suites.soak.soak_figures import (
     Outcome,
@@ -69,63 +66,6 @@ class SoakSettings:
         return min(self.window_s, self.duration_s / 4)
 
 
-class _Serve:
-    """``cmx serve`` and ``cmx serve --stop`` run as a user runs them, in a state of their own."""
-
-    def __init__(self, work: Path, log: Any) -> None:
-        from cmx.deploy.apikeys import add_key
-        from cmx.deploy.local import free_port
-
-        self.work = work
-        self.log = log
-        keys = str(work / "keys")
-        self.keys = {t: add_key(keys, t) for t in TENANTS}
-        self.env = {**os.environ, "CMX_STATE_DIR": str(work / "state"), "CMX_API_KEY_FILE": keys,
-                    "CMX_NVME_DIR": str(work / "nvme")}
-        self.address = f"127.0.0.1:{free_port()}"
-        self.port = free_port()
-
-    def _cmx(self, *args: str, timeout_s: float) -> str:
-        cmd = [sys.executable, "-m", "cmx.cli", "serve", *args]
-        # Run from the work directory: ``-m`` puts the directory it runs in on the path first.
-        done = subprocess.run(cmd, env=self.env, cwd=self.work, capture_output=True, text=True,
-                              timeout=timeout_s, check=False)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(args) or 'cmx serve'} exited {done.returncode}: "
-                               f"{done.stderr[-2000:]}")
-        return done.stdout.strip()
-
-    def start(self) -> str:
-        self.log(f"cmx serve --replicas {REPLICAS} --dtype float32 (Ray at {self.address})")
-        return self._cmx("--replicas", str(REPLICAS), "--dtype", "float32", "--address",
-                         self.address, "--port", str(self.port), timeout_s=900).splitlines()[-1]
-
-    def state(self) -> dict[str, Any]:
-        data: dict[str, Any] = json.loads((self.work / "state" / "serve.json").read_text())
-        return data
-
-    def stop(self) -> str:
-        return self._cmx("--stop", timeout_s=600)
-
-
-def _replicas_up(base: str) -> int:
-    """Replicas the application routes to now; 0 where it does not answer."""
-    import httpx
-
-    try:
-        return len(httpx.get(f"{base.removesuffix('/v1')}/cmx/replicas", timeout=30)
-                   .json()["replicas"])
-    except (httpx.HTTPError, ValueError, KeyError):
-        return 0
-
-
-def _wait_replicas(base: str, count: int, timeout_s: float) -> int:
-    deadline = time.monotonic() + timeout_s
-    while (seen := _replicas_up(base)) < count and time.monotonic() < deadline:
-        time.sleep(2)
-    return seen
-
-
 def run_soak(ctx: BenchContext, settings: SoakSettings | None = None) -> SuiteResult:
     import openai
     import ray
@@ -134,7 +74,7 @@ def run_soak(ctx: BenchContext, settings: SoakSettings | None = None) -> SuiteRe
 
     s = settings or SoakSettings(minutes=ctx.config.minutes)
     result = SuiteResult("soak", command="")
-    serve = _Serve(ctx.scratch("soak"), ctx.log)
+    serve = ServeApp(ctx.scratch("soak"), ctx.log, REPLICAS, tenants=TENANTS)
     try:
         base = serve.start()
         state = serve.state()
@@ -158,7 +98,7 @@ def run_soak(ctx: BenchContext, settings: SoakSettings | None = None) -> SuiteRe
                              s.seed)
         traffic = SoakTraffic(clients, model, prompts, shape, ctx.log)
         killer = Killer(state["app"], s.kill_gap_s, s.seed, traffic.elapsed,
-                        lambda: _replicas_up(base), REPLICAS, ctx.log)
+                        lambda: replicas_up(base), REPLICAS, ctx.log)
         samples = [memory.snapshot(0.0)]
         traffic.start()
         killer.start()
@@ -173,7 +113,7 @@ def run_soak(ctx: BenchContext, settings: SoakSettings | None = None) -> SuiteRe
         finally:
             killer.stop()
             traffic.stop()
-        replicas = _wait_replicas(base, REPLICAS, 300)
+        replicas = wait_replicas(base, REPLICAS, 300)
         time.sleep(s.settle_s)
         end = memory.snapshot(traffic.elapsed())
         samples.append(end)

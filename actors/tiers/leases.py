@@ -169,7 +169,8 @@ class Leases:
 
     def end(self, leases: Iterable[int]) -> int:
         """End leases and give back what they hold; how many were held."""
-        items = leases if isinstance(leases, list) else list(leases)
+        # What no lease id can be (a list, an array) is passed over, as a miss would be.
+        items = [x for x in leases if type(x) is int or _hashable(x)]
         held = []
         with self._lock:
             # A reader's run of 62,500 pins ends in a few C passes: the ids held alone found
@@ -335,3 +336,10 @@ def _owned_by(holder: str, owner: str) -> bool:
     owned by ``ADMIN:<id>`` and all ended by key as ``ADMIN``'s."""
     return holder == owner or (owner == ADMIN and holder.startswith(f"{ADMIN}:"))
 
+
+def _hashable(x: object) -> bool:
+    try:
+        hash(x)
+    except TypeError:
+        return False
+    return True

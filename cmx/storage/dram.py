@@ -325,25 +325,27 @@ class DramStore(DramBooks):
             refs: list[PinnedRef | None] = []
             hits: list[BlockHash] = []
             asked = 0
-            for key in checked:
-                if key in skip:
-                    refs.append(None)
-                    continue
-                asked += 1
-                entry = index.get(key)
-                if entry is None or not entry.committed:
-                    refs.append(None)
-                    continue
-                hits.append(key)
-                entry.pins += 1
-                self._pinned += entry.pins == 1
-                if entry.checksum is None:
-                    entry.checksum = checksum(self._payload(entry))
-                refs.append(PinnedRef(entry.slot, offset_of(entry.slot), entry.size,
-                                      entry.checksum, entry.reservation))
-            self._hits += len(hits)
-            self._misses += asked - len(hits)
-            self._policy.touch_many(hits)
+            try:
+                for key in checked:
+                    if key in skip:
+                        refs.append(None)
+                        continue
+                    asked += 1
+                    entry = index.get(key)
+                    if entry is None or not entry.committed:
+                        refs.append(None)
+                        continue
+                    hits.append(key)
+                    entry.pins += 1
+                    self._pinned += entry.pins == 1
+                    if entry.checksum is None:
+                        entry.checksum = checksum(self._payload(entry))
+                    refs.append(PinnedRef(entry.slot, offset_of(entry.slot), entry.size,
+                                          entry.checksum, entry.reservation))
+            finally:  # what was asked is counted, and what was hit touched, even if it raised
+                self._hits += len(hits)
+                self._misses += asked - len(hits)
+                self._policy.touch_many(hits)
             return refs
 
     def delete(self, key: bytes) -> bool:

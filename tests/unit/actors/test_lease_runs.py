@@ -65,6 +65,20 @@ def test_ids_that_name_no_pin_end_nothing() -> None:
     assert leases.end(junk) == 0 and given.calls == [] and len(leases) == 3
 
 
+def test_unhashable_ids_are_passed_over_and_the_rest_end() -> None:
+    """A remote caller's list of lease ids with a list, an array or a dict in it: those name no
+    pin and are passed over; the ids beside them end, held alone or in a run, each once."""
+    from cmx.actors.tiers.leases import LeaseKind
+
+    leases, given = Leases(10.0, clock=lambda: 0.0), Given()
+    ids = grant(leases, given, 3)
+    alone = leases.grant("client:a", LeaseKind.PIN, key(7), given.undo(key(7)))
+    junk: list = [[1], np.array([ids[0]]), {"id": ids[1]}, bytearray(b"x")]
+    assert leases.end([*junk, alone, ids[0], ids[2], *junk]) == 3
+    assert given.keys() == sorted([key(0), key(2), key(7)]) and len(leases) == 1
+    assert leases.end(junk) == 0 and len(leases) == 1
+
+
 def test_a_pin_taken_alone_leaves_the_rest_of_its_run() -> None:
     leases, given = Leases(10.0, clock=lambda: 0.0), Given()
     ids = grant(leases, given, 4)

@@ -226,6 +226,34 @@ def test_pin_refs_counts_and_touches_as_pins_one_by_one(make_store: MakeStore) -
     store.check_integrity()
 
 
+def test_pin_refs_counts_what_it_asked_when_a_checksum_fails_part_way(
+    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import cmx.storage.dram as dram
+
+    store = make_store(slots=4)
+    for i in (1, 2):
+        store.put(key(i), payload(i, 100))  # no checksum given: pin_refs computes it
+    real, calls = dram.checksum, []
+
+    def failing_second(data):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == 2:
+            raise MemoryError("checksum failed")
+        return real(data)
+
+    monkeypatch.setattr(dram, "checksum", failing_second)
+    before = store.stats()
+    with pytest.raises(MemoryError):
+        store.pin_refs([key(1), key(9), key(2)])
+    after = store.stats()
+    assert (after.hits - before.hits, after.misses - before.misses) == (2, 1)
+    monkeypatch.undo()
+    for k in (key(1), key(2)):  # pinned before the failure, as one pin at a time would be
+        store.unpin(k)
+    store.check_integrity()
+
+
 def test_another_process_reads_a_committed_block_by_arena_name(make_store: MakeStore) -> None:
     store = make_store(slots=3, block_bytes=9000)
     data = payload(5, 8999)

@@ -144,6 +144,9 @@ class ServeOptions:
 
     @property
     def threads(self) -> int:
+        """OpenMP threads per engine: ``engine.threads``, else the host's cores shared among
+        every replica it runs, prefill replicas included."""
         if self.engine.threads:
             return self.engine.threads
-        return max(1, (os.cpu_count() or 1) // max(1, self.replicas))
+        engines = max(1, self.replicas + max(0, self.prefill_replicas))
+        return max(1, (os.cpu_count() or 1) // engines)

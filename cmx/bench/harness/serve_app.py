@@ -23,7 +23,6 @@ class ServeApp:
     def __init__(self, work: Path, log: Callable[[str], None], replicas: int = 2,
                  prefill_replicas: int = 0, tenants: Sequence[str] = ()) -> None:
         from cmx.deploy.apikeys import add_key
-        from cmx.deploy.local import free_port
 
         self.work = work
         self.log = log
@@ -32,12 +31,13 @@ class ServeApp:
         self.env = {**os.environ, "CMX_STATE_DIR": str(work / "state"),
                     "CMX_NVME_DIR": str(work / "nvme")}
         self.keys: dict[str, str] = {}
+        self.env.pop("CMX_API_KEY_FILE", None)  # no tenants: no key file, whatever is set here
         if tenants:
             keys = str(work / "keys")
             self.keys = {t: add_key(keys, t) for t in tenants}
             self.env["CMX_API_KEY_FILE"] = keys
-        self.address = f"127.0.0.1:{free_port()}"
-        self.port = free_port()
+        self.address = ""  # its Ray head and HTTP port, chosen as it starts (``start``)
+        self.port = 0
 
     @property
     def args(self) -> tuple[str, ...]:
@@ -57,7 +57,11 @@ class ServeApp:
         return done.stdout.strip()
 
     def start(self) -> str:
-        """Start it; its OpenAI base URL (``http://127.0.0.1:PORT/v1``)."""
+        """Start it; its OpenAI base URL (``http://127.0.0.1:PORT/v1``). Its ports are chosen
+        now: one chosen long before could have been taken by then."""
+        from cmx.deploy.local import free_port
+
+        self.address, self.port = f"127.0.0.1:{free_port()}", free_port()
         self.log(f"cmx serve {' '.join(self.args)} (Ray at {self.address})")
         return self._cmx(*self.args, "--address", self.address, "--port", str(self.port),
                          timeout_s=900).splitlines()[-1]

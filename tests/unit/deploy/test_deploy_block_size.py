@@ -83,3 +83,17 @@ def test_prefill_replicas_need_the_context_memory(model_dir: str) -> None:
         check_options(split.replace(engine=EngineOptions(connector="none")))
     with pytest.raises(CmxError, match="prefill_replicas must be >= 0"):
         check_options(split.replace(prefill_replicas=-1))
+
+
+def test_the_hosts_cores_are_shared_by_every_engine_prefill_replicas_included(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import os
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    assert ServeOptions(replicas=2).threads == 2
+    assert ServeOptions(replicas=1, prefill_replicas=1).threads == 2  # two engines, not one
+    assert ServeOptions(replicas=2, prefill_replicas=2).threads == 1
+    assert ServeOptions(replicas=2, prefill_replicas=6).threads == 1  # never below one
+    assert ServeOptions(replicas=1, prefill_replicas=1,
+                        engine=EngineOptions(threads=3)).threads == 3  # as set

@@ -7,7 +7,8 @@ through each one's OpenAI endpoint by vLLM's own benchmark client (``vllm bench 
 Both applications run at once, each with its own Ray head, service, state and port
 (``harness.serve_app``): neither finds the other's prefixes. Every repetition runs the client
 once against each, one after the other, the order swapped each repetition (A B, B A, ...). A
-run is ``requests`` prompts of ``input_len`` random tokens (vLLM's random dataset), each
+run is ``requests`` prompts of ``input_len`` tokens (vLLM's random dataset: consecutive
+vocabulary ids from a random offset, as text), each
 decoding ``output_len`` tokens greedily and streamed, arriving at ``rate`` per second (Poisson);
 the repetition's seed draws them, so both applications get the same prompts and no
 repetition finds an earlier one's.
@@ -67,13 +68,17 @@ class RunStats:
         return float(np.percentile(self.itl_ms, q)) if self.itl_ms else float("nan")
 
 
-def run_stats(data: dict[str, Any]) -> RunStats:
+def run_stats(data: dict[str, Any], output_len: int) -> RunStats:
     """A ``RunStats`` from a result file of ``vllm bench serve --save-result --save-detailed``;
-    ValueError if it lacks the per-request lists."""
-    missing = [k for k in ("ttfts", "itls", "generated_texts", "errors") if k not in data]
+    ValueError if it lacks the per-request lists. A request completed when it reported no
+    error and all ``output_len`` tokens (a stream cut short, or a failure with no reason
+    phrase, did not)."""
+    keys = ("ttfts", "itls", "generated_texts", "errors", "output_lens")
+    missing = [k for k in keys if k not in data]
     if missing:
         raise ValueError(f"the result lacks {missing}: run the client with --save-detailed")
-    ok = [not e for e in data["errors"]]
+    ok = [not e and n == output_len
+          for e, n in zip(data["errors"], data["output_lens"], strict=True)]
     return RunStats(
         completed=sum(ok), failed=len(ok) - sum(ok),
         ttft_ms=tuple(1e3 * t for t, good in zip(data["ttfts"], ok, strict=True) if good),
@@ -101,20 +106,30 @@ def _client(app: ServeApp, base: str, model: str, s: PDSettings, seed: int,
     if done.returncode:
         tail = result.with_suffix(".log").read_text(errors="replace")[-800:]
         raise RuntimeError(f"vllm bench serve exited {done.returncode}: {tail}")
-    return run_stats(json.loads(result.read_text()))
+    return run_stats(json.loads(result.read_text()), s.output_len)
 
 
-def _warm(base: str, model: str, seed: int, s: PDSettings) -> int:
-    """One untimed request of fresh random tokens; the prompt tokens its answer says came from
-    a cache (the split's decode replica loads the prefill's blocks)."""
+def _warm(base: str, model: str, seed: int, s: PDSettings, replica: str | None = None) -> int:
+    """One untimed request of fresh random tokens (to ``replica``, or where the router sends
+    it); the prompt tokens its answer says came from a cache (the split's decode replica loads
+    the prefill's blocks)."""
     import httpx
 
-    body = {"model": model, "prompt": prompt_ids(seed, s.input_len), "max_tokens": 2,
-            "temperature": 0}
+    body: dict[str, Any] = {"model": model, "prompt": prompt_ids(seed, s.input_len),
+                            "max_tokens": 2, "temperature": 0}
+    if replica is not None:
+        body["replica"] = replica
     reply = httpx.post(f"{base}/completions", json=body, timeout=s.run_timeout_s)
     reply.raise_for_status()
     details = reply.json()["usage"].get("prompt_tokens_details") or {}
     return int(details.get("cached_tokens") or 0)
+
+
+def _replica_ids(base: str) -> list[str]:
+    import httpx
+
+    listed = httpx.get(f"{base.removesuffix('/v1')}/cmx/replicas", timeout=60).json()
+    return [str(r["replica"]) for r in listed["replicas"]]
 
 
 def _model(base: str) -> str:
@@ -137,9 +152,13 @@ def run_prefill_decode(ctx: BenchContext, settings: PDSettings | None = None) ->
             started.append(app)
             bases[name] = app.start()
         model = _model(bases["split"])
-        for name, base in bases.items():  # untimed: each replica's first requests
+        for name, base in bases.items():  # untimed: every replica's first requests
             cached[name] = _warm(base, model, 1, s)
-            _warm(base, model, 2, s)
+            if apps[name].prefill_replicas:
+                _warm(base, model, 2, s)  # the prefill replica computes every prompt
+            else:
+                for i, replica in enumerate(_replica_ids(base)):
+                    _warm(base, model, 3 + i, s, replica)
         order = list(apps)
         for rep in range(ctx.config.reps):
             for name in order if rep % 2 == 0 else order[::-1]:
@@ -154,7 +173,7 @@ def run_prefill_decode(ctx: BenchContext, settings: PDSettings | None = None) ->
         for app in started:
             try:
                 ctx.log(f"cmx serve --stop: {app.stop()}")
-            except (RuntimeError, subprocess.TimeoutExpired) as exc:  # the run's error stands
+            except Exception as exc:  # noqa: BLE001 - the run's error stands; stop the others
                 ctx.log(f"cmx serve --stop failed: {exc}")
     _report(result, s, runs, cached)
     return result
@@ -175,12 +194,18 @@ def _report(result: SuiteResult, s: PDSettings, runs: dict[str, list[RunStats]],
             b, interval=ratio_interval(a, b),
             note="ratio of medians over repetitions, bootstrap interval"))
     pairs = [(x, y) for r, c in zip(split, colo, strict=True)
-             for x, y in zip(r.texts, c.texts, strict=True) if x is not None and y is not None]
-    same = sum(x == y for x, y in pairs)
+             for x, y in zip(r.texts, c.texts, strict=True)]
+    same = sum(x is not None and x == y for x, y in pairs)
+    failed = sum(r.failed for r in (*split, *colo))
     result.figures.append(Figure(
         SUITE, "greedy outputs of the split identical to the colocated replicas'", "requests",
-        (float(same),), "requests both answered", (float(len(pairs)),), Goal(">=", 1.0),
-        "goal: all identical (float32: the same token for token with and without the cache)"))
+        (float(same),), "requests sent to each", (float(len(pairs)),), Goal(">=", 1.0),
+        "goal: all identical (float32: the same token for token with and without the cache); "
+        "a request either failed counts as not identical"))
+    result.figures.append(Figure(
+        SUITE, "requests that failed or came back short, both applications", "requests",
+        (float(failed),), "requests sent to both", (float(2 * len(pairs)),), Goal("<=", 0.0),
+        "goal: none; the latency figures are of completed requests only"))
     rows = []
     for name, got in runs.items():
         for rep, r in enumerate(got):
@@ -193,7 +218,7 @@ def _report(result: SuiteResult, s: PDSettings, runs: dict[str, list[RunStats]],
     result.notes.append(
         f"SmolLM2-135M-Instruct, vLLM CPU, float32, two replicas per application, both "
         f"applications up at once on this machine; {s.requests} requests a run of "
-        f"{s.input_len} random tokens (vLLM's random dataset, a seed per repetition), "
+        f"{s.input_len} tokens (vLLM's random dataset, a seed per repetition), "
         f"{s.output_len} greedy tokens each, streamed, Poisson arrivals at {s.rate:g}/s")
     result.notes.append(
         "a fresh prompt's tokens the answer said were cached, before the timed runs: split "

@@ -176,10 +176,9 @@ class Leases:
             # A reader's run of 62,500 pins ends in a few C passes: the ids held alone found
             # by one set intersection, the rest ended in their runs by one vectorised pass.
             alone = self._held.keys() & set(items) if self._held else set()
-            for lease in items if alone else ():
-                h = self._held.pop(lease, None) if lease in alone else None
-                if h is not None:
-                    held.append((lease, h))
+            if alone:  # in the order asked, each once
+                held = [(lease, h) for lease in items
+                        if lease in alone and (h := self._held.pop(lease, None)) is not None]
             rest = [lease for lease in items if lease not in alone
                     and isinstance(lease, int | np.integer) and 0 < lease < _ID_END] \
                 if self._runs else []

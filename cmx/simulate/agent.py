@@ -31,7 +31,7 @@ The engine drives it: ``submit``, then ``next_job`` until None (start each job r
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from cmx.config import ServiceConfig
@@ -47,18 +47,25 @@ _SERVICE = ServiceConfig()
 @dataclass(eq=False)
 class Job:
     """Work for one lane. ``run(now)`` reserves the links and returns when they are done;
-    then ``cpu_s`` seconds of one thread's work run on the ``cpu`` cores, the lane held (the
-    orchestrator's per I/O); then, the lane free for the next job, ``consumer_cpu_s`` (the
-    copy out and checksums of what was moved, by the thread that uses it); ``run`` may set
-    both. ``done(now)`` and then each of ``waiters`` is called at the end; each of ``refused``
-    instead, if the agent refuses the job."""
+    beside them, from the same moment, ``cpu_s`` seconds of one thread's work run on the
+    ``cpu`` cores as ``process``'s (None: the agent's own threads): the orchestrator's work
+    per I/O, which a real submission overlaps with the transfer. The lane is held until both
+    are done (``moved_s``: when the links were); then, the lane free for the next job,
+    ``consumer_cpu_s`` runs as ``consumer_process``'s (the copy out and checksums of what was
+    moved, by the thread that uses it); ``run`` may set both. ``done(now)`` and then each of
+    ``waiters`` is called at the end; each of ``refused`` instead, if the agent refuses the
+    job."""
 
     priority: Priority
     run: Callable[[float], float]
     done: Callable[[float], None]
     cpu: Cores | None = None
     cpu_s: float = 0.0
+    process: Hashable | None = None
     consumer_cpu_s: float = 0.0
+    consumer_process: Hashable | None = None
+    moved_s: float = -1.0  # when its links were done
+    parts: int = 0  # of the lane's work still running: its links, its CPU work
     staging_bytes: int = 0
     started: bool = False
     finished: bool = False

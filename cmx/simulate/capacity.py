@@ -129,6 +129,7 @@ def scenario_builder(
     duration_s: float | None = None,
     model: str | None = None,
     host_cores: int | None = None,
+    process_threads: int = 1,
     routing: str = "least-loaded",
 ) -> Build:
     """The named scenario under ``strategy`` at any load and seed (``scenarios.scenario``)."""
@@ -143,6 +144,7 @@ def scenario_builder(
             model=model,
             seed=seed,
             host_cores=host_cores,
+            process_threads=process_threads,
             routing=routing,
         )
 

@@ -17,7 +17,7 @@ console = Console(log_path=False)
 
 
 def simulate_command(
-    name: Annotated[str, typer.Argument(help="Scenario: seed, mix or scale.")] = "seed",
+    name: Annotated[str, typer.Argument(help="Scenario: seed, tutti, mix or scale.")] = "seed",
     nodes: Annotated[int | None, typer.Option(min=1, help="GPU nodes (8 GPUs each).")] = None,
     duration: Annotated[
         float | None,
@@ -44,6 +44,15 @@ def simulate_command(
             "move's CPU work (default 112: a DGX H100's).",
         ),
     ] = None,
+    process_threads: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Threads each serving process (one per replica) does CPU work on at once: "
+            "its engine's host work and an in-process library's I/O work (default 1: one "
+            "interpreter and its lock).",
+        ),
+    ] = 1,
     routing: Annotated[
         str,
         typer.Option(
@@ -55,8 +64,8 @@ def simulate_command(
     strategy: Annotated[
         list[str] | None,
         typer.Option(
-            help="Strategies to run: cmx, lmcache-like, lmcache-gds-like (default: cmx and "
-            "lmcache-like)."
+            help="Strategies to run: cmx, lmcache-like, lmcache-gds-like, "
+            "lmcache-gds-async-like (default: cmx and lmcache-like)."
         ),
     ] = None,
     without: Annotated[
@@ -124,6 +133,7 @@ def simulate_command(
             duration=duration,
             model=model,
             host_cores=host_cores,
+            process_threads=process_threads,
             routing=routing,
             strategy=strategy,
             seed=seed,
@@ -139,7 +149,8 @@ def simulate_command(
     names = _strategies(strategy)
     try:
         config = scenario(name, nodes=nodes, duration_s=duration, load=load, model=model,
-                          seed=seed, host_cores=host_cores, routing=routing)
+                          seed=seed, host_cores=host_cores, process_threads=process_threads,
+                          routing=routing)
     except ValueError as exc:
         console.print(f"[red]error:[/] {exc}")
         raise typer.Exit(code=2) from exc
@@ -147,7 +158,8 @@ def simulate_command(
     console.print(
         f"scenario {name}: {config.model.name}, {c.nodes:,} nodes ({c.gpus:,} GPUs, "
         f"{c.replicas:,} replicas of {c.node.gpus_per_replica} GPU, {c.node.host_cores} host "
-        f"cores a node, {config.routing} routing), "
+        f"cores a node, {c.node.process_threads} thread(s) a serving process, "
+        f"{config.routing} routing), "
         f"{config.workload.duration_s:g} s of arrivals at "
         f"{config.workload.rate_per_s:.2f}/s"
     )
@@ -214,6 +226,7 @@ def _capacity(
     duration: float | None,
     model: str,
     host_cores: int | None,
+    process_threads: int,
     routing: str,
     strategy: list[str] | None,
     seed: int,
@@ -232,7 +245,8 @@ def _capacity(
     duration = duration or 600.0  # scale's hour, times every search step, is not bounded
     builds = [
         scenario_builder(name, without(STRATEGIES[s], parts), nodes=nodes, duration_s=duration,
-                         model=model, host_cores=host_cores, routing=routing)
+                         model=model, host_cores=host_cores,
+                         process_threads=process_threads, routing=routing)
         for s in names
     ]
     try:

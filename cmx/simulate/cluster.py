@@ -129,6 +129,8 @@ class Node:
         self.replicas = [] if pool else [
             Replica(index * n.replicas + i, self, n.replica_link_bandwidth)
             for i in range(n.replicas)]
+        for r in self.replicas:  # each replica's engine: a process of its own on these cores
+            self.cpu.limit(r.index, n.process_threads)
 
     def resources(self) -> list[Resource]:
         out = [self.hbm, self.dram_bus, self.nvme_read, self.nvme_write, self.nic_in, self.nic_out]

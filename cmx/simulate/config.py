@@ -24,6 +24,10 @@ class SimConfig:
     unit_tokens: int = 4096  # tokens per simulated block (an extent of 256-token blocks)
     samples: int = 200  # points of the occupancy and queue-depth series
     routing: str = "least-loaded"  # ``routing.ROUTINGS``: how a request finds its replica
+    # Every shared prefix on every GPU node's NVMe before the first arrival: a cache that
+    # earlier traffic filled, as the one a hit rate is measured on.
+    warm_nvme: bool = False
+    hbm_cache: bool = True  # HBM beyond the replicas' work keeps blocks (vLLM's prefix cache)
 
     def __post_init__(self) -> None:
         if self.unit_tokens < 1 or self.samples < 2:

@@ -9,12 +9,14 @@ deterministic. A request's life:
    on the node's agent at once (and its copies pinned).
 2. start, when its replica is free: the prefetch policy says how long to wait for a move still
    in flight (the patience of the plan caps it); a request that stops waiting recomputes.
-3. compute: the prefill of the tokens not loaded, by the break-even policy's own cost model.
+3. compute: the prefill of the tokens not loaded, by the break-even policy's own cost model;
+   its host work on its engine's process (``cores.Cores``: one interpreter's threads).
 4. done: time to first token recorded; the blocks it computed are stored through the agent.
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
 import random
 import struct
@@ -25,7 +27,7 @@ from typing import Any
 from cmx.policies.breakeven import BreakEven, Plan
 from cmx.policies.prefetch import make_prefetch
 from cmx.simulate.agent import Agent, Job, Priority
-from cmx.simulate.cluster import Cluster, Node, Replica
+from cmx.simulate.cluster import NVME, Cluster, Node, Replica
 from cmx.simulate.collector import collect_in_batches
 from cmx.simulate.config import SimConfig
 from cmx.simulate.hardware import prefill_cost
@@ -83,6 +85,8 @@ class Simulator:
         # The break-even models are the priors throughout a run (nothing refits them), so a
         # plan is a function of its blocks' classes and the context alone.
         self._plans: dict[tuple[tuple[str, ...], int], Plan] = {}
+        if config.warm_nvme:
+            self._warm_nvme()
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -134,7 +138,13 @@ class Simulator:
 
     def _pump(self, agent: Agent) -> None:
         while (job := agent.next_job(self.now)) is not None:
-            self.at(job.run(self.now), self._job_moved, (agent, job))
+            arg = (agent, job)
+            self.at(job.run(self.now), self._job_moved, arg)
+            job.parts = 1
+            if job.cpu is not None and job.cpu_s > 0:  # issuing the I/Os, beside the links
+                job.parts = 2
+                job.cpu.add(self.now, job.cpu_s, functools.partial(self._job_issued, arg),
+                            job.process)
         for t in agent.alarms():
             self.at(t, self._expire, agent)
 
@@ -142,18 +152,23 @@ class Simulator:
         agent.expire(self.now)
         self._pump(agent)
 
-    def _job_moved(self, arg: tuple[Agent, Job]) -> None:
-        """A job's links are done: its lane's CPU work, if any, runs on its node's cores."""
-        job = arg[1]
-        if job.cpu is None:
-            self._job_freed(arg)
-        else:
-            job.cpu.add(self.now, job.cpu_s, lambda now: self._job_freed(arg))
+    def _job_issued(self, arg: tuple[Agent, Job], now: float) -> None:
+        """A job's CPU work issuing its I/Os is done."""
+        self._job_part(arg)
 
-    def _job_freed(self, arg: tuple[Agent, Job]) -> None:
-        """The lane's work is done: the lane goes to the next job, and the consumer's CPU work
-        on the bytes (its copy out, the checksums), if any, runs on the cores without it."""
+    def _job_moved(self, arg: tuple[Agent, Job]) -> None:
+        """A job's links are done."""
+        arg[1].moved_s = self.now
+        self._job_part(arg)
+
+    def _job_part(self, arg: tuple[Agent, Job]) -> None:
+        """One of the lane's parts is done (its links, its CPU work issuing the I/Os): when
+        both are, the lane goes to the next job, and the consumer's CPU work on the bytes (its
+        copy out, the checksums), if any, runs on the cores without it."""
         agent, job = arg
+        job.parts -= 1
+        if job.parts:
+            return
         after = job.cpu is not None and job.consumer_cpu_s > 0
         if not after:
             self._job_done(arg)
@@ -161,7 +176,8 @@ class Simulator:
         self._pump(agent)
         if after:
             assert job.cpu is not None
-            job.cpu.add(self.now, job.consumer_cpu_s, lambda now: self._job_done(arg))
+            job.cpu.add(self.now, job.consumer_cpu_s, lambda now: self._job_done(arg),
+                        job.consumer_process)
 
     def _job_done(self, arg: tuple[Agent, Job]) -> None:
         job = arg[1]
@@ -278,6 +294,9 @@ class Simulator:
 
     def _loaded(self, r: Req) -> None:
         if r.compute_start < 0 and r.replica.busy is r:
+            job = r.job
+            if job is not None and job.moved_s >= 0:  # the wait past its bytes' arrival
+                r.cpu_io_wait = self.now - max(job.moved_s, r.start)
             self._compute(r)
 
     def _cut(self, r: Req) -> None:
@@ -296,7 +315,7 @@ class Simulator:
         r.parts = 2
         self.at(self.now + r.gpu_s, self._computed, r)
         host_s = prefill.per_pass_s * prefill.passes(loaded, r.context)
-        r.replica.node.cpu.add(self.now, host_s, lambda now: self._computed(r))
+        r.replica.node.cpu.add(self.now, host_s, lambda now: self._computed(r), r.replica.index)
 
     def _computed(self, r: Req) -> None:
         r.parts -= 1
@@ -313,9 +332,27 @@ class Simulator:
         self.mover.store(replica, r.keys[loaded:])
         self._start(replica)
 
+    def _warm_nvme(self) -> None:
+        """Every shared prefix of the trace on every GPU node's NVMe, as earlier traffic left
+        it."""
+        longest: dict[int, int] = {}  # prefix -> the request that shares most of it
+        for i, (prefix, shared, _) in enumerate(self._rows):
+            if shared >= self._rows[longest.setdefault(prefix, i)][1]:
+                longest[prefix] = i
+        unit_bytes = self.mover.unit_bytes
+        for i in longest.values():
+            keys = self._keys(i)[:self._rows[i][1] // self.unit]
+            for node in self.cluster.nodes:
+                for key in keys:
+                    if self.cluster.add_copy(key, node, NVME, unit_bytes) is None:
+                        raise ValueError(f"{node.name}: its NVMe cannot hold every prefix")
+
     def _hbm_cache_bytes(self) -> int:
-        """A node's HBM beyond every replica's weights and its longest context's KV."""
+        """A node's HBM beyond every replica's weights and its longest context's KV; none
+        where the run keeps no HBM cache."""
         cfg = self.config
+        if not cfg.hbm_cache:
+            return 0
         n = cfg.cluster.node
         longest = max(t.context_tokens[1] for t in cfg.workload.tenants)
         work = cfg.model.weight_bytes + longest * cfg.model.kv_bytes_per_token

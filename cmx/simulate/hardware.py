@@ -136,13 +136,18 @@ class NodeSpec:
     # The host's cores, shared by the engines' host work and every move's CPU work: a DGX
     # H100's two 56-core CPUs
     host_cores: int = 112
+    # Threads of one serving process (an engine, one per replica) that do CPU work at once:
+    # one Python interpreter, whose threads take turns on its lock. Its scheduler, its
+    # forward passes' host work and whatever an offload library in it does share them.
+    process_threads: int = 1
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.gpus_per_replica < 1 or self.gpus % self.gpus_per_replica:
             raise ValueError(f"{self.gpus} GPUs do not split into replicas of "
                              f"{self.gpus_per_replica}")
-        if self.host_cores < 1:
-            raise ValueError(f"host_cores must be >= 1, got {self.host_cores}")
+        if self.host_cores < 1 or self.process_threads < 1:
+            raise ValueError(f"host_cores and process_threads must be >= 1, got "
+                             f"{self.host_cores} and {self.process_threads}")
 
     @property
     def replicas(self) -> int:

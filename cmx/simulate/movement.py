@@ -133,11 +133,14 @@ class Mover:
             if job.cancelled:
                 return end
             begin = now + s.control_s
+            here = replica.node.index
             for code, nbytes in by_code.items():
                 path, latency = self.path(code, replica)
                 end = max(end, reserve(path, begin, nbytes, latency, self.io_bytes, s.io_depth,
                                        s.per_io_wait_s))
-                verified = code % 4 not in (HBM, DRAM) or code // 4 != replica.node.index
+                if code == here * 4 + HBM:
+                    continue  # in this node's HBM (vLLM's own prefix cache): no I/O to make
+                verified = code % 4 != DRAM or code // 4 != here
                 job.cpu_s += self.io_cpu_seconds(nbytes)
                 job.consumer_cpu_s += self.consumer_cpu_seconds(nbytes, verified)
             return end
@@ -156,10 +159,16 @@ class Mover:
         def let_go(now: float) -> None:
             self.release(keys, sources, hit=False)
 
-        job = Job(priority, run, done, cpu=replica.node.cpu,
+        job = Job(priority, run, done, cpu=replica.node.cpu, process=self.orchestrator(replica),
+                  consumer_process=replica.index,
                   refused=[lambda now: None if job.cancelled else let_go(now)],
                   on_cancel=[let_go])
         return job
+
+    def orchestrator(self, replica: Replica) -> int | None:
+        """Whose threads issue ``replica``'s I/Os: its serving process's for an in-process
+        library, the agent's (None) otherwise."""
+        return replica.index if self.strategy.in_process else None
 
     def release(self, keys: list[bytes], sources: list[int], hit: bool) -> None:
         """Unpin what ``load_job`` pinned; a completed load counts as a hit of each copy."""
@@ -188,25 +197,30 @@ class Mover:
             return reserve([replica.d2h, node.dram_bus], now, nbytes, self.spec.node.dram.latency_s,
                            self.io_bytes, self.strategy.io_depth, self.strategy.per_io_wait_s)
 
+        process = self.orchestrator(replica)
+
         def done(now: float) -> None:
             self.traffic.stored += nbytes
             for key in keys:
-                self.commit(node, key)
+                self.commit(node, key, process)
 
         self.submit(node.agent, Job(Priority.DEMOTE, run, done, cpu=node.cpu,
-                                    cpu_s=self.io_cpu_seconds(nbytes), refused=[self._refused]))
+                                    cpu_s=self.io_cpu_seconds(nbytes), process=process,
+                                    refused=[self._refused]))
 
     def _refused(self, now: float) -> None:
         self.traffic.dropped_jobs += 1
 
-    def commit(self, node: Node, key: bytes) -> None:
+    def commit(self, node: Node, key: bytes, process: int | None = None) -> None:
+        """``key`` stored on ``node`` by ``process``'s orchestrator (None: the agent's), which
+        also makes the NVMe writes that follow."""
         node.admission.record(key)
         admitted = node.admission.admit(key)
         for tier in self.cluster.placement.on_store(admitted):
             if tier is Tier.DRAM:
-                self._put_dram(node, key)
+                self._put_dram(node, key, process)
             elif tier is Tier.NVME:
-                self._write(node, key, NVME)
+                self._write(node, key, NVME, process)
         if self._pool_admits(node, key):
             self.maybe_pool(node, key)
 
@@ -229,7 +243,7 @@ class Mover:
         policy.record(key)
         return policy.admit(key)
 
-    def _put_dram(self, node: Node, key: bytes) -> None:
+    def _put_dram(self, node: Node, key: bytes, process: int | None) -> None:
         evicted = self.cluster.add_copy(key, node, DRAM, self.unit_bytes)
         if evicted is None:
             self.traffic.unplaced += 1
@@ -239,10 +253,10 @@ class Mover:
                 Tier.DRAM, node.admission.admit(victim),
                 has_lower_copy=self.cluster.has(victim, node, NVME))
             if below is Tier.NVME:
-                self._write(node, victim, NVME)
+                self._write(node, victim, NVME, process)
 
-    def _write(self, node: Node, key: bytes, tier: int) -> None:
-        """DRAM -> this node's NVMe, in the background."""
+    def _write(self, node: Node, key: bytes, tier: int, process: int | None) -> None:
+        """DRAM -> this node's NVMe, in the background, issued by ``process``'s threads."""
         nbytes = self.unit_bytes
         s = self.strategy
 
@@ -257,7 +271,8 @@ class Mover:
                 self.traffic.unplaced += 1
 
         self.submit(node.agent, Job(Priority.DEMOTE, run, done, cpu=node.cpu,
-                                    cpu_s=self.io_cpu_seconds(nbytes), refused=[self._refused]))
+                                    cpu_s=self.io_cpu_seconds(nbytes), process=process,
+                                    refused=[self._refused]))
 
     def maybe_pool(self, node: Node, key: bytes) -> None:
         """Copy an admitted block to its pool owner, once."""

@@ -61,9 +61,14 @@ class SimResult:
     queue_s: Distribution  # arrival to start on a replica
     io_wait_s: Distribution  # start to compute: the GPU idle, waiting on KV I/O
     io_wait_fraction: float  # of the GPUs' busy time (waiting + computing)
+    # of the GPUs' busy time: waiting on KV whose bytes had arrived, on the CPU work of its
+    # I/Os (issuing them, copying and checking what they moved)
+    io_cpu_wait_fraction: float
     # of the GPUs' busy time: a prefill's GPU work done, its host work not yet (cores busy)
     cpu_wait_fraction: float
     host_cpu_utilization: float  # of the GPU nodes' cores, over the run
+    # of the serving processes' threads (``NodeSpec.process_threads`` each), over the run
+    process_cpu_utilization: float
     cached_fraction: float  # of context tokens found cached at arrival
     loaded_fraction: float  # of context tokens loaded (the plan's cut, and refused loads')
     cut: int  # requests whose load the agent refused: they recomputed everything
@@ -100,6 +105,7 @@ class Probe:
         self.queue = np.zeros(n)
         self.io_wait = np.zeros(n)
         self.cpu_wait = np.zeros(n)
+        self.cpu_io_wait = np.zeros(n)
         self.found = np.zeros(n, np.int64)
         self.planned_load = np.zeros(n, np.int64)  # tokens a load job moves (cut or not)
         self.loaded = np.zeros(n, np.int64)
@@ -127,6 +133,7 @@ class Probe:
         self.queue[i] = r.start - self.arrival_s[i]
         self.io_wait[i] = r.compute_start - r.start
         self.cpu_wait[i] = max(0.0, now - r.compute_start - r.gpu_s)
+        self.cpu_io_wait[i] = r.cpu_io_wait
         self.loaded[i] = loaded_tokens
         self.context[i] = r.context
         self.cuts += r.cut
@@ -169,8 +176,10 @@ class Probe:
             ttft_s=Distribution.of(self.ttft[done]), queue_s=Distribution.of(self.queue[done]),
             io_wait_s=Distribution.of(self.io_wait[done]),
             io_wait_fraction=float(self.io_wait[done].sum() / busy) if busy > 0 else 0.0,
+            io_cpu_wait_fraction=float(self.cpu_io_wait[done].sum() / busy) if busy > 0 else 0.0,
             cpu_wait_fraction=float(self.cpu_wait[done].sum() / busy) if busy > 0 else 0.0,
             host_cpu_utilization=self._cpu_utilization(span),
+            process_cpu_utilization=self._process_utilization(span),
             cached_fraction=float(self.found[done].sum() / ctx) if ctx else 0.0,
             loaded_fraction=float(self.loaded[done].sum() / ctx) if ctx else 0.0,
             cut=self.cuts, late=self.late, loaded_bytes=dict(sorted(traffic.loaded.items())),
@@ -185,6 +194,14 @@ class Probe:
     def _cpu_utilization(self, span: float) -> float:
         cores = [n.cpu for n in self.cluster.nodes]
         return sum(c.busy_s for c in cores) / (span * sum(c.count for c in cores))
+
+    def _process_utilization(self, span: float) -> float:
+        given = threads = 0.0
+        for node in self.cluster.nodes:
+            for process, busy in node.cpu.process_busy_s.items():
+                given += busy
+                threads += node.cpu.threads(process)
+        return given / (span * threads) if threads else 0.0
 
     def _tiers(self) -> tuple[TierStats, ...]:
         out = []

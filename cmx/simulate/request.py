@@ -11,7 +11,7 @@ __all__ = ["Req"]
 
 class Req:
     __slots__ = ("i", "replica", "keys", "sources", "load_keys", "job", "start",
-                 "compute_start", "cut", "late", "context", "gpu_s", "parts")
+                 "compute_start", "cut", "late", "context", "gpu_s", "parts", "cpu_io_wait")
 
     def __init__(self, i: int, replica: Replica, context: int) -> None:
         self.i = i
@@ -27,3 +27,6 @@ class Req:
         self.late = False  # its prefetch missed the deadline: its own load overtook it
         self.gpu_s = 0.0  # the prefill's seconds on an idle host
         self.parts = 0  # of the prefill still running: its GPU work, its host work
+        # of its wait for KV, the part after the bytes arrived: CPU work issuing the I/Os, or
+        # copying and checking what they moved
+        self.cpu_io_wait = 0.0

@@ -2,6 +2,12 @@
 
 - ``seed``: the seed article's study. Llama-3-8B, 64K-token contexts, 75% of each a prefix
   that other requests share; 4 nodes of 8 H100s, one replica per GPU.
+- ``tutti``: the seed's measurement of a GPU-driven design against GDS-enabled LMCache.
+  Llama-3-8B, 64K-token contexts with a 75% hit rate: each context's first 48K tokens are on
+  every node's NVMe before the first request (64 prefixes), and neither HBM nor DRAM keeps a
+  block, so every hit is read from the drive; the rest is computed. ``load`` sets the
+  concurrency: near 0 a request has its replica and the drive to itself, as in a TTFT
+  measurement; higher, the production concurrency the seed's GPU idle figure speaks of.
 - ``mix``: three tenants on 16 nodes: chat (8K-32K, half shared, many prefixes), documents
   (128K, 90% shared) and agents (256K-1M, 75% shared, few long histories), with bursts of 4x
   the rate for 30 s every 5 minutes. Replicas of 4 GPUs, so a 1M-token context fits.
@@ -28,13 +34,15 @@ from cmx.simulate.workload import TenantSpec, WorkloadSpec
 
 __all__ = ["SCENARIOS", "scenario"]
 
-SCENARIOS = ("seed", "mix", "scale")
+SCENARIOS = ("seed", "tutti", "mix", "scale")
 
 
 def _tenants(name: str) -> tuple[tuple[TenantSpec, ...], int, int]:
     """Tenants, GPUs per replica, tokens per simulated block."""
     if name == "seed":
         return (TenantSpec("seed", 1.0, (65_536, 65_536), 0.75, prefixes=512),), 1, 16_384
+    if name == "tutti":
+        return (TenantSpec("tutti", 1.0, (65_536, 65_536), 0.75, prefixes=64),), 1, 16_384
     if name == "mix":
         return (TenantSpec("chat", 6.0, (8_192, 32_768), 0.5, prefixes=2048),
                 TenantSpec("docs", 3.0, (131_072, 131_072), 0.9, prefixes=256),
@@ -59,8 +67,10 @@ def _service_s(tenants: tuple[TenantSpec, ...], model: ModelSpec, node: NodeSpec
 def scenario(name: str, *, strategy: Strategy = CMX, nodes: int | None = None,
              duration_s: float | None = None, load: float = 0.7,
              model: str | None = None, seed: int = 0,
-             host_cores: int | None = None, routing: str = "least-loaded") -> SimConfig:
+             host_cores: int | None = None, process_threads: int = 1,
+             routing: str = "least-loaded") -> SimConfig:
     """``host_cores``: each node's cores, for the node's default (``NodeSpec.host_cores``);
+    ``process_threads``: each serving process's (``NodeSpec.process_threads``);
     ``routing``: ``routing.ROUTINGS``."""
     if not 0 < load <= 4:
         raise ValueError(f"load must be in (0, 4], got {load}")
@@ -70,8 +80,12 @@ def scenario(name: str, *, strategy: Strategy = CMX, nodes: int | None = None,
         raise ValueError(f"unknown model {model!r}; known: {', '.join(MODELS)}")
     if spec.name != "llama-3-8b":
         per_replica = max(per_replica, 4)  # 70B weights alone are 141 GB
-    default_nodes = {"seed": 4, "mix": 16, "scale": 1000}[name]
-    node = NodeSpec() if host_cores is None else NodeSpec(host_cores=host_cores)
+    default_nodes = {"seed": 4, "tutti": 4, "mix": 16, "scale": 1000}[name]
+    node = NodeSpec(process_threads=process_threads)
+    if host_cores is not None:
+        node = replace(node, host_cores=host_cores)
+    if name == "tutti":
+        node = replace(node, dram=replace(node.dram, capacity_bytes=0))
     cluster = ClusterSpec(nodes=nodes or default_nodes,
                           node=node.with_replicas_of(per_replica),
                           pool_nodes=max(2, (nodes or default_nodes) // 8))
@@ -80,7 +94,9 @@ def scenario(name: str, *, strategy: Strategy = CMX, nodes: int | None = None,
     bursts: dict[str, Any] = {"burst_every_s": 300.0, "burst_len_s": 30.0,
                               "burst_factor": 4.0} if name == "mix" else {}
     workload = WorkloadSpec(tenants, rate, duration, seed=seed, **bursts)
-    return SimConfig(workload, cluster, spec, strategy, unit_tokens=unit, routing=routing)
+    tutti = name == "tutti"
+    return SimConfig(workload, cluster, spec, strategy, unit_tokens=unit, routing=routing,
+                     warm_nvme=tutti, hbm_cache=not tutti)
 
 
 def with_strategy(config: SimConfig, strategy: Strategy) -> SimConfig:

@@ -3,14 +3,16 @@
 The hardware and the trace are shared; a ``Strategy`` names the policies (by the registry names
 of ``cmx.policies``) and the shape of the data path. Two are built in:
 
-- ``CMX``: the offload agent moves bytes in 2 MiB pieces, 16 in flight, off the serving CPU;
+- ``CMX``: the offload agent moves bytes in 2 MiB pieces, 16 in flight, off the serving
+  process (its work per I/O on the agent's threads, not the engine's);
   a request's prefix starts moving when it arrives (prefetch); loads come from any node's
   DRAM or NVMe and from the pool; break-even gating. What the service configures, the
   strategy reads from ``ServiceConfig()``'s defaults, never a copy of them: the agent's lanes
   (``agent_workers``) and queue bound (``agent_queue_bound``), the sightings NVMe admission
   asks for (``nvme_admission_min_count``) and the pool's (``pool_admission_min_count``). The
   agent's queues are the service's (``cmx.simulate.agent``).
-- ``LMCACHE_LIKE``: the serving process's CPU orchestrates every transfer, one file per
+- ``LMCACHE_LIKE``: the serving process orchestrates every transfer on its own threads
+  (``in_process``: one interpreter, beside its engine's host work), one file per
   256-token chunk read by 4 I/O threads, each chunk paying its CPU cost on that one thread; the
   load starts when the request is scheduled (no prefetch); only this node's DRAM and disk;
   every stored chunk written to disk (write-through, no admission); every hit loaded. It keeps
@@ -20,7 +22,9 @@ A third, ``LMCACHE_GDS_LIKE``, is the LMCache-like strategy with the I/O of the 
 system: GPUDirect Storage reads of one page of one layer each, each initiated by the CPU.
 
 Every strategy's CPU work (its orchestrator's per I/O, copies and checksums where it makes
-them) runs on its node's cores, beside the engines' host work (``cores.Cores``).
+them) runs on its node's cores, beside the engines' host work (``cores.Cores``): an in-process
+orchestrator's on its serving process's threads, the agent's on threads of its own. A copy
+already in this node's HBM (vLLM's own prefix cache) is read where it is: no I/O, no CPU.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ from typing import Any
 
 from cmx.config import ServiceConfig
 
-__all__ = ["CMX", "LMCACHE_GDS_LIKE", "LMCACHE_LIKE", "STRATEGIES", "Strategy"]
+__all__ = ["CMX", "LMCACHE_GDS_ASYNC_LIKE", "LMCACHE_GDS_LIKE", "LMCACHE_LIKE", "STRATEGIES",
+           "Strategy"]
 
 MiB = 1 << 20
 _SERVICE = ServiceConfig()  # the service's defaults
@@ -65,6 +70,10 @@ class Strategy:
     # one more checksum pass on every load, from any tier, at ``verify_bandwidth``
     consumer_verifies: bool = False
     copy_out_bandwidth: float | None = None  # a host copy of each loaded byte; None on a GPU
+    # The orchestrator is a library in the serving process: its work per I/O (loads and
+    # stores) runs on that process's threads, beside the engine's own host work. Otherwise it
+    # runs on the offload agent's threads, on the node's other cores (or a DPU's).
+    in_process: bool = False
 
     def __post_init__(self) -> None:
         if self.io_bytes <= 0 or self.io_depth < 1 or self.lanes < 1 or self.queue_bound < 1:
@@ -88,14 +97,19 @@ CMX = Strategy("cmx", prefetch=True, peers=True, io_bytes=2 * MiB, io_tokens=Non
 LMCACHE_LIKE = Strategy(
     "lmcache-like", prefetch=False, peers=False, io_bytes=32 * MiB, io_tokens=256, io_depth=4,
     per_io_cpu_s=500e-6, lanes=8, control_s=1e-3, admission="always", placement="write_through",
-    gating=False, pool=False)
+    gating=False, pool=False, in_process=True)
 
 # The seed's measured system: GDS reads, each of one 16-token page of one layer (64 KiB of
 # Llama-3-8B's KV), each initiated by the serving process's CPU (20 us an I/O: assumed).
 LMCACHE_GDS_LIKE = LMCACHE_LIKE.with_(name="lmcache-gds-like", io_bytes=64 << 10,
                                       io_tokens=None, per_io_cpu_s=20e-6)
 
-STRATEGIES: dict[str, Strategy] = {s.name: s for s in (CMX, LMCACHE_LIKE, LMCACHE_GDS_LIKE)}
+# The same reads kept 64 in flight (cuFile's batch API): the drive's latency no longer sets
+# the pace, the serving process's thread initiating each read does (assumed depth).
+LMCACHE_GDS_ASYNC_LIKE = LMCACHE_GDS_LIKE.with_(name="lmcache-gds-async-like", io_depth=64)
+
+STRATEGIES: dict[str, Strategy] = {s.name: s for s in (CMX, LMCACHE_LIKE, LMCACHE_GDS_LIKE,
+                                                       LMCACHE_GDS_ASYNC_LIKE)}
 
 # What ``cmx simulate --without`` turns off, each one part of a strategy.
 ABLATIONS: dict[str, dict[str, Any]] = {

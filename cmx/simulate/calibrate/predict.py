@@ -51,14 +51,15 @@ def predict_loads(speeds: MachineSpeeds, control: ControlCosts, source: str, blo
                   block_bytes: int, clients: int = 1, cores: int = 1) -> list[float]:
     """Seconds each of ``clients`` loads of ``blocks`` blocks from ``source`` takes, all
     submitted at once on node a: its control cost per load and per block, its links, then
-    its CPU work on the node's ``cores``."""
+    its CPU work on the node's ``cores`` (the clients' processes on as many threads as there
+    are cores: each client is a thread of its own, in the caller's process or another)."""
     big = 1 << 50
     threads = min(cores, clients)
     node = NodeSpec(gpu=GpuSpec("host", big, UNBOUNDED, 1e12), gpus=1,
                     dram=TierSpec(big, UNBOUNDED, 0.0),
                     nvme=TierSpec(big, speeds.odirect_read, 0.0),
                     dram_bus_bandwidth=UNBOUNDED, nvme_write_bandwidth=speeds.odirect_read,
-                    host_cores=cores)
+                    host_cores=cores, process_threads=cores)
     tokens = block_bytes // LLAMA3_8B.kv_bytes_per_token
     # The control path is a wait on round trips, not this node's CPU: a latency per load
     # and one per block (an I/O a block).

@@ -79,3 +79,46 @@ def test_no_cores_and_an_unbound_node_are_refused() -> None:
         Cores("test.cpu", 0)
     with pytest.raises(RuntimeError, match="not bound"):
         Cores("test.cpu", 1).add(0.0, 1.0, lambda t: None)
+
+
+def _process_ends(count: int, threads: dict[str, int],
+                  pieces: list[tuple[str | None, float]]) -> list[float]:
+    """When each (process, seconds) piece, all started at 0, ends on ``count`` cores whose
+    processes run on ``threads`` threads each (None: the agent's, no process's)."""
+    clock, cores = Clock(), Cores("test.cpu", count)
+    cores.bind(clock.at)
+    for process, n in threads.items():
+        cores.limit(process, n)
+    ends = [float("nan")] * len(pieces)
+    for i, (process, seconds) in enumerate(pieces):
+        cores.add(0.0, seconds, lambda t, i=i: ends.__setitem__(i, t), process)
+    clock.run()
+    return ends
+
+
+def test_a_process_of_one_thread_runs_its_pieces_in_turn_whatever_cores_are_free() -> None:
+    # Two pieces of one interpreter on 112 cores: one core between them, so both end at 2 s;
+    # the same pieces in two processes, or the agent's, run side by side.
+    assert _process_ends(112, {"r0": 1}, [("r0", 1.0), ("r0", 1.0)]) == pytest.approx([2.0, 2.0])
+    assert _process_ends(112, {"r0": 1, "r1": 1}, [("r0", 1.0), ("r1", 1.0)]) == pytest.approx(
+        [1.0, 1.0])
+    assert _process_ends(112, {}, [(None, 1.0), (None, 1.0)]) == pytest.approx([1.0, 1.0])
+
+
+def test_processes_share_the_nodes_cores_by_what_each_can_use() -> None:
+    # One core; a process of one thread with two pieces asks for one core, the agent's one
+    # piece for one: each gets half, the process's pieces a quarter each. The agent's piece
+    # (0.5 s) ends at 1 s; then the process has the core: its pieces' 0.75 s left each take
+    # 1.5 s more.
+    ends = _process_ends(1, {"r0": 1}, [("r0", 1.0), ("r0", 1.0), (None, 0.5)])
+    assert ends == pytest.approx([2.5, 2.5, 1.0])
+
+
+def test_a_process_never_limited_is_refused_and_a_limit_below_one_thread_too() -> None:
+    cores = Cores("test.cpu", 2)
+    cores.bind(Clock().at)
+    with pytest.raises(KeyError):
+        cores.add(0.0, 1.0, lambda t: None, "nobody")
+    with pytest.raises(ValueError):
+        cores.limit("r0", 0)
+    assert cores.running == 0

@@ -147,9 +147,11 @@ def test_the_command_takes_host_cores_and_a_routing_and_refuses_a_routing_not_kn
     roomy = CliRunner().invoke(app, args)
     assert roomy.exit_code == 0, roomy.output
     (wide,) = json.loads((tmp_path / "simulate-seed.json").read_text())["results"]
-    scarce = CliRunner().invoke(app, [*args, "--host-cores", "1", "--routing", "prefix"])
+    scarce = CliRunner().invoke(app, [*args, "--host-cores", "1", "--routing", "prefix",
+                                      "--process-threads", "2"])
     assert scarce.exit_code == 0, scarce.output
-    assert "1 host cores a node, prefix routing" in " ".join(scarce.output.split())
+    assert ("1 host cores a node, 2 thread(s) a serving process, prefix routing"
+            in " ".join(scarce.output.split()))
     (one,) = json.loads((tmp_path / "simulate-seed.json").read_text())["results"]
     assert one["strategy"] == "lmcache-gds-like" and one["completed"] == one["requests"]
     # The per-I/O work of 64 KiB reads shares one core: it is busier, and the GPUs wait longer.

@@ -32,7 +32,7 @@ def test_a_figure_is_the_median_over_the_baselines_median() -> None:
     f = figure((1.0, 3.0, 2.0), (4.0, 2.0, 100.0), Goal(">=", 0.85))
     assert (f.value, f.baseline, f.ratio) == (2.0, 4.0, 0.5)
     assert f.verdict is Verdict.MISS
-    assert figure((1.8,), (2.0,), Goal(">=", 0.85)).verdict is Verdict.PASS
+    assert figure((1.8,) * 3, (2.0,) * 3, Goal(">=", 0.85)).verdict is Verdict.PASS
     assert figure((1.0,), (2.0,), None).verdict is Verdict.INFO
 
 
@@ -56,8 +56,8 @@ def test_config_rejects_nonsense() -> None:
 
 def test_docs_sections_are_rewritten_per_suite_and_hand_text_stays(tmp_path: Path) -> None:
     docs = tmp_path / "BENCHMARKS.md"
-    nvme = SuiteResult("nvme", "cmx bench nvme", [figure((1.7,), (2.0,), Goal(">=", 0.85))])
-    dram = SuiteResult("dram", "cmx bench dram", [figure((5.0,), (10.0,), Goal(">=", 0.8))],
+    nvme = SuiteResult("nvme", "cmx bench nvme", [figure((1.7,) * 3, (2.0,) * 3, Goal(">=", 0.85))])
+    dram = SuiteResult("dram", "cmx bench dram", [figure((5.0,) * 3, (10.0,) * 3, Goal(">=", 0.8))],
                        tables=[Table("detail", ("a", "b"), (("1", "2"),))], notes=["cold"])
     update_docs(docs, report(nvme, dram))
     docs.write_text(docs.read_text() + "\nHand-written closing words.\n")

@@ -1,8 +1,9 @@
 """What the suites of ``cmx bench`` share; nothing here imports a suite.
 
-    core       figures, goals (judged only on figures that can be judged), settings, timing,
-               cold caches
-    intervals  two variants alternated per repetition; bootstrap intervals over the pairs
+    core       figures, goals (judged by the far end of a ratio's interval, only on figures
+               that can be judged), settings, timing, cold caches
+    intervals  two variants alternated per repetition; bootstrap intervals of a ratio of
+               medians, resampled in pairs or each side on its own
     baselines  the machine's own limits beside a suite's figures: fio O_DIRECT jobs, memcpy on
                one thread and on as many as the stores copy with
     payloads   keys and random payloads for the suites that drive a store directly

@@ -5,16 +5,27 @@ baseline measured in the same run (raw disk bandwidth with fio, or numpy memcpy)
 to that baseline is what a goal judges. The disk here is virtual and noisy, so a number from
 another run, or another day, is not a baseline.
 
-A goal passes only on a figure that can be judged (``Figure.inconclusive``): a negative median,
-a baseline of zero or next to it, a non-finite sample, or a difference whose paired interval
-reaches below zero is a MISS, whatever the goal's side, and says why. A figure that is a
-difference of two variants is measured in pairs and carries its interval
+How a goal is judged (``Figure.verdict``), one rule for every suite:
+
+- by the far end of the ratio's 95% bootstrap interval, never by the median alone: a "<=" goal
+  by the interval's upper end, a ">=" goal by its lower end. The interval is the one a paired
+  figure carries (``intervals.ratio_interval``), else each side resampled on its own
+  (``intervals.independent_ratio_interval``);
+- only on a figure that can be judged (``Figure.inconclusive``): fewer than ``MIN_REPS``
+  repetitions on either side, a negative median, a baseline of zero or next to it, a
+  non-finite sample, or a difference whose paired interval reaches below zero is a MISS,
+  whatever the goal's side, and says why;
+- a count (``Figure.count``: requests hung of those sent) is no median of repetitions but
+  every trial of the run tallied, and is judged exactly as counted.
+
+A figure that is a difference of two variants is measured in pairs and carries its interval
 (``Figure.paired_difference``).
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import os
 import statistics
@@ -24,12 +35,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cmx.bench.harness.intervals import Interval, ratio_interval
+from cmx.bench.harness.intervals import Interval, independent_ratio_interval, ratio_interval
 
 __all__ = [
     "GB",
     "GiB",
     "KiB",
+    "MIN_REPS",
     "MiB",
     "BenchConfig",
     "BenchContext",
@@ -46,6 +58,9 @@ __all__ = [
 # A baseline at or below this fraction of the largest magnitude among a figure's samples is ~0:
 # a ratio to it says nothing (a difference of medians that cancelled, a timer's resolution).
 DEGENERATE_BASELINE = 1e-6
+# Fewer repetitions than this on either side of a figure: its interval says nothing (with two,
+# every resample's median is one of three values), so no goal can be shown to hold.
+MIN_REPS = 3
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -97,6 +112,24 @@ class Figure:
     goal: Goal | None = None
     note: str = ""  # how to read it, or why it misses
     interval: Interval | None = None  # the ratio's bootstrap interval, for a paired figure
+    counted: bool = False  # one tally of every trial of the run, not repetitions (``count``)
+
+    def __post_init__(self) -> None:
+        if not self.counted:
+            return
+        one_each = len(self.samples) == len(self.baseline_samples) == 1
+        values = (*self.samples, *self.baseline_samples)
+        if not one_each or not all(x >= 0 and float(x).is_integer() for x in values):
+            raise ValueError(f"a count is one whole number of one, got {self.samples} of "
+                             f"{self.baseline_samples}")
+
+    @classmethod
+    def count(cls, suite: str, name: str, unit: str, counted: int, of: int, baseline_name: str,
+              goal: Goal | None = None, note: str = "") -> Figure:
+        """``counted`` of ``of`` trials of the run (requests hung of those sent): every trial
+        tallied, so the share is exact and judged as it is, with no interval."""
+        return cls(suite, name, unit, (float(counted),), baseline_name, (float(of),), goal,
+                   note, counted=True)
 
     @classmethod
     def paired_difference(cls, suite: str, name: str, unit: str, a: Sequence[float],
@@ -125,11 +158,20 @@ class Figure:
         return self.value / self.baseline if self.baseline else float("nan")
 
     @property
+    def reps(self) -> int:
+        """Repetitions behind the figure: the fewer of its two sides'."""
+        return min(len(self.samples), len(self.baseline_samples))
+
+    @property
     def inconclusive(self) -> str | None:
         """Why no goal can be judged on this figure, or None when one can."""
         samples = (*self.samples, *self.baseline_samples)
         if not all(map(math.isfinite, samples)):
             return "a sample is not a finite number"
+        if not self.counted and self.reps < MIN_REPS:
+            return (f"{len(self.samples)} repetition(s) against {len(self.baseline_samples)} "
+                    f"of the baseline, fewer than {MIN_REPS}: no interval can show the goal "
+                    f"held")
         if self.value < 0:
             return f"its median is negative ({self.value:.3g} {self.unit})"
         scale = max(abs(x) for x in samples)
@@ -147,23 +189,34 @@ class Figure:
                     "them by")
         return None
 
+    @functools.cached_property
+    def judged_interval(self) -> Interval | None:
+        """The interval a goal is judged by: the paired one the figure carries, else a
+        bootstrap with each side resampled on its own; None for a figure with no goal, a
+        count, or one that cannot be judged."""
+        if self.interval is not None:
+            return self.interval
+        if self.goal is None or self.counted or self.inconclusive is not None:
+            return None
+        return independent_ratio_interval(self.samples, self.baseline_samples)
+
     @property
     def verdict(self) -> Verdict:
-        """PASS when the ratio meets the goal; for a paired figure, when its whole interval
-        does (the far end of it: a median that meets the goal with an interval crossing it
-        does not show the goal held)."""
+        """PASS when the far end of the ratio's interval meets the goal: its upper end for a
+        "<=" goal, its lower end for a ">=" one (a median that meets the goal with an interval
+        crossing it does not show the goal held). A count is judged as counted."""
         if self.goal is None:
             return Verdict.INFO
         if self.inconclusive is not None:
             return Verdict.MISS  # never PASS on a figure that cannot be judged
-        if self.interval is not None:
-            iv = self.interval
-            worst = max(iv.high, self.ratio) if self.goal.op == "<=" else min(iv.low, self.ratio)
-            return self.goal.check(worst)
-        return self.goal.check(self.ratio)
+        iv = self.judged_interval
+        if iv is None:  # a count
+            return self.goal.check(self.ratio)
+        worst = max(iv.high, self.ratio) if self.goal.op == "<=" else min(iv.low, self.ratio)
+        return self.goal.check(worst)
 
     def to_dict(self) -> dict[str, Any]:
-        iv = self.interval
+        iv = self.judged_interval
         return {
             "suite": self.suite,
             "name": self.name,
@@ -175,7 +228,9 @@ class Figure:
             "baseline_samples": list(self.baseline_samples),
             "ratio": self.ratio,
             "interval": None if iv is None else {"ratio": iv.ratio, "low": iv.low,
-                                                 "high": iv.high, "level": iv.level},
+                                                 "high": iv.high, "level": iv.level,
+                                                 "paired": self.interval is not None},
+            "counted": self.counted,
             "goal": str(self.goal) if self.goal else None,
             "verdict": self.verdict.value,
             "inconclusive": self.inconclusive if self.goal else None,

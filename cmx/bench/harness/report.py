@@ -122,6 +122,10 @@ def _suite_markdown(suite: SuiteResult, report: BenchReport, level: str = "###")
         if f.interval is not None:
             notes.setdefault(f"ratio {f.interval}, bootstrap over {len(f.samples)} pairs",
                              []).append(f.name)
+        elif f.judged_interval is not None:
+            notes.setdefault(f"ratio {f.judged_interval}, bootstrap over {len(f.samples)} and "
+                             f"{len(f.baseline_samples)} repetitions, each side resampled on "
+                             "its own", []).append(f.name)
         if f.goal is not None and f.inconclusive is not None:
             notes.setdefault(f"{INCONCLUSIVE}, not judged: {f.inconclusive}", []).append(f.name)
     for table in suite.tables:

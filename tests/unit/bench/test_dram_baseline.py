@@ -47,9 +47,9 @@ def test_threaded_memcpy_copies_every_block_in_one_share_per_thread(
 
 
 def test_dram_figures_name_the_threads_and_are_judged_against_them() -> None:
-    rates = {"memcpy": [20.0, 20.0], "memcpy1": [11.0, 11.0], "put": [18.0, 18.0],
-             "get_into": [15.0, 15.0], "get": [8.0, 8.0], "shm": [10.0, 10.0],
-             "shm_split": [19.0, 19.0]}
+    rates = {k: [v] * 3 for k, v in (("memcpy", 20.0), ("memcpy1", 11.0), ("put", 18.0),
+                                      ("get_into", 15.0), ("get", 8.0), ("shm", 10.0),
+                                      ("shm_split", 19.0))}
     figs = dram_figures(rates, 4, 32 << 20, threads=2)
     put = next(f for f in figs if f.name.startswith("DramStore put"))
     assert "split over 2 thread(s), as many as the store copies with" in put.baseline_name

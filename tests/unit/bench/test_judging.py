@@ -1,6 +1,8 @@
-"""A goal passes only on a figure that can be judged: no PASS on a negative median, a baseline
-of ~0, a non-finite sample, or a difference whose paired interval reaches below zero; and a
-paired figure passes only when its whole interval meets the goal."""
+"""A goal passes only on a figure that can be judged: no PASS with fewer than 3 repetitions, on
+a negative median, a baseline of ~0, a non-finite sample, or a difference whose paired interval
+reaches below zero; and every figure passes only when the far end of its interval meets the
+goal (the upper end for "<=", the lower end for ">="), paired or not. A count of every trial
+is judged as counted."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from collections.abc import Callable
 import pytest
 
 from cmx.bench.harness.core import Figure, Goal, SuiteResult, Verdict
-from cmx.bench.harness.intervals import Interval, alternated
+from cmx.bench.harness.intervals import Interval, alternated, independent_ratio_interval
 from cmx.bench.harness.report import BenchReport, figure_rows, render_markdown
 from cmx.bench.suites.hits.hits import checksum_cost_figure
 
@@ -26,12 +28,12 @@ def fig(samples: tuple[float, ...], base: tuple[float, ...], goal: Goal | None =
 
 
 def test_a_negative_median_never_passes_an_upper_bound() -> None:
-    f = fig((-0.0095,), (0.1,))
+    f = fig((-0.0095,) * 3, (0.1,) * 3)
     assert f.ratio < 0.10 and Goal("<=", 0.10).check(f.ratio) is Verdict.PASS
     assert f.verdict is Verdict.MISS and "negative" in (f.inconclusive or "")
 
 
-@pytest.mark.parametrize("base", [(0.0,), (1e-12,), (-1.0,), (1.0, 0.0, 1.0)])
+@pytest.mark.parametrize("base", [(0.0,) * 3, (1e-12,) * 3, (-1.0,) * 3, (1.0, 0.0, 1.0)])
 def test_a_baseline_of_about_zero_makes_the_ratio_unjudgeable(base: tuple[float, ...]) -> None:
     samples = tuple(1.0 for _ in base)
     for goal in (Goal(">=", 0.8), Goal("<=", 1e15)):
@@ -68,11 +70,62 @@ def test_a_paired_ratio_passes_only_when_its_whole_interval_meets_the_goal() -> 
         is Verdict.PASS
 
 
-def test_ordinary_figures_are_judged_as_before() -> None:
-    assert fig((0.002,), (0.04,)).verdict is Verdict.PASS
-    assert fig((0.02,), (0.04,)).verdict is Verdict.MISS
-    assert fig((0.0,), (0.04,)).verdict is Verdict.PASS  # a time of 0 is a real time
+def test_fewer_than_three_repetitions_never_pass() -> None:
+    # A ratio of 0.05 against a bound of 0.10, on one and on two repetitions: not shown.
+    for n in (1, 2):
+        f = fig((0.002,) * n, (0.04,) * n)
+        assert f.ratio == pytest.approx(0.05) and f.verdict is Verdict.MISS
+        assert "fewer than 3" in (f.inconclusive or "")
+        paired = fig((0.002,) * n, (0.04,) * n, interval=Interval(0.05, 0.05, 0.05, 0.95))
+        assert paired.verdict is Verdict.MISS
+    short_baseline = fig((0.002,) * 3, (0.04,) * 2)
+    assert short_baseline.verdict is Verdict.MISS and short_baseline.reps == 2
+    assert fig((0.002,) * 3, (0.04,) * 3).verdict is Verdict.PASS
+    assert fig((0.0,) * 3, (0.04,) * 3).verdict is Verdict.PASS  # a time of 0 is a real time
     assert fig((-1.0,), (0.0,), None).verdict is Verdict.INFO  # no goal: nothing judged
+
+
+def test_an_unpaired_figure_is_judged_by_the_far_end_of_its_own_interval() -> None:
+    # Medians that meet the goal, one repetition far off: the interval crosses the bound.
+    at_most = fig((0.002, 0.003, 0.02, 0.003, 0.002), (0.04,) * 5)
+    assert at_most.ratio == pytest.approx(0.075) and AT_MOST.check(at_most.ratio) is Verdict.PASS
+    assert at_most.verdict is Verdict.MISS
+    iv = at_most.judged_interval
+    assert iv is not None and at_most.interval is None and iv.high > 0.10
+    at_least = fig((0.9, 0.5, 0.9, 0.95, 0.5), (1.0,) * 5, Goal(">=", 0.8))
+    assert at_least.ratio == pytest.approx(0.9) and at_least.verdict is Verdict.MISS
+    steady = fig((0.9, 0.92, 0.88), (1.0, 1.01, 0.99), Goal(">=", 0.8))
+    assert steady.judged_interval is not None and steady.judged_interval.low > 0.8
+    assert steady.verdict is Verdict.PASS
+    assert steady.to_dict()["interval"]["paired"] is False
+
+
+def test_sides_measured_apart_are_resampled_each_on_its_own() -> None:
+    iv = independent_ratio_interval([1.0, 2.0, 3.0, 4.0], [2.0, 2.0, 2.0])
+    assert iv.ratio == pytest.approx(1.25) and iv.low < 1.0 < 1.5 < iv.high
+    assert independent_ratio_interval([3.0], [2.0]) == Interval(1.5, 1.5, 1.5, 0.95)
+    with pytest.raises(ValueError):
+        independent_ratio_interval([], [1.0])
+    steady = fig((0.9, 0.92, 0.88), (1.0, 1.01, 0.99), Goal(">=", 0.8))
+    text = render_markdown(BenchReport(MACHINE, "2026-01-01T00:00:00+00:00", {"reps": 3},
+                                       [SuiteResult("service", "cmx bench service", [steady])]))
+    assert "bootstrap over 3 and 3 repetitions, each side resampled on its own" in text
+
+
+def test_a_count_of_every_trial_is_judged_as_counted() -> None:
+    none_hung = Figure.count("soak", "hung", "requests", 0, 1200, "requests sent",
+                             Goal("<=", 0.0))
+    assert none_hung.judged_interval is None and none_hung.verdict is Verdict.PASS
+    one_hung = Figure.count("soak", "hung", "requests", 1, 1200, "requests sent",
+                            Goal("<=", 0.0))
+    assert one_hung.verdict is Verdict.MISS
+    nothing_sent = Figure.count("soak", "hung", "requests", 0, 0, "requests sent",
+                                Goal("<=", 0.0))
+    assert nothing_sent.verdict is Verdict.MISS and nothing_sent.inconclusive
+    with pytest.raises(ValueError, match="whole number"):
+        Figure("soak", "hung", "requests", (0.5,), "sent", (3.0,), counted=True)
+    with pytest.raises(ValueError, match="whole number"):
+        Figure("soak", "hung", "requests", (0.0, 0.0), "sent", (3.0, 3.0), counted=True)
 
 
 def test_pairs_alternate_which_variant_goes_first() -> None:
@@ -109,11 +162,11 @@ def test_the_checksum_cost_is_paired_and_a_negative_one_is_inconclusive() -> Non
 
 
 def test_the_report_says_inconclusive_and_why() -> None:
-    f = checksum_cost_figure([0.100, 0.095], [0.110, 0.104], 25.0, 12.0)
+    f = checksum_cost_figure([0.100, 0.095, 0.098], [0.110, 0.104, 0.108], 25.0, 12.0)
     assert figure_rows([f])[0][-1] == "**MISS** (inconclusive)"
     suite = SuiteResult("service", "cmx bench service", [f])
-    text = render_markdown(BenchReport(MACHINE, "2026-01-01T00:00:00+00:00", {"reps": 2},
+    text = render_markdown(BenchReport(MACHINE, "2026-01-01T00:00:00+00:00", {"reps": 3},
                                        [suite]))
     assert "inconclusive, not judged: its median is negative" in text
-    assert "bootstrap over 2 pairs" in text
+    assert "bootstrap over 3 pairs" in text
     assert f.to_dict()["inconclusive"] and f.to_dict()["interval"]["low"] < 0

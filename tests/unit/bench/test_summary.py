@@ -93,7 +93,7 @@ def test_the_summary_is_rewritten_from_the_sections_and_nothing_else() -> None:
 
 def test_a_run_rewrites_the_summary_with_its_section(tmp_path: Path) -> None:
     docs = tmp_path / "BENCHMARKS.md"
-    miss = Figure("dram", "put", "GB/s", (1.0,), "memcpy", (2.0,), Goal(">=", 0.8))
+    miss = Figure("dram", "put", "GB/s", (1.0,) * 3, "memcpy", (2.0,) * 3, Goal(">=", 0.8))
     update_docs(docs, BenchReport(MACHINE, "2026-01-01T00:00:00+00:00", {"reps": 1},
                                   [SuiteResult("dram", "cmx bench dram", [miss])]))
     text = docs.read_text()

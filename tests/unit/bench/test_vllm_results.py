@@ -176,7 +176,7 @@ def test_the_cpu_table_gives_seconds_per_completed_request() -> None:
                            "100%", "500", "200", "300"),
                           ("none", "prefix_repetition", "1", "1.80", "0.00", "0.10", "1.90",
                            "95%", "-", "-", "-"))
-    assert "2 runs per rate, pooled" in result.tables[0].title
+    assert "2 rounds, a rate's runs pooled" in result.tables[0].title
 
 
 def test_prompt_tokens_are_read_by_source_from_the_servers_metrics() -> None:

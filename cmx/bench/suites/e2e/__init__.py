@@ -4,5 +4,6 @@
     e2e_miss      "e2e-miss": a miss's cost, engines with and without CMXConnector paired
                   (e2e_engine: one engine in a process of its own; e2e_pairs: the pairing)
     vllm_serve    "e2e-serve": vLLM's OpenAI servers driven by ``vllm bench serve``
-                  (vllm_client runs it, vllm_results reads it, serve_report judges it)
+                  (vllm_client runs it, vllm_results reads it, serve_sweep raises its
+                  rates until a run breaks the p99 target, serve_report judges it)
 """

@@ -197,14 +197,14 @@ def _report(result: SuiteResult, s: PDSettings, runs: dict[str, list[RunStats]],
              for x, y in zip(r.texts, c.texts, strict=True)]
     same = sum(x is not None and x == y for x, y in pairs)
     failed = sum(r.failed for r in (*split, *colo))
-    result.figures.append(Figure(
+    result.figures.append(Figure.count(
         SUITE, "greedy outputs of the split identical to the colocated replicas'", "requests",
-        (float(same),), "requests sent to each", (float(len(pairs)),), Goal(">=", 1.0),
+        same, len(pairs), "requests sent to each", Goal(">=", 1.0),
         "goal: all identical (float32: the same token for token with and without the cache); "
         "a request either failed counts as not identical"))
-    result.figures.append(Figure(
+    result.figures.append(Figure.count(
         SUITE, "requests that failed or came back short, both applications", "requests",
-        (float(failed),), "requests sent to both", (float(2 * len(pairs)),), Goal("<=", 0.0),
+        failed, 2 * len(pairs), "requests sent to both", Goal("<=", 0.0),
         "goal: none; the latency figures are of completed requests only"))
     rows = []
     for name, got in runs.items():

@@ -4,52 +4,80 @@ TTFT figures against vLLM alone, and the judged figure, requests/s at a TTFT p99
 from __future__ import annotations
 
 from cmx.bench.harness.core import Figure, Goal, SuiteResult, Table
+from cmx.bench.harness.intervals import ratio_interval
 from cmx.bench.harness.proc_cpu import REST, CpuUse
+from cmx.bench.suites.e2e.serve_sweep import P99_TARGET_MS, held
 from cmx.bench.suites.e2e.vllm_results import ServeRun
 
-__all__ = ["P99_TARGET_MS", "THROUGHPUT_GOAL", "Tokens", "per_rate", "report", "sustained"]
+__all__ = ["P99_TARGET_MS", "THROUGHPUT_GOAL", "Rounds", "Tokens", "per_rate", "report",
+           "sustained"]
 
-P99_TARGET_MS = 10_000.0  # the TTFT p99 at which throughput is compared
 THROUGHPUT_GOAL = Goal(">=", 1.5)  # requests/s with the connector over without, at that p99
 Tokens = dict[str, dict[tuple[str, float], dict[str, float]]]  # setup -> run -> source -> n
+Runs = dict[tuple[str, float], ServeRun]  # (dataset, rate) -> its run
+Rounds = dict[str, list[Runs]]  # setup -> its runs, round by round
 
 
-def sustained(runs: dict[tuple[str, float], ServeRun], dataset: str) -> ServeRun | None:
+def sustained(runs: Runs, dataset: str) -> ServeRun | None:
     """Of a setup's runs of ``dataset``, the one with the most requests per second among those
-    whose TTFT p99 stayed within ``P99_TARGET_MS`` with no request failed; None if none did."""
-    held = [r for (ds, _), r in runs.items()
-            if ds == dataset and r.failed == 0 and r.ttft_p99_ms <= P99_TARGET_MS]
-    return max(held, key=lambda r: r.request_throughput, default=None)
+    that held the target (``serve_sweep.held``); None if none did."""
+    kept = [r for (ds, _), r in runs.items() if ds == dataset and held(r)]
+    return max(kept, key=lambda r: r.request_throughput, default=None)
 
 
 def per_rate(rounds: int) -> str:
-    return "one run per rate" if rounds == 1 else f"{rounds} runs per rate, pooled"
+    return ("one run per rate" if rounds == 1 else
+            f"{rounds} rounds, a rate's runs pooled over the rounds that reached it")
 
 
-def _throughput_figure(result: SuiteResult, got: dict[str, dict[tuple[str, float], ServeRun]],
-                       rounds: int = 1, dataset: str = "prefix_repetition") -> None:
-    """The goal: requests/s with the connector at TTFT p99 <= 10 s over vLLM's alone."""
-    if "cmx" not in got or "none" not in got:
+def _throughput_figure(result: SuiteResult, by_round: Rounds,
+                       dataset: str = "prefix_repetition") -> None:
+    """The goal: requests/s with the connector at TTFT p99 <= 10 s over vLLM's alone, one
+    sample per round, round ``i`` of each setup a pair (they ran one after the other, with the
+    same prompts)."""
+    if "cmx" not in by_round or "none" not in by_round:
         return
-    base, ours = sustained(got["none"], dataset), sustained(got["cmx"], dataset)
-    if base is None:
+    pairs = list(zip(by_round["cmx"], by_round["none"], strict=False))
+    bases = [sustained(none, dataset) for _, none in pairs]
+    if any(b is None for b in bases):
         result.notes.append(f"{dataset}: vLLM without a connector held TTFT p99 within "
-                            f"{P99_TARGET_MS / 1000:g} s at no rate tried, so the throughput "
-                            f"goal has no baseline; lower rates are needed")
+                            f"{P99_TARGET_MS / 1000:g} s at no rate tried in a round, so the "
+                            f"throughput goal has no baseline; lower rates are needed")
         return
+    ours = [sustained(cmx, dataset) for cmx, _ in pairs]
+    a = tuple(o.request_throughput if o is not None else 0.0 for o in ours)
+    b = tuple(x.request_throughput for x in bases if x is not None)
     result.figures.append(Figure(
         "e2e-serve", f"requests/s at TTFT p99 <= {P99_TARGET_MS / 1000:g} s, {dataset}, cmx",
-        "req/s", (ours.request_throughput if ours is not None else 0.0,),
-        "vLLM without a connector, the best rate it held within the same p99",
-        (base.request_throughput,), THROUGHPUT_GOAL,
-        f"the fastest run of the rates tried whose p99 held (none failed), {per_rate(rounds)}; "
-        + ("the connector held it at no rate tried" if ours is None else
-           f"p99 {ours.ttft_p99_ms:.0f} ms against {base.ttft_p99_ms:.0f} ms")))
+        "req/s", a, "vLLM without a connector, the best rate it held within the same p99", b,
+        THROUGHPUT_GOAL,
+        f"each round's fastest run whose p99 held (none failed), rates rising until a run "
+        f"broke it; {len(pairs)} round(s), paired by round; "
+        + "; ".join("the connector held it at no rate tried" if o is None else
+                    f"p99 {o.ttft_p99_ms:.0f} ms against {x.ttft_p99_ms:.0f} ms"
+                    for o, x in zip(ours, bases, strict=True) if x is not None),
+        interval=ratio_interval(a, b)))
 
 
-def report(result: SuiteResult, got: dict[str, dict[tuple[str, float], ServeRun]],
-            cpu: dict[str, dict[tuple[str, float], CpuUse]] | None = None,
-            rounds: int = 1, tokens: Tokens | None = None) -> None:
+def _unbroken(result: SuiteResult, by_round: Rounds) -> None:
+    """A note for each sweep that held the target up to its last rate: it ran out of rates,
+    so its throughput there is a lower bound."""
+    for setup, rounds in by_round.items():
+        for i, runs in enumerate(rounds):
+            for dataset in dict.fromkeys(ds for ds, _ in runs):
+                rate, last = max((r, run) for (ds, r), run in runs.items() if ds == dataset)
+                if held(last):
+                    result.notes.append(
+                        f"{setup}, {dataset}, round {i + 1}: held TTFT p99 within "
+                        f"{P99_TARGET_MS / 1000:g} s up to the last rate tried, {rate:g} "
+                        f"req/s; its throughput there is a lower bound")
+
+
+def report(result: SuiteResult, got: dict[str, Runs],
+           cpu: dict[str, dict[tuple[str, float], CpuUse]] | None = None,
+           rounds: int = 1, tokens: Tokens | None = None, by_round: Rounds | None = None) -> None:
+    """The tables and figures of runs pooled over rounds (``got``), and the judged figure from
+    each round's own runs (``by_round``; ``got`` as its one round when not given)."""
     rows = [(setup, ds, f"{rate:g}", f"{r.completed}/{r.failed}", f"{r.request_throughput:.3f}",
              f"{r.token_throughput:.0f}", f"{r.ttft_p50_ms:.0f}", f"{r.ttft_p99_ms:.0f}")
             for setup, runs in got.items() for (ds, rate), r in runs.items()]
@@ -70,7 +98,9 @@ def report(result: SuiteResult, got: dict[str, dict[tuple[str, float], ServeRun]
                 (r.ttft_p50_ms,), "vLLM without a connector, same run settings",
                 (base[key].ttft_p50_ms,), None, f"p99 {r.ttft_p99_ms:.0f} ms against "
                 f"{base[key].ttft_p99_ms:.0f} ms; {per_rate(rounds)}"))
-    _throughput_figure(result, got, rounds)
+    by_round = by_round if by_round is not None else {k: [v] for k, v in got.items()}
+    _throughput_figure(result, by_round)
+    _unbroken(result, by_round)
 
 
 def _cpu_table(got: dict[str, dict[tuple[str, float], ServeRun]],

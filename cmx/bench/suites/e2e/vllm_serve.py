@@ -1,6 +1,6 @@
 """Suite "e2e-serve": two vLLM OpenAI servers (CPU, SmolLM2-135M-Instruct) driven by vLLM's own
-benchmark client (``vllm bench serve``, ``vllm.benchmarks.serve``, run by ``vllm_client``), at a
-few request rates.
+benchmark client (``vllm bench serve``, ``vllm.benchmarks.serve``, run by ``vllm_client``), at
+rising request rates.
 
 Three setups, one after the other, each two servers on this machine:
 
@@ -8,24 +8,28 @@ Three setups, one after the other, each two servers on this machine:
 - **none**: vLLM without a connector;
 - **offloading**: vLLM's own ``OffloadingConnector`` (CPU offloading), each server its own.
 
-Each rate is one run of two clients started together, one per server, each sending half the
-requests at half the rate, the same requests (same seed), the second ``lag_s`` later; each
-run draws prompts of its own (its own seed), so that no run finds an earlier one's prefixes
-cached, in a server or in the service, and every setup gets the same prompts. With
+Each setup sweeps the rates (``serve_sweep``): for each dataset they rise, one run per rate,
+until a run breaks the TTFT p99 target (10 s) or a request fails, through at most ten rates
+(``ServeSettings.rates``, 0.2 to 4.5 requests/s). Each rate is one run of two clients started
+together, one per server, each sending half the requests at half the rate, the same requests
+(same seed), the second ``lag_s`` later; each run draws prompts of its own (its own seed), so
+that no run finds an earlier one's prefixes cached, in a server or in the service, and every
+setup gets the same prompts. With
 vLLM's ``prefix_repetition`` dataset (each of ``num_prefixes`` long prefixes in four requests,
 two per server) the first client sends them shuffled and the second grouped by prefix, so a
 prefix reaches the two servers in different orders: without a connector each server computes
 every prefix once, with one the server that comes second can find it computed by the other.
 The other workload is ``random`` with one prefix shared by all (``--random-prefix-len``).
 Throughput and TTFT p50/p99 come from the clients' result files, merged (``vllm_results``).
-With ``rounds`` above 1 the setups alternate (cmx, none, cmx, none, ...), every round with
-prompts of its own, and a rate's runs are pooled: the p99 of every request of every round.
+With ``rounds`` above 1 (``--reps``, 3 by default) the setups alternate (cmx, none, cmx, none,
+...), every round with prompts of its own and a sweep of its own, and the table pools a rate's
+runs: the p99 of every request of every round that reached the rate.
 Every run counts the CPU-seconds of the two servers' process trees (the API servers, their
 engine cores, the connector inside them), of the clients and of the rest (the local Ray
 cluster and the service's actors), beside the machine's busy time (``proc_cpu``).
 The judged figure: requests/s at a TTFT p99 of at most 10 s with the connector,
-over vLLM's alone (``sustained``). A setup whose servers do not start is recorded with its
-error and the others run.
+over vLLM's alone (``sustained``), one sample per round, paired by round. A setup whose servers
+do not start is recorded with its error and the others run.
 """
 
 from __future__ import annotations
@@ -43,8 +47,15 @@ from typing import Any
 
 from cmx.bench.harness.core import BenchContext, SuiteResult
 from cmx.bench.harness.proc_cpu import CpuMeter, CpuUse
-from cmx.bench.suites.e2e.serve_report import per_rate, report, sustained
-from cmx.bench.suites.e2e.vllm_results import ClientResult, pool, prompt_tokens, read_result
+from cmx.bench.suites.e2e.serve_report import Rounds, per_rate, report, sustained
+from cmx.bench.suites.e2e.serve_sweep import RATES, check_rates, sweep
+from cmx.bench.suites.e2e.vllm_results import (
+    ClientResult,
+    ServeRun,
+    pool,
+    prompt_tokens,
+    read_result,
+)
 
 __all__ = ["SETUPS", "ServeSettings", "client_args", "run_e2e_serve", "sustained"]
 
@@ -61,7 +72,7 @@ class ServeSettings:
     num_prefixes: int = 8  # prefix_repetition: distinct prefixes, each in 4 requests of 32
     output_len: int = 4  # generated tokens per request
     num_prompts: int = 32  # per run, both clients together
-    rates: tuple[float, ...] = (0.2, 0.4, 0.8, 1.6)  # requests/s, both clients together
+    rates: tuple[float, ...] = RATES  # requests/s, both clients: rising, swept to a break
     lag_s: float = 5.0  # the second client starts this much after the first
     rounds: int = 1  # the setups run this many times, alternating, each round its own prompts
     datasets: tuple[str, ...] = ("prefix_repetition", "random")
@@ -74,8 +85,7 @@ class ServeSettings:
             raise ValueError(f"each of the two clients sends {per_client} requests, fewer than "
                              f"the {self.num_prefixes} prefixes prefix_repetition shares: "
                              f"num_prompts must be at least {2 * self.num_prefixes}")
-        if not self.rates or min(self.rates) <= 0:
-            raise ValueError(f"rates must be positive, got {self.rates}")
+        check_rates(self.rates)
         if self.rounds < 1:
             raise ValueError(f"rounds must be at least 1, got {self.rounds}")
 
@@ -238,9 +248,10 @@ Runs = dict[tuple[str, float], list[Run]]
 
 
 def _setup(ctx: BenchContext, setup: str, s: ServeSettings, address: str,
-           service: dict[str, Any], round_: int, runs: Runs) -> None:
-    """One round of a setup: its two servers started, every dataset and rate run once, each
-    run added to ``runs``."""
+           service: dict[str, Any], round_: int, runs: Runs) -> dict[tuple[str, float], ServeRun]:
+    """One round of a setup: its two servers started, and for every dataset the rates swept
+    until a run breaks the p99 target (``serve_sweep.sweep``), each run added to ``runs``.
+    The round's own runs, merged, by dataset and rate."""
     from cmx.models import smollm2_path
 
     model = smollm2_path()
@@ -251,9 +262,11 @@ def _setup(ctx: BenchContext, setup: str, s: ServeSettings, address: str,
         for server in servers:
             server.wait_ready(s.start_timeout_s)
         ctx.log(f"e2e-serve {setup}: servers on {servers[0].port}, {servers[1].port}")
+        mine: dict[tuple[str, float], ServeRun] = {}
         for d, dataset in enumerate(s.datasets):
-            for r, rate in enumerate(s.rates):
-                seed = 1 + 1000 * round_ + 100 * d + r  # the same in every setup
+
+            def measure(rate: float, d: int = d, dataset: str = dataset) -> ServeRun:
+                seed = 1 + 1000 * round_ + 100 * d + s.rates.index(rate)  # same in every setup
                 results, cpu, tokens = _run(servers, model, dataset, s, rate, out, seed)
                 runs.setdefault((dataset, rate), []).append((results, cpu, tokens))
                 run = pool([results])
@@ -263,6 +276,10 @@ def _setup(ctx: BenchContext, setup: str, s: ServeSettings, address: str,
                         + ", ".join(f"{g} {v:.0f}" for g, v in cpu.groups.items())
                         + f", machine {cpu.machine_busy_s:.0f} of {cpu.wall_s * cpu.cores:.0f}; "
                         + ", ".join(f"{k} {v:.0f}" for k, v in tokens.items()) + " tokens")
+                return run
+
+            mine.update(((dataset, rate), run) for rate, run in sweep(s.rates, measure))
+        return mine
     finally:
         for server in servers:
             server.stop()
@@ -273,9 +290,10 @@ def run_e2e_serve(ctx: BenchContext, settings: ServeSettings | None = None,
     from cmx.bench.harness.cluster import bench_cluster
     from cmx.config import ServiceConfig
 
-    s = settings or ServeSettings()
+    s = settings or ServeSettings(rounds=ctx.config.reps)
     result = SuiteResult("e2e-serve", command="")
     every: dict[str, Runs] = {}
+    by_round: Rounds = {}
     failed: set[str] = set()
     for round_ in range(s.rounds):
         for setup in setups:
@@ -288,13 +306,15 @@ def run_e2e_serve(ctx: BenchContext, settings: ServeSettings | None = None,
                                            dram_bytes=1024 * MiB, nvme_bytes=4096 * MiB,
                                            nvme_dir=str(ctx.scratch("e2e-serve-nvme")))
                     with bench_cluster(config) as bc:
-                        _setup(ctx, setup, s, bc.cluster.address, asdict(bc.config), round_,
-                               runs)
+                        mine = _setup(ctx, setup, s, bc.cluster.address, asdict(bc.config),
+                                      round_, runs)
                 else:
-                    _setup(ctx, setup, s, "", {}, round_, runs)
+                    mine = _setup(ctx, setup, s, "", {}, round_, runs)
+                by_round.setdefault(setup, []).append(mine)
             except Exception as exc:  # noqa: BLE001 - one setup that fails must not cost the others
                 failed.add(setup)
                 every.pop(setup, None)
+                by_round.pop(setup, None)
                 result.notes.append(f"setup {setup!r}: no figures ({type(exc).__name__}: {exc})")
                 ctx.log(f"e2e-serve {setup} failed: {exc}")
     got = {setup: {key: pool([r for r, _, _ in rs]) for key, rs in runs.items()}
@@ -303,12 +323,15 @@ def run_e2e_serve(ctx: BenchContext, settings: ServeSettings | None = None,
            for setup, runs in every.items()}
     tokens = {setup: {key: _add(t for _, _, t in rs) for key, rs in runs.items()}
               for setup, runs in every.items()}
-    report(result, got, cpu, s.rounds, tokens)
+    report(result, got, cpu, s.rounds, tokens, by_round)
     result.notes.append(
         f"SmolLM2-135M-Instruct, vLLM OpenAI server (CPU, bfloat16, blocks of 32 tokens), two "
         f"servers per setup; {s.num_prompts} requests per run ({s.prefix_len}-token prefixes, "
         f"{s.suffix_len}-token tails, {s.output_len} output tokens), the second client "
-        f"{s.lag_s:g} s after the first with the same requests; {per_rate(s.rounds)}"
+        f"{s.lag_s:g} s after the first with the same requests; rates rising from "
+        f"{s.rates[0]:g} to at most {s.rates[-1]:g} req/s ({len(s.rates)} rates), each "
+        f"setup's stopping after its first run past a TTFT p99 of 10 s or with a request "
+        f"failed; {per_rate(s.rounds)}"
         + ("" if s.rounds == 1 else ", the setups alternating round by round"))
     return result
 

@@ -15,11 +15,10 @@ one JSON object of timings (seconds) and counts. Operations:
   the engine's own key-to-path mapping) lie on disk.
 - ``cpu``: LocalCPUBackend only; ``store`` then ``lookup`` + ``retrieve``.
 - ``prefetch``: store the prefix on disk (in batches), then a cold blocking load per
-  repetition; the queue waits W are ``wait_fractions`` of the median of those cold loads (the
-  rule of ``cmx.bench.suites.lmcache.prefetch.queue_waits``, which checks them); then per
-  repetition, for each W: ``async_lookup_and_prefetch`` at the request's arrival, sleep W, then
-  wait for the prefetch's completion and ``retrieve``. ``ready_s`` lists, in the order of
-  ``waits``, each wait's times.
+  repetition; then per repetition, for each queue wait W of ``waits`` (seconds, fixed by the
+  suite, ``cmx.bench.suites.lmcache.prefetch.QUEUE_WAITS_S``): ``async_lookup_and_prefetch``
+  at the request's arrival, sleep W, then wait for the prefetch's completion and
+  ``retrieve``. ``ready_s`` lists, in the order of ``waits``, each wait's times.
 
 Every engine first stores and loads one chunk of other tokens, untimed (``Bench.warm_up``).
 
@@ -34,7 +33,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import threading
 import time
@@ -328,7 +326,7 @@ def op_prefetch(spec: dict[str, Any]) -> dict[str, Any]:
             if loaded != bench.tokens:
                 raise RuntimeError(f"cold load retrieved {loaded} of {bench.tokens} tokens")
             cold.append(seconds)
-        waits = [float(f) * statistics.median(cold) for f in spec["wait_fractions"]]
+        waits = [float(w) for w in spec["waits"]]
         ready: list[list[float]] = [[] for _ in waits]
         for rep in range(int(spec["reps"])):
             for i, w in enumerate(waits):

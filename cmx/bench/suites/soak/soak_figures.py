@@ -116,14 +116,16 @@ def greedy_mismatches(records: Sequence[RequestRecord],
 
 def soak_figures(records: Sequence[RequestRecord], reference: Sequence[str], start: Snapshot,
                  end: Snapshot) -> list[Figure]:
-    """The judged figures: none hung, every greedy output the reference's, memory flat."""
+    """The judged figures: none hung, every greedy output the reference's (counts of every
+    request, judged as counted), memory flat (one reading at each end: a single repetition,
+    so never a PASS, ``Figure.inconclusive``)."""
     sent = len(records)
     n = {o: sum(r.outcome is o for r in records) for o in Outcome}
     greedy = [r for r in records if r.greedy and r.outcome is Outcome.COMPLETED]
     same = len(greedy) - len(greedy_mismatches(records, reference))
 
     def share(name: str, value: int, of: int, base: str, goal: Goal | None, note: str) -> Figure:
-        return Figure(SUITE, name, "requests", (float(value),), base, (float(of),), goal, note)
+        return Figure.count(SUITE, name, "requests", value, of, base, goal, note)
 
     return [
         share("requests completed", n[Outcome.COMPLETED], sent, "requests sent", None, ""),

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 from pathlib import Path
 
-__all__ = ["machine_info", "machine_line"]
+__all__ = ["code_version", "machine_info", "machine_line"]
 
 
 def _read(path: str) -> str:
@@ -72,6 +73,23 @@ def machine_info(bench_dir: Path) -> dict[str, object]:
         "kernel": platform.release(),
         "python": platform.python_version(),
     }
+
+
+def code_version() -> str:
+    """The commit of the code that runs, as ``git`` names it (short), and whether the tracked
+    files differ from it; "not a git checkout" where there is no repository to ask."""
+    root = Path(__file__).resolve().parents[3]
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short=7", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return "not a git checkout"
+    return f"{commit} with uncommitted changes" if changed else commit
 
 
 def machine_line(info: dict[str, object]) -> str:

@@ -49,6 +49,7 @@ class BenchReport:
     started: str  # ISO time the run started
     config: dict[str, object]
     suites: list[SuiteResult] = field(default_factory=list)
+    code: str = ""  # the commit that ran (``machine.code_version``)
 
     @property
     def figures(self) -> list[Figure]:
@@ -58,6 +59,7 @@ class BenchReport:
         return {
             "machine": self.machine,
             "started": self.started,
+            "code": self.code,
             "config": self.config,
             "suites": [s.to_dict() for s in self.suites],
         }
@@ -110,7 +112,7 @@ def _suite_markdown(suite: SuiteResult, report: BenchReport, level: str = "###")
         f"Command: `{suite.command}`  ",
         f"Machine: {machine_line(report.machine)}  ",
         f"Run: {report.started}, {suite.seconds:.0f} s, medians of {report.config['reps']} "
-        "repetitions",
+        f"repetitions, code {report.code or 'not stated'}",
         *(["", f"**The suite failed:** {suite.error}"] if suite.error else []),
         "",
         _md_table(FIGURE_HEADERS, figure_rows(suite.figures)),

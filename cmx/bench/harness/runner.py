@@ -14,7 +14,7 @@ from pathlib import Path
 
 from cmx.bench.harness.baselines import FioMissingError
 from cmx.bench.harness.core import BenchConfig, BenchContext, SuiteResult
-from cmx.bench.harness.machine import machine_info
+from cmx.bench.harness.machine import code_version, machine_info
 from cmx.bench.harness.report import BenchReport
 from cmx.bench.suites import NAMED_ONLY, SUITES
 
@@ -66,6 +66,7 @@ def run_bench(names: Sequence[str], config: BenchConfig,
     report = BenchReport(
         machine=machine_info(config.dir),
         started=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        code=code_version(),
         config={"reps": config.reps, "gib": config.gib, "fio_seconds": config.fio_seconds,
                 "dir": str(config.dir), "cold_reads": ctx.cold_read_method},
     )

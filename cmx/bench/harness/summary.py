@@ -28,7 +28,7 @@ INCONCLUSIVE = "inconclusive"  # the Result cell of a MISS that could not be jud
 
 _SECTION = re.compile(r"<!-- (cmx-[\w-]+):([\w-]+):begin -->\n(.*?)<!-- \1:\2:end -->", re.S)
 _HEADING = re.compile(r"^#+ (.+)$", re.M)
-_RUN = re.compile(r"^Run: (\d{4}-\d\d-\d\d)T(\d\d:\d\d)", re.M)
+_RUN = re.compile(r"^Run: (\d{4}-\d\d-\d\d)T(\d\d:\d\d).*?(?:, code ([^\n]+))?$", re.M)
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class SectionCount:
 
     title: str  # the section's heading, e.g. "`nvme`"
     run: str  # when its run started, "2026-11-29 15:48", or "" if the section does not say
+    code: str  # the commit it ran, as its Run line names it, or "" if it does not
     passed: int
     missed: int
     inconclusive: int
@@ -87,9 +88,20 @@ def count_sections(text: str) -> list[SectionCount]:
         counts.append(SectionCount(
             title=heading.group(1).strip() if heading else f"`{match.group(2)}`",
             run=f"{run.group(1)} {run.group(2)}" if run else "",
+            code=(run.group(3) or "").strip() if run else "",
             passed=got.count("PASS"), missed=got.count("MISS"),
             inconclusive=got.count(INCONCLUSIVE)))
     return counts
+
+
+def _provenance(counts: list[SectionCount]) -> str:
+    """Whether the sections come from one run of one commit, or which they come from."""
+    runs = {c.run for c in counts}
+    codes = {c.code for c in counts}
+    if len(runs) == 1 and "" not in runs and len(codes) == 1 and "" not in codes:
+        return f"Every section comes from one run, {counts[0].run}, of code {counts[0].code}"
+    return ("The sections come from runs of different times or code, each named in its row "
+            "(\"not stated\": a section written before runs named their code)")
 
 
 def render_summary(counts: list[SectionCount]) -> str:
@@ -104,14 +116,14 @@ def render_summary(counts: list[SectionCount]) -> str:
         f"Counted from the tables of the {len(counts)} suite sections below by "
         f"`cmx.bench.harness.summary`, rewritten with them: {n} "
         f"figure{'' if n == 1 else 's'} judged against a goal, {passed} PASS, {missed} MISS, "
-        f"{unjudged} {INCONCLUSIVE} (a MISS on a figure that could not be judged). Each section "
-        f"comes from its own run"
+        f"{unjudged} {INCONCLUSIVE} (a MISS on a figure that could not be judged). "
+        + _provenance(counts)
         + (f"; {', '.join(silent)} judge no figure." if silent else "."),
         "",
-        "| Section | Run (UTC) | PASS | MISS | inconclusive |",
-        "| --- | --- | --- | --- | --- |",
-        *(f"| {c.title} | {c.run or 'not stated'} | {c.passed} | {c.missed} | "
-          f"{c.inconclusive} |" for c in judged),
+        "| Section | Run (UTC) | Code | PASS | MISS | inconclusive |",
+        "| --- | --- | --- | --- | --- | --- |",
+        *(f"| {c.title} | {c.run or 'not stated'} | {c.code or 'not stated'} | {c.passed} | "
+          f"{c.missed} | {c.inconclusive} |" for c in judged),
         SUMMARY_END,
     ]
     return "\n".join(lines)

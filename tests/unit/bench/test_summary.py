@@ -74,9 +74,9 @@ Run: 2026-11-30T18:41:16+00:00 to 18:47:30
 
 def test_rows_are_counted_per_marked_section_by_their_result() -> None:
     assert count_sections(PAGE) == [
-        SectionCount("`nvme`", "2026-11-29 15:48", passed=1, missed=1, inconclusive=1),
-        SectionCount("`simulate --calibrate`", "2026-11-30 18:41", 1, 0, 0),
-        SectionCount("`dpu`", "", 0, 0, 0),
+        SectionCount("`nvme`", "2026-11-29 15:48", "", passed=1, missed=1, inconclusive=1),
+        SectionCount("`simulate --calibrate`", "2026-11-30 18:41", "", 1, 0, 0),
+        SectionCount("`dpu`", "", "", 0, 0, 0),
     ]
 
 
@@ -84,7 +84,8 @@ def test_the_summary_is_rewritten_from_the_sections_and_nothing_else() -> None:
     text = refresh_summary(PAGE)
     block = text[text.index(SUMMARY_BEGIN):text.index(SUMMARY_END)]
     assert "4 figures judged against a goal, 2 PASS, 1 MISS, 1 inconclusive" in block
-    assert "| `nvme` | 2026-11-29 15:48 | 1 | 1 | 1 |" in block
+    assert "| `nvme` | 2026-11-29 15:48 | not stated | 1 | 1 | 1 |" in block
+    assert "runs of different times or code" in block
     assert "`dpu` judge no figure" in block
     assert text.replace(block, "") == PAGE.replace(f"{SUMMARY_BEGIN}\n", "")
     assert refresh_summary(text) == text  # counting again changes nothing
@@ -95,11 +96,25 @@ def test_a_run_rewrites_the_summary_with_its_section(tmp_path: Path) -> None:
     docs = tmp_path / "BENCHMARKS.md"
     miss = Figure("dram", "put", "GB/s", (1.0,) * 3, "memcpy", (2.0,) * 3, Goal(">=", 0.8))
     update_docs(docs, BenchReport(MACHINE, "2026-01-01T00:00:00+00:00", {"reps": 1},
-                                  [SuiteResult("dram", "cmx bench dram", [miss])]))
+                                  [SuiteResult("dram", "cmx bench dram", [miss])],
+                                  code="abc1234"))
     text = docs.read_text()
     assert text.startswith(DOCS_HEADER.split(SUMMARY_BEGIN)[0])
     assert "1 figure judged against a goal, 0 PASS, 1 MISS, 0 inconclusive" in text
-    assert "| `dram` | 2026-01-01 00:00 | 0 | 1 | 0 |" in text
+    assert "| `dram` | 2026-01-01 00:00 | abc1234 | 0 | 1 | 0 |" in text
+    assert "Every section comes from one run, 2026-01-01 00:00, of code abc1234" in text
+
+
+def test_sections_of_one_run_on_two_commits_are_not_called_one_run(tmp_path: Path) -> None:
+    docs = tmp_path / "BENCHMARKS.md"
+    miss = Figure("dram", "put", "GB/s", (1.0,) * 3, "memcpy", (2.0,) * 3, Goal(">=", 0.8))
+    for suite, code in (("dram", "abc1234"), ("nvme", "abc1234 with uncommitted changes")):
+        update_docs(docs, BenchReport(MACHINE, "2026-01-01T00:00:00+00:00", {"reps": 3},
+                                      [SuiteResult(suite, f"cmx bench {suite}", [miss])],
+                                      code=code))
+    text = docs.read_text()
+    assert "| `nvme` | 2026-01-01 00:00 | abc1234 with uncommitted changes | 0 | 1 | 0 |" in text
+    assert "Every section comes from one run" not in text
 
 
 def test_the_projects_page_carries_its_summary_as_counted() -> None:

@@ -297,6 +297,7 @@ def _calibrate(out: Path, docs: Path | None, clients: tuple[int, ...]) -> None:
 
     result = run_calibration(log=lambda m: console.log(m), clients=clients)
     console.print(result.table())
+    console.print(result.parameter_table())
     write_calibration(result, out / "calibration.json", docs)
     console.print(f"wrote {out / 'calibration.json'}" + (f", {docs}" if docs else ""))
     if not result.ok:

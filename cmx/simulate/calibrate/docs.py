@@ -40,6 +40,7 @@ def render(result: CalibrationResult) -> str:
         f"| XXH3 checksum | {s.checksum / GB:.2f} |",
         f"| NIXL read between processes ({s.nixl_note}) | {s.nixl / GB:.2f} |",
         "",
+        *_latency(result),
         "Control path per load (Ray round trips, actor hops, pins, the directory), from the "
         "loads of 1 and of 8 tiny blocks through the client (median over the repetitions):",
         "",
@@ -51,20 +52,55 @@ def render(result: CalibrationResult) -> str:
         f"The service's loads (`NamespaceClient.load`), N clients at once (one client: "
         f"loads one after another), against the "
         f"simulator's prediction of the same N loads (goal: within {result.goal:.0%}): the median "
-        "of every load of every repetition on both sides:",
+        "of every load of every repetition on both sides. Beside them, not judged and never "
+        "in the prediction's place, the CPU floor: N times one load's own CPU-seconds "
+        "(measured with one client) over the cores, the median over the repetitions "
+        "(`predict.cpu_floor`):",
         "",
         "| source | clients | bytes per load | loads | measured s (median) | predicted s (median) "
-        "| error | result |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| error | result | CPU floor s (median) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         *(f"| {r.source} | {r.clients} | {r.nbytes >> 20} MiB | {len(r.measured_s)} | "
           f"{r.measured:.3f} | {r.predicted:.3f} | {100 * r.error:+.1f}% | "
-          f"{'**PASS**' if r.ok else '**MISS**'} |"
+          f"{'**PASS**' if r.ok else '**MISS**'} | "
+          f"{'not measured' if r.floor is None else f'{r.floor:.3f}'} |"
           for r in result.rows),
         "",
+        *_parameters(result),
         *(f"- {n}" for n in result.notes),
         END,
     ]
     return "\n".join(lines)
+
+
+def _latency(result: CalibrationResult) -> list[str]:
+    latency = result.speeds.odirect_latency_s
+    if latency is None:
+        return []
+    return [f"One 4 KiB O_DIRECT read at a time, at random offsets of the same file: "
+            f"{latency * 1e6:.0f} µs (median).", ""]
+
+
+def _parameters(result: CalibrationResult) -> list[str]:
+    """The cluster scenarios' parameters against this machine (``parameters``)."""
+    if not result.parameters:
+        return []
+    return [
+        "The cluster scenarios' parameters against this machine: each value the scenarios of "
+        "`cmx simulate` take (read from the simulator's objects; its kind as the table of "
+        "inputs in [SIMULATE](SIMULATE.md) gives it), the value measured in this run (the "
+        "median over the repetitions, the least and the most in brackets) and their ratio "
+        "(`cmx.simulate.calibrate.parameters`):",
+        "",
+        "| parameter | the scenarios' value | kind | measured here | kind "
+        "| measured / scenarios' | how measured, or why not |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+        *(f"| {p.name} | {p.scenarios_text()} (`{p.origin}`) | {p.kind.value} | "
+          f"{p.measured_text()} | {p.measured_kind.value if p.measured_kind else ''} | "
+          f"{p.ratio_text()} | {p.how} |"
+          for p in result.parameters),
+        "",
+    ]
 
 
 def rewrite_section(path: Path, result: CalibrationResult) -> None:

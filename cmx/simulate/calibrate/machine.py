@@ -2,7 +2,8 @@
 
 The client's checked copy of blocks into a new tensor (``cmx.client.copy_out.copy_payloads``,
 on a thread; and each thread's speed with a thread on every core), O_DIRECT reads of a file in
-the NVMe directory (4 MiB, 8 in flight), XXH3 checksums, the agent's copy between arenas
+the NVMe directory (4 MiB, 8 in flight; and 4 KiB reads one at a time, for the latency of
+one), XXH3 checksums, the agent's copy between arenas
 (``cmx.buffers.copy_bytes``, NIXL's stand-in), and NIXL (UCX) between two processes
 (``nixl``). Each is the median of a few runs; the machine is shared and its speeds drift, so
 the calibration measures them again at the start of each repetition.
@@ -66,7 +67,10 @@ def _copy_out_rate(block_bytes: int, blocks: int, threads: int = 1) -> float:
         return _median_rate(blocks * layout.block_bytes, together)
 
 
-def _odirect_read_rate(directory: Path, nbytes: int, io: int = 4 * MiB, depth: int = 8) -> float:
+def _odirect_rates(directory: Path, nbytes: int, io: int = 4 * MiB,
+                   depth: int = 8) -> tuple[float, float]:
+    """(bytes/s, seconds an I/O) of O_DIRECT reads of a new file of ``nbytes`` in
+    ``directory``: ``io`` bytes each, ``depth`` in flight; then single 4 KiB reads."""
     from cmx.buffers import aligned_empty
 
     path = Path(tempfile.mkdtemp(prefix="cmx-calibrate-", dir=directory)) / "data"
@@ -81,11 +85,27 @@ def _odirect_read_rate(directory: Path, nbytes: int, io: int = 4 * MiB, depth: i
             def run() -> None:
                 list(pool.map(lambda off: os.preadv(fd, [buf[off:off + io].data], off),
                               range(0, nbytes, io)))
-            return _median_rate(nbytes, run)
+            rate = _median_rate(nbytes, run)
+        return rate, _odirect_latency(fd, nbytes)
     finally:
         os.close(fd)
         path.unlink()
         path.parent.rmdir()
+
+
+def _odirect_latency(fd: int, nbytes: int, probes: int = 64, size: int = 4096) -> float:
+    """Median seconds of one ``size``-byte O_DIRECT read at a time, at random offsets of the
+    first ``nbytes`` of ``fd``: the time to a read's first byte, its bytes being few."""
+    from cmx.buffers import aligned_empty
+
+    buf = aligned_empty(size)
+    offsets = np.random.default_rng(0).integers(0, nbytes // size, probes) * size
+    times = []
+    for off in offsets:
+        t0 = time.perf_counter()
+        os.preadv(fd, [buf.data], int(off))
+        times.append(time.perf_counter() - t0)
+    return float(statistics.median(times))
 
 
 def _memory_rates(nbytes: int) -> tuple[float, float]:
@@ -111,15 +131,17 @@ def measure_machine(directory: Path, nbytes: int = 256 * MiB, block_bytes: int =
     threads = min(cores, 16)  # bounded memory: each thread its own tensor
     shared = _copy_out_rate(block_bytes, max(2, nbytes // block_bytes // threads),
                             threads) if cores > 1 else None
-    odirect = _odirect_read_rate(directory, nbytes)
+    odirect, latency = _odirect_rates(directory, nbytes)
     rate, note = nixl or nixl_read_rate(nbytes)
-    if rate is None:
-        rate = copy
-    return MachineSpeeds(copy, copy_out, odirect, checksum, rate, note, shared)
+    return MachineSpeeds(copy, copy_out, odirect, checksum, copy if rate is None else rate,
+                         note, shared, odirect_latency_s=latency, nixl_measured=rate is not None)
 
 
 def describe(s: MachineSpeeds) -> str:
     """The speeds in GB/s, for the log."""
+    latency = ("" if s.odirect_latency_s is None
+               else f" ({s.odirect_latency_s * 1e6:.0f} µs a 4 KiB read)")
     return (f"copy {s.copy / GB:.2f}, copy-out {s.copy_out / GB:.2f} "
             f"({s.copy_out_at(2) / GB:.2f} a thread on every core), O_DIRECT read "
-            f"{s.odirect_read / GB:.2f}, XXH3 {s.checksum / GB:.2f}, NIXL {s.nixl / GB:.2f} GB/s")
+            f"{s.odirect_read / GB:.2f}{latency}, XXH3 {s.checksum / GB:.2f}, "
+            f"NIXL {s.nixl / GB:.2f} GB/s")

@@ -10,18 +10,19 @@ measured alone, or, when more than one runs, at the speed of each with a thread 
 core copying out at once (they share the memory's bandwidth).
 
 Those moves are not all the CPU a load takes: the control path (Ray calls, actor hops, the
-directory) runs on the same cores. So one load's own CPU-seconds, measured with one client
-(the machine's busy CPU-seconds over the load, less what the machine keeps busy with no load
-running: Ray, transfer threads that poll, neighbours, all of which yield to work), bound the
-rest (``machine_bound``): N loads started together end no earlier than the cores could have
-given them N times that.
+directory) runs on the same cores, and the model charges it as a wait, not as CPU. So beside
+each prediction the calibration reports a floor (``cpu_floor``), for information: N loads
+started together end no earlier than the cores could give them N times one load's own
+CPU-seconds, measured with one client (the machine's busy CPU-seconds over the load, less what
+the machine keeps busy with no load running: Ray, transfer threads that poll, neighbours, all
+of which yield to work). The floor is never put in place of the simulator's prediction: a
+prediction below it shows CPU the model does not charge.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
 
 from cmx.simulate.agent import Priority
 from cmx.simulate.calibrate.result import ControlCosts, MachineSpeeds
@@ -32,7 +33,7 @@ from cmx.simulate.hardware import LLAMA3_8B, GpuSpec, NetworkSpec, NodeSpec, Tie
 from cmx.simulate.strategy import CMX
 from cmx.simulate.workload import TenantSpec, WorkloadSpec
 
-__all__ = ["cpu_seconds", "machine_bound", "predict_load", "predict_loads"]
+__all__ = ["cpu_floor", "cpu_seconds", "predict_load", "predict_loads"]
 
 UNBOUNDED = 1e18  # bytes/s of a link whose move is counted as CPU work instead
 
@@ -96,14 +97,12 @@ def predict_load(speeds: MachineSpeeds, control: ControlCosts, source: str, bloc
     return predict_loads(speeds, control, source, blocks, block_bytes)[0]
 
 
-def machine_bound(predicted_s: Sequence[float], cpu_per_load_s: float | None,
-                  cores: int) -> list[float]:
-    """``predicted_s``, each no less than the time ``cores`` take to supply every load's
-    ``cpu_per_load_s`` (one load's own CPU-seconds, measured alone); unchanged where that was
-    not measured."""
+def cpu_floor(loads: int, cpu_per_load_s: float | None, cores: int) -> float | None:
+    """Seconds ``cores`` take to supply ``loads`` times ``cpu_per_load_s`` (one load's own
+    CPU-seconds, measured alone): no load of ``loads`` started together can end sooner. None
+    where that CPU was not measured."""
     if cores < 1:
         raise ValueError(f"cores {cores} < 1")
     if cpu_per_load_s is None:
-        return list(predicted_s)
-    floor = len(predicted_s) * cpu_per_load_s / cores
-    return [max(t, floor) for t in predicted_s]
+        return None
+    return loads * cpu_per_load_s / cores

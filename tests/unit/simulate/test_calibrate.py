@@ -3,11 +3,12 @@ cluster; ``cmx simulate --calibrate`` runs them)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from cmx.simulate.calibrate.docs import BEGIN, END, rewrite_section
+from cmx.simulate.calibrate.docs import BEGIN, END, render, rewrite_section
 from cmx.simulate.calibrate.predict import predict_load
 from cmx.simulate.calibrate.result import CalibrationResult, ControlCosts, MachineSpeeds, Row
 
@@ -53,10 +54,28 @@ def test_each_speed_recorded_is_the_median_of_the_repetitions() -> None:
     from cmx.simulate.calibrate.run import _median_speeds
 
     slow = MachineSpeeds(copy=1e9, copy_out=3e9, odirect_read=0.5e9, checksum=9e9, nixl=1e9,
-                         nixl_note="test")
-    mid = _median_speeds([SPEEDS, slow, SPEEDS])
+                         nixl_note="test", odirect_latency_s=1e-3)
+    fast = replace(SPEEDS, odirect_latency_s=1e-4)
+    mid = _median_speeds([fast, slow, fast])
     assert (mid.copy, mid.copy_out, mid.odirect_read, mid.checksum, mid.nixl) == (
         4e9, 2e9, 1e9, 8e9, 3e9)
+    assert mid.odirect_latency_s == 1e-4
+
+
+def test_a_row_is_judged_by_its_prediction_never_by_its_floor() -> None:
+    off = Row("dram", 4, 6, 96 * MiB, (1.0, 1.0), (1.5, 1.5), floor_s=(1.0, 1.0))
+    assert off.floor == 1.0 and off.error == pytest.approx(0.5) and not off.ok
+    below = Row("dram", 4, 6, 96 * MiB, (1.0,), (1.1,), floor_s=(3.0,))
+    assert below.predicted == 1.1 and below.ok  # a floor above: information, not a verdict
+    assert Row("dram", 1, 6, 96 * MiB, (1.0,), (1.0,)).floor is None
+
+
+def test_the_docs_show_the_prediction_and_the_floor_in_columns_of_their_own() -> None:
+    rows = (Row("dram", 4, 6, 96 * MiB, (1.0,), (1.5,), floor_s=(2.0, 4.0)),
+            Row("nvme", 1, 6, 96 * MiB, (1.0,), (1.0,)))
+    text = render(CalibrationResult(SPEEDS, {"dram": COSTS}, rows))
+    assert "| 1.000 | 1.500 | +50.0% | **MISS** | 3.000 |" in text
+    assert "| 1.000 | 1.000 | +0.0% | **PASS** | not measured |" in text
 
 
 def test_the_docs_section_is_replaced_between_its_markers_and_nothing_else(

@@ -85,27 +85,67 @@ def test_a_loads_own_cpu_is_the_machines_less_what_it_keeps_busy_idle() -> None:
     assert loads.load_cpu_alone("dram", 0) == 0.0
 
 
-def test_only_cells_of_several_clients_are_bounded_by_one_loads_cpu(monkeypatch: Any) -> None:
-    """One client's cell is predicted without its own measured CPU; the others are bounded by
-    it (an absurd CPU per load makes the difference plain)."""
+def _fake_run(monkeypatch: Any, cpu_alone_s: float) -> Any:
+    """A calibration of DRAM loads by 1 and 4 clients whose measurements are given: one
+    load alone takes ``cpu_alone_s`` of the machine's CPU."""
     import cmx.simulate.calibrate.run as run
     from cmx.simulate.calibrate.result import MachineSpeeds
     from cmx.simulate.calibrate.service import ServiceLoads
 
     speeds = MachineSpeeds(copy=4e9, copy_out=2e9, odirect_read=1e9, checksum=8e9, nixl=3e9,
-                           nixl_note="test")
+                           nixl_note="test", odirect_latency_s=2e-4)
 
     def fake(*args: Any, **kwargs: Any) -> ServiceLoads:
         loads = ServiceLoads()
         loads.tiny["dram"] = {1: [0.002], 8: [0.003]}
         loads.baselines["dram"] = [speeds]
         loads.idle["dram"] = [0.0]
-        loads.add_large("dram", 1, [0.1, 0.1, 0.1], busy_s=30.0)  # 10 CPU-s a load
+        loads.add_large("dram", 1, [0.1, 0.1, 0.1], busy_s=3 * cpu_alone_s)
         loads.add_large("dram", 4, [0.2] * 4, busy_s=1.0)
         return loads
 
     monkeypatch.setattr(run, "measure_service", fake)
-    result = run.run_calibration(log=lambda m: None, reps=1, clients=(1, 4), sources=("dram",))
-    alone, four = result.rows
-    assert alone.predicted < 1.0  # not 10 CPU-s over 2 cores
-    assert min(four.predicted_s) >= 4 * 10.0 / (os.cpu_count() or 1) - 1e-9
+    return run.run_calibration(log=lambda m: None, reps=1, clients=(1, 4), sources=("dram",))
+
+
+def test_the_cpu_floor_stands_beside_the_prediction_never_in_its_place(
+    monkeypatch: Any,
+) -> None:
+    """An absurd CPU per load (10 CPU-s) puts the floor far above the simulator's
+    prediction: each row's prediction is still the simulator's own, and the floor its own
+    column, in the row, the JSON and the docs."""
+    from cmx.simulate.calibrate.docs import render
+    from cmx.simulate.calibrate.predict import predict_loads
+    from cmx.simulate.calibrate.run import _control
+    from cmx.simulate.calibrate.service import BLOCK_BYTES
+
+    result = _fake_run(monkeypatch, cpu_alone_s=10.0)
+    cores = os.cpu_count() or 1
+    speeds = result.speeds
+    costs = _control({1: [0.002], 8: [0.003]}, 0)
+    for row in result.rows:
+        simulated = predict_loads(speeds, costs, "dram", 6, BLOCK_BYTES, row.clients, cores)
+        assert row.predicted_s == tuple(simulated)
+        assert row.floor_s == pytest.approx((row.clients * 10.0 / cores,))
+        assert row.predicted < 1.0 < row.floor  # the floor did not raise the prediction
+    four = result.rows[1]
+    as_json = result.to_dict()["rows"][1]
+    assert as_json["predicted_median_s"] == four.predicted
+    assert as_json["floor_median_s"] == four.floor
+    assert f"| {four.predicted:.3f} | {100 * four.error:+.1f}% | **MISS** | {four.floor:.3f} |" \
+        in render(result)
+
+
+def test_a_calibration_sets_the_scenarios_parameters_against_its_own_figures(
+    monkeypatch: Any,
+) -> None:
+    from cmx.simulate.strategy import CMX
+
+    result = _fake_run(monkeypatch, cpu_alone_s=0.2)
+    by_name = {p.name: p for p in result.parameters}
+    control = by_name["control per load, dram"]
+    assert control.scenarios == CMX.control_s and control.measured is not None
+    assert control.measured.median == pytest.approx(result.control["dram"].fixed_s)
+    latency = by_name["NVMe latency, per I/O"]
+    assert latency.measured is not None and latency.measured.median == 2e-4
+    assert [p["name"] for p in result.to_dict()["parameters"]] == list(by_name)

@@ -36,17 +36,15 @@ def test_peer_loads_queue_on_the_network_link() -> None:
     assert times == pytest.approx([0.01 + k * nic_s + work for k in (1, 2, 3, 4)])
 
 
-def test_loads_together_end_no_sooner_than_the_cores_supply_their_cpu() -> None:
-    from cmx.simulate.calibrate.predict import machine_bound
+def test_the_cpu_floor_is_the_time_the_cores_take_to_supply_every_loads_cpu() -> None:
+    from cmx.simulate.calibrate.predict import cpu_floor
 
-    # 16 loads of 0.1 CPU-s each on 2 cores: none ends before 0.8 s.
-    assert machine_bound([0.3] * 16, 0.1, 2) == [0.8] * 16
-    # One load alone: its own prediction, unless the cores could not give its CPU sooner.
-    assert machine_bound([0.3], 0.1, 2) == [0.3]
-    assert machine_bound([0.03], 0.1, 2) == [0.05]
-    assert machine_bound([0.3, 0.9], None, 2) == [0.3, 0.9]  # not measured: unchanged
+    # 16 loads of 0.1 CPU-s each on 2 cores: none can end before 0.8 s.
+    assert cpu_floor(16, 0.1, 2) == pytest.approx(0.8)
+    assert cpu_floor(1, 0.1, 2) == pytest.approx(0.05)
+    assert cpu_floor(4, None, 2) is None  # not measured: no floor
     with pytest.raises(ValueError):
-        machine_bound([0.3], 0.1, 0)
+        cpu_floor(4, 0.1, 0)
 
 
 def test_loads_on_every_core_copy_out_at_the_speed_measured_so() -> None:
@@ -61,7 +59,7 @@ def test_loads_on_every_core_copy_out_at_the_speed_measured_so() -> None:
     two = predict_loads(shared, COSTS, "dram", blocks, block, clients=2, cores=2)
     assert two == pytest.approx([control + 2 * blocks * block / SPEEDS.copy_out] * 2)
     assert cpu_seconds(shared, "nvme", blocks * block, threads=2) == pytest.approx(
-        blocks * block / shared.copy_out_shared + blocks * block / SPEEDS.checksum)
+        blocks * block / (SPEEDS.copy_out / 2) + blocks * block / SPEEDS.checksum)
 
 
 def test_sixteen_loads_share_the_cores_once_the_agents_four_lanes_let_them_go() -> None:

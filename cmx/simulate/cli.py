@@ -28,13 +28,14 @@ def simulate_command(
         ),
     ] = None,
     load: Annotated[
-        float,
+        float | None,
         typer.Option(
             min=0.01,
             max=4.0,
-            help="Offered load: busy share of the replicas if hits were free.",
+            help="Offered load: busy share of the replicas if hits were free (default 0.7; "
+            "tutti 0.05, where a request mostly has its drive to itself).",
         ),
-    ] = 0.7,
+    ] = None,
     model: Annotated[str, typer.Option(help="llama-3-8b or llama-3-70b.")] = "llama-3-8b",
     host_cores: Annotated[
         int | None,

@@ -27,7 +27,7 @@ from typing import Any
 from cmx.policies.breakeven import BreakEven, Plan
 from cmx.policies.prefetch import make_prefetch
 from cmx.simulate.agent import Agent, Job, Priority
-from cmx.simulate.cluster import NVME, Cluster, Node, Replica
+from cmx.simulate.cluster import HBM, NVME, Cluster, Node, Replica
 from cmx.simulate.collector import collect_in_batches
 from cmx.simulate.config import SimConfig
 from cmx.simulate.hardware import prefill_cost
@@ -205,13 +205,29 @@ class Simulator:
         n_load = plan.load_tokens // self.unit
         r.sources, r.load_keys = found[:n_load], r.keys[:n_load]
         self.probe.planned(i, len(found) * self.unit, n_load * self.unit, plan.patience_s)
-        if n_load and self.strategy.prefetch:
-            job = r.job = self.mover.load_job(replica, r.sources, r.load_keys, Priority.PREFETCH)
+        self._split_in_place(r)
+        if r.move_keys and self.strategy.prefetch:
+            job = r.job = self.mover.load_job(replica, r.move_sources, r.move_keys,
+                                              Priority.PREFETCH)
             job.refused.append(lambda now: self._prefetch_refused(r, job))
             self._submit(replica.node.agent, job)
         replica.queue.append(r)
         if replica.busy is None:
             self._start(replica)
+
+    def _split_in_place(self, r: Req) -> None:
+        """The blocks to load already in this node's HBM (vLLM's own prefix cache) are used
+        where they are, pinned until the prefill starts: no job, no lane. The rest move."""
+        here = r.replica.node.index * 4 + HBM
+        if here not in r.sources:
+            r.move_sources, r.move_keys = r.sources, r.load_keys
+            return
+        r.in_place = [k for k, c in zip(r.load_keys, r.sources) if c == here]
+        r.move_keys = [k for k, c in zip(r.load_keys, r.sources) if c != here]
+        r.move_sources = [c for c in r.sources if c != here]
+        hbm = self.cluster.cache(here)
+        for key in r.in_place:
+            hbm.pin(key)
 
     def _keys(self, i: int) -> list[bytes]:
         prefix, shared, context = self._rows[i]
@@ -246,7 +262,7 @@ class Simulator:
         replica.busy = r
         r.start = self.now
         replica.hbm_used = r.context * self._kv_bytes
-        if not r.load_keys:
+        if not r.move_keys:
             self._compute(r)
             return
         if r.job is None:  # no prefetch (or it was refused): the load starts now
@@ -264,7 +280,7 @@ class Simulator:
             self.at(deadline, self._late, r)
 
     def _load_now(self, r: Req) -> None:
-        job = r.job = self.mover.load_job(r.replica, r.sources, r.load_keys, Priority.LOAD)
+        job = r.job = self.mover.load_job(r.replica, r.move_sources, r.move_keys, Priority.LOAD)
         job.waiters.append(lambda now: self._loaded(r))
         job.refused.append(lambda now: self._cut(r) if r.job is job else None)
         self._submit(r.replica.node.agent, job)
@@ -309,6 +325,8 @@ class Simulator:
         """The prefill: its GPU's seconds, and beside them its engine's host work (a thread's
         ``per_pass_s`` a forward pass) on the node's cores; it ends when both have."""
         r.compute_start = self.now
+        if r.in_place:
+            self.mover.used_in_place(r.replica, r.in_place, hit=not r.cut)
         loaded = 0 if r.cut else len(r.load_keys) * self.unit
         prefill = self.breakeven.prefill
         r.gpu_s = prefill.seconds(loaded, r.context)
@@ -343,8 +361,8 @@ class Simulator:
         for i in longest.values():
             keys = self._keys(i)[:self._rows[i][1] // self.unit]
             for node in self.cluster.nodes:
-                for key in keys:
-                    if self.cluster.add_copy(key, node, NVME, unit_bytes) is None:
+                for key in keys:  # None: it did not fit; victims: it evicted a prefix
+                    if self.cluster.add_copy(key, node, NVME, unit_bytes) != []:
                         raise ValueError(f"{node.name}: its NVMe cannot hold every prefix")
 
     def _hbm_cache_bytes(self) -> int:

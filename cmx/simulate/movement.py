@@ -170,6 +170,15 @@ class Mover:
         library, the agent's (None) otherwise."""
         return replica.index if self.strategy.in_process else None
 
+    def used_in_place(self, replica: Replica, keys: list[bytes], hit: bool) -> None:
+        """Blocks in ``replica``'s node's HBM, pinned for its request, are read where they are
+        (a hit, unless the request recomputed everything): no move, no CPU."""
+        code = replica.node.index * 4 + HBM
+        self.release(keys, [code] * len(keys), hit)
+        if hit:
+            self.traffic.loaded["hbm"] = (self.traffic.loaded.get("hbm", 0)
+                                          + len(keys) * self.unit_bytes)
+
     def release(self, keys: list[bytes], sources: list[int], hit: bool) -> None:
         """Unpin what ``load_job`` pinned; a completed load counts as a hit of each copy."""
         for key, code in zip(keys, sources):
@@ -222,7 +231,7 @@ class Mover:
             elif tier is Tier.NVME:
                 self._write(node, key, NVME, process)
         if self._pool_admits(node, key):
-            self.maybe_pool(node, key)
+            self.maybe_pool(node, key, process)
 
     def sighted(self, holder: Node, key: bytes) -> None:
         """A lookup hit ``key`` on ``holder``: count it; a block that just became worth
@@ -274,8 +283,9 @@ class Mover:
                                     cpu_s=self.io_cpu_seconds(nbytes), process=process,
                                     refused=[self._refused]))
 
-    def maybe_pool(self, node: Node, key: bytes) -> None:
-        """Copy an admitted block to its pool owner, once."""
+    def maybe_pool(self, node: Node, key: bytes, process: int | None = None) -> None:
+        """Copy an admitted block to its pool owner, once, issued by ``process``'s threads
+        (None: the agent's)."""
         owner = self.cluster.pool_owner(key) if self.strategy.pool else None
         if owner is None or key in self._pooling or self.cluster.has(key, owner, POOL):
             return
@@ -300,4 +310,5 @@ class Mover:
             self.traffic.dropped_jobs += 1
 
         self.submit(node.agent, Job(Priority.DEMOTE, run, done, cpu=node.cpu,
-                                    cpu_s=self.io_cpu_seconds(nbytes), refused=[refused]))
+                                    cpu_s=self.io_cpu_seconds(nbytes), process=process,
+                                    refused=[refused]))

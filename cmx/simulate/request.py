@@ -11,7 +11,8 @@ __all__ = ["Req"]
 
 class Req:
     __slots__ = ("i", "replica", "keys", "sources", "load_keys", "job", "start",
-                 "compute_start", "cut", "late", "context", "gpu_s", "parts", "cpu_io_wait")
+                 "compute_start", "cut", "late", "context", "gpu_s", "parts", "cpu_io_wait",
+                 "in_place", "move_keys", "move_sources")
 
     def __init__(self, i: int, replica: Replica, context: int) -> None:
         self.i = i
@@ -20,6 +21,9 @@ class Req:
         self.keys: list[bytes] = []
         self.sources: list[int] = []  # where each loaded block is read from
         self.load_keys: list[bytes] = []
+        self.in_place: list[bytes] = []  # of load_keys, those in this node's HBM: used there
+        self.move_keys: list[bytes] = []  # of load_keys, those a job moves
+        self.move_sources: list[int] = []
         self.job: Job | None = None
         self.start = -1.0
         self.compute_start = -1.0

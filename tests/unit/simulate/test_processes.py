@@ -10,11 +10,17 @@ from dataclasses import replace
 import pytest
 
 from cmx.protocol import Priority
-from cmx.simulate import CMX, SimConfig, Simulator
+from cmx.simulate import CMX, SimConfig, Simulator, TierSpec
 from cmx.simulate.agent import Job
 from cmx.simulate.cluster import HBM, NVME
+from cmx.simulate.hardware import GiB
 from cmx.simulate.scenarios import scenario
-from cmx.simulate.strategy import LMCACHE_GDS_ASYNC_LIKE, LMCACHE_GDS_LIKE, Strategy
+from cmx.simulate.strategy import (
+    LMCACHE_GDS_ASYNC_LIKE,
+    LMCACHE_GDS_LIKE,
+    LMCACHE_LIKE,
+    Strategy,
+)
 
 Configs = Callable[..., SimConfig]
 
@@ -101,3 +107,48 @@ def test_the_seeds_measurement_every_request_finds_three_quarters_on_the_drive()
     assert result.io_cpu_wait_fraction == 0
     assert gds.ttft_s.p50 > issued.ttft_s.p50 > result.ttft_s.p50
     assert issued.io_cpu_wait_fraction > 0.1 > gds.io_cpu_wait_fraction
+
+
+def test_a_block_in_this_nodes_hbm_is_never_moved_by_a_job(make_config: Configs) -> None:
+    # One lane, and stores that hold it: a hit in this node's HBM (vLLM's own prefix cache)
+    # is used where it is, so it neither waits for the lane nor takes it.
+    strategy = LMCACHE_LIKE.with_(lanes=1)
+    sim = Simulator(make_config(strategy))
+    moved: list[tuple[int, list[int]]] = []
+    load_job = sim.mover.load_job
+
+    def recording(replica, sources, keys, priority):  # type: ignore[no-untyped-def]
+        moved.append((replica.node.index, list(sources)))
+        return load_job(replica, sources, keys, priority)
+
+    sim.mover.load_job = recording  # type: ignore[method-assign]
+    result = sim.run()
+    sim.cluster.check_integrity()
+    assert result.loaded_bytes.get("hbm", 0) > 0 and moved
+    assert all(code != node * 4 + HBM for node, sources in moved for code in sources)
+
+
+def test_everything_an_in_process_library_writes_it_issues_itself(make_config: Configs) -> None:
+    # Stores, NVMe writes and pool writes alike: with the library in the serving process,
+    # no job's I/O work is the agent's. (Every block is pooled as it is stored, so no pool
+    # write waits for a lookup's sighting, which its holder's agent would make.)
+    in_process = CMX.with_(name="in-process", in_process=True, per_io_cpu_s=1e-4,
+                           admission="always", pool_admission_min_count=1)
+    sim = Simulator(make_config(in_process))
+    issuers: list[int | None] = []
+    submit = sim.mover.submit
+
+    def recording(agent, job):  # type: ignore[no-untyped-def]
+        issuers.append(job.process)
+        submit(agent, job)
+
+    sim.mover.submit = recording  # type: ignore[method-assign]
+    result = sim.run()
+    assert result.pooled_bytes > 0 and issuers and None not in issuers
+
+
+def test_a_warm_nvme_too_small_for_every_prefix_is_refused(make_config: Configs) -> None:
+    config = make_config()
+    small = replace(config.cluster.node, nvme=TierSpec(8 * GiB, 7e9, 300e-6))
+    with pytest.raises(ValueError, match="cannot hold every prefix"):
+        Simulator(replace(config, cluster=replace(config.cluster, node=small), warm_nvme=True))

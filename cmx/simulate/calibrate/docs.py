@@ -24,7 +24,7 @@ def render(result: CalibrationResult) -> str:
         "",
         f"Command: `{result.command}`  ",
         f"Machine: {platform.processor() or platform.machine()}, {platform.node()}  ",
-        f"Run: {when}",
+        f"Run: {when}" + (f", code {result.code}" if result.code else ""),
         "",
         "This machine's speeds, without the service (the median of the measurements made "
         "at the start of each repetition; each repetition's prediction uses its own):",
@@ -57,13 +57,14 @@ def render(result: CalibrationResult) -> str:
         "(measured with one client) over the cores, the median over the repetitions "
         "(`predict.cpu_floor`):",
         "",
+        # "result" last: the page's summary counts the tables whose last column it is
         "| source | clients | bytes per load | loads | measured s (median) | predicted s (median) "
-        "| error | result | CPU floor s (median) |",
+        "| CPU floor s (median) | error | result |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         *(f"| {r.source} | {r.clients} | {r.nbytes >> 20} MiB | {len(r.measured_s)} | "
-          f"{r.measured:.3f} | {r.predicted:.3f} | {100 * r.error:+.1f}% | "
-          f"{'**PASS**' if r.ok else '**MISS**'} | "
-          f"{'not measured' if r.floor is None else f'{r.floor:.3f}'} |"
+          f"{r.measured:.3f} | {r.predicted:.3f} | "
+          f"{'not measured' if r.floor is None else f'{r.floor:.3f}'} | "
+          f"{100 * r.error:+.1f}% | {'**PASS**' if r.ok else '**MISS**'} |"
           for r in result.rows),
         "",
         *_parameters(result),

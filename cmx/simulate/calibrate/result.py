@@ -212,6 +212,7 @@ class CalibrationResult:
     notes: tuple[str, ...] = field(default_factory=tuple)
     raw: dict[str, Any] = field(default_factory=dict)  # every measurement, for the JSON
     parameters: tuple[Parameter, ...] = ()  # the cluster scenarios' parameters, this machine
+    code: str = ""  # the commit that ran (``cmx.bench.harness.machine.code_version``)
 
     @property
     def ok(self) -> bool:

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from cmx.bench.harness.machine import code_version
 from cmx.simulate.calibrate.docs import rewrite_section
 from cmx.simulate.calibrate.machine import describe, measure_machine
 from cmx.simulate.calibrate.nixl import nixl_read_rate
@@ -120,6 +121,7 @@ def run_calibration(log: Callable[[str], None] = print, reps: int = 3, blocks: i
     clients that many loads at once, each of its own prefix; each repetition's predictions
     use its own figures. Every cell compares medians."""
     cores = os.cpu_count() or 1
+    code = code_version()  # before anything runs: the code the figures come from
     log(f"calibration: {', '.join(sources)} with {', '.join(map(str, clients))} clients, "
         f"{reps} repetitions, on {cores} cores")
 
@@ -152,7 +154,7 @@ def run_calibration(log: Callable[[str], None] = print, reps: int = 3, blocks: i
            "idle_busy_cores": loads.idle, "load_cpu_alone_s": _own(loads, sources, reps),
            "speeds": {k: [asdict(b) for b in v] for k, v in loads.baselines.items()}}
     return CalibrationResult(_median_speeds(measured), control, tuple(rows), notes, raw,
-                             parameters)
+                             parameters, code=code)
 
 
 def _own(loads: Any, sources: tuple[str, ...], reps: int) -> dict[str, list[float]]:

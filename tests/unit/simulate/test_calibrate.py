@@ -74,8 +74,8 @@ def test_the_docs_show_the_prediction_and_the_floor_in_columns_of_their_own() ->
     rows = (Row("dram", 4, 6, 96 * MiB, (1.0,), (1.5,), floor_s=(2.0, 4.0)),
             Row("nvme", 1, 6, 96 * MiB, (1.0,), (1.0,)))
     text = render(CalibrationResult(SPEEDS, {"dram": COSTS}, rows))
-    assert "| 1.000 | 1.500 | +50.0% | **MISS** | 3.000 |" in text
-    assert "| 1.000 | 1.000 | +0.0% | **PASS** | not measured |" in text
+    assert "| 1.000 | 1.500 | 3.000 | +50.0% | **MISS** |" in text
+    assert "| 1.000 | 1.000 | not measured | +0.0% | **PASS** |" in text
 
 
 def test_the_docs_section_is_replaced_between_its_markers_and_nothing_else(

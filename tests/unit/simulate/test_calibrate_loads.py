@@ -132,7 +132,7 @@ def test_the_cpu_floor_stands_beside_the_prediction_never_in_its_place(
     as_json = result.to_dict()["rows"][1]
     assert as_json["predicted_median_s"] == four.predicted
     assert as_json["floor_median_s"] == four.floor
-    assert f"| {four.predicted:.3f} | {100 * four.error:+.1f}% | **MISS** | {four.floor:.3f} |" \
+    assert f"| {four.predicted:.3f} | {four.floor:.3f} | {100 * four.error:+.1f}% | **MISS** |" \
         in render(result)
 
 

@@ -113,15 +113,19 @@ class Figure:
     note: str = ""  # how to read it, or why it misses
     interval: Interval | None = None  # the ratio's bootstrap interval, for a paired figure
     counted: bool = False  # one tally of every trial of the run, not repetitions (``count``)
+    # why the run could not judge it though it has a goal (a setup that failed, a baseline
+    # that never met its limit): a MISS, inconclusive, whatever its samples
+    unjudged: str = ""
 
     def __post_init__(self) -> None:
         if not self.counted:
             return
         one_each = len(self.samples) == len(self.baseline_samples) == 1
         values = (*self.samples, *self.baseline_samples)
-        if not one_each or not all(x >= 0 and float(x).is_integer() for x in values):
-            raise ValueError(f"a count is one whole number of one, got {self.samples} of "
-                             f"{self.baseline_samples}")
+        if (not one_each or not all(x >= 0 and float(x).is_integer() for x in values)
+                or self.samples[0] > self.baseline_samples[0]):
+            raise ValueError(f"a count is one whole number of another, no larger, got "
+                             f"{self.samples} of {self.baseline_samples}")
 
     @classmethod
     def count(cls, suite: str, name: str, unit: str, counted: int, of: int, baseline_name: str,
@@ -165,6 +169,8 @@ class Figure:
     @property
     def inconclusive(self) -> str | None:
         """Why no goal can be judged on this figure, or None when one can."""
+        if self.unjudged:
+            return self.unjudged
         samples = (*self.samples, *self.baseline_samples)
         if not all(map(math.isfinite, samples)):
             return "a sample is not a finite number"

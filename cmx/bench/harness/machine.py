@@ -75,18 +75,30 @@ def machine_info(bench_dir: Path) -> dict[str, object]:
     }
 
 
-def code_version() -> str:
-    """The commit of the code that runs, as ``git`` names it (short), and whether the tracked
-    files differ from it; "not a git checkout" where there is no repository to ask."""
-    root = Path(__file__).resolve().parents[3]
+PACKAGES = ("cmx", "actors", "policies", "api", "deploy")  # the project's code, at its root
+
+
+def code_version(root: Path | None = None) -> str:
+    """The commit of the code that runs, as ``git`` names it (short), and whether its files
+    differ from it (a tracked file changed, or a file git does not track among the packages);
+    "not a git checkout" where the code is not the top of a repository that tracks it (an
+    installed wheel, even one in a virtual environment inside a checkout). ``root``: the
+    project's root, by default the one this file is in. Git's environment (``GIT_DIR`` and
+    the like) is not passed on: it would name another repository."""
+    root = (root or Path(__file__).resolve().parents[3]).resolve()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
 
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
-                              timeout=10, check=True).stdout.strip()
+                              timeout=10, check=True, env=env).stdout.strip()
 
     try:
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != root:
+            return "not a git checkout"
         commit = git("rev-parse", "--short=7", "HEAD")
-        changed = git("status", "--porcelain", "--untracked-files=no")
+        packages = [d for d in PACKAGES if (root / d).is_dir()]
+        changed = git("status", "--porcelain", "--untracked-files=no") or (
+            packages and git("status", "--porcelain", "--untracked-files=all", "--", *packages))
     except (OSError, subprocess.SubprocessError):
         return "not a git checkout"
     return f"{commit} with uncommitted changes" if changed else commit

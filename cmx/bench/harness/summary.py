@@ -77,6 +77,13 @@ def _verdict(cell: str) -> str | None:
     return None
 
 
+def _commit(named: str | None) -> str:
+    """The commit a Run line names; "" where it names none ("not stated", "not a git
+    checkout"): two such sections are not known to share a commit."""
+    named = (named or "").strip()
+    return "" if not named or named.startswith("not ") else named
+
+
 def count_sections(text: str) -> list[SectionCount]:
     """Every marked section of ``text``, in page order, with its rows counted by result."""
     counts = []
@@ -88,7 +95,7 @@ def count_sections(text: str) -> list[SectionCount]:
         counts.append(SectionCount(
             title=heading.group(1).strip() if heading else f"`{match.group(2)}`",
             run=f"{run.group(1)} {run.group(2)}" if run else "",
-            code=(run.group(3) or "").strip() if run else "",
+            code=_commit(run.group(3) if run else None),
             passed=got.count("PASS"), missed=got.count("MISS"),
             inconclusive=got.count(INCONCLUSIVE)))
     return counts

@@ -98,8 +98,14 @@ def _per_source(control: Mapping[str, Sequence[ControlCosts]],
             f"the same loads from {WHERE[source]}: their time per block beyond the first "
             "(run._control; a peer's less each tiny block's 16 MiB slot over NIXL)"))
     for source, reps in own_cpu.items():
-        per_io = [agent_cpu_per_io(cpu, speeds, source, nbytes) for cpu, speeds in reps
-                  if cpu is not None]
+        # A repetition whose CPU read as none (10 ms ticks, clamped at 0) or as less than the
+        # copies the model charges measured nothing: it is left out, and counted.
+        every = [agent_cpu_per_io(cpu, speeds, source, nbytes) for cpu, speeds in reps
+                 if cpu is not None]
+        per_io = [x for x in every if x > 0]
+        unseen = (f"; {len(every) - len(per_io)} of {len(every)} repetitions left out: their "
+                  "CPU, read in 10 ms ticks, came to no more than the copies"
+                  if len(per_io) < len(every) else "")
         out.append(Parameter(
             f"agent CPU per 2 MiB moved, {source}", Unit.US, CMX.per_io_cpu_s, Kind.ASSUMED,
             "strategy.CMX.per_io_cpu_s", Spread.of(per_io) if per_io else None,
@@ -110,7 +116,8 @@ def _per_source(control: Mapping[str, Sequence[ControlCosts]],
             + f" (predict.cpu_seconds), over its {math.ceil(nbytes / CMX.io_bytes)} 2 MiB "
             "I/Os (agent_cpu_per_io). What remains holds the control path's CPU too (Ray "
             "calls, actor hops), so it bounds the agent's CPU per I/O from above; /proc/stat "
-            "counts in 10 ms ticks" if per_io else "one load's CPU was not measured"))
+            "counts in 10 ms ticks" + unseen if per_io else "one load's CPU was not measured"
+            + unseen))
     return out
 
 

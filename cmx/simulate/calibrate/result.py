@@ -188,7 +188,7 @@ class Parameter:
         m, u = self.measured, self.unit
         if m is None:
             return "not measurable here"
-        return f"{u.show(m.median)} {u.label} ({u.show(m.low)}-{u.show(m.high)})"
+        return f"{u.show(m.median)} {u.label} ({u.show(m.low)} to {u.show(m.high)})"
 
     def ratio_text(self) -> str:
         r = self.ratio

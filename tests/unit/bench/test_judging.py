@@ -126,6 +126,8 @@ def test_a_count_of_every_trial_is_judged_as_counted() -> None:
         Figure("soak", "hung", "requests", (0.5,), "sent", (3.0,), counted=True)
     with pytest.raises(ValueError, match="whole number"):
         Figure("soak", "hung", "requests", (0.0, 0.0), "sent", (3.0, 3.0), counted=True)
+    with pytest.raises(ValueError, match="no larger"):  # a share, never above what was sent
+        Figure.count("e2e", "identical", "outputs", 40, 32, "sent", Goal(">=", 1.0))
 
 
 def test_pairs_alternate_which_variant_goes_first() -> None:

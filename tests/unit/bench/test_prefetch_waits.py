@@ -38,13 +38,16 @@ def test_the_driver_must_wait_the_fixed_waits_whatever_its_cold_loads() -> None:
     assert "waits" in REQUIRED_KEYS["prefetch"]
     cold = [5.0, 4.0, 6.0]
     ready = [[w / 10] * 3 for w in QUEUE_WAITS_S]
-    got = _theirs_waited({"cold_s": cold, "waits": list(QUEUE_WAITS_S), "ready_s": ready})
+    got = _theirs_waited({"cold_s": cold, "waits": list(QUEUE_WAITS_S), "ready_s": ready}, 3)
     assert got["ready_s"] == dict(zip(QUEUE_WAITS_S, ready, strict=True))
     with pytest.raises(PeerError):  # waits set from its own cold load, and half of it
-        _theirs_waited({"cold_s": cold, "waits": [5.0, 2.5], "ready_s": [[0.5], [2.5]]})
+        _theirs_waited({"cold_s": cold, "waits": [5.0, 2.5], "ready_s": [[0.5], [2.5]]}, 1)
     with pytest.raises(PeerError):  # a wait left out
         _theirs_waited({"cold_s": cold, "waits": list(QUEUE_WAITS_S[:-1]),
-                        "ready_s": ready[:-1]})
+                        "ready_s": ready[:-1]}, 3)
+    with pytest.raises(PeerError):  # one time a wait where the run asked for three
+        _theirs_waited({"cold_s": cold, "waits": list(QUEUE_WAITS_S),
+                        "ready_s": [[w / 10] for w in QUEUE_WAITS_S]}, 3)
 
 
 def test_both_sides_wait_the_fixed_waits_and_each_is_judged(
@@ -61,15 +64,15 @@ def test_both_sides_wait_the_fixed_waits_and_each_is_judged(
     def ours(ctx: BenchContext, tokens: int, got_waits: list[float]) -> dict[str, Any]:
         calls.append("ours")
         seen["waits"] = got_waits
-        return {"cold_s": [2.0, 2.0, 2.0], "waits": list(got_waits), "store_s": 1.0,
-                "ready_s": {w: [max(0.0, 2.0 - w)] * 3 for w in got_waits}}
+        return {"cold_s": [5.0, 5.0, 5.0], "waits": list(got_waits), "store_s": 1.0,
+                "ready_s": {w: [max(0.0, 5.0 - w)] * 3 for w in got_waits}}
 
     monkeypatch.setattr(prefetch, "ensure_peer", lambda ctx: Peer(Path("py"), "0.5", "2"))
     monkeypatch.setattr(prefetch, "_theirs", theirs)
     monkeypatch.setattr(prefetch, "_ours", ours)
     result = run_prefetch(context(tmp_path))
     assert calls == ["theirs", "ours"]
-    # Neither LMCache's median cold load (11 s) nor ours (2 s) set a wait.
+    # Neither LMCache's median cold load (11 s) nor ours (5 s) set a wait.
     assert seen["waits"] == list(QUEUE_WAITS_S)
     judged = [f for f in result.figures if f.goal is not None]
     assert [f.goal for f in judged] == [READY_GOAL] * len(QUEUE_WAITS_S)
@@ -110,3 +113,18 @@ def test_without_lmcache_ours_makes_cold_loads_only_and_there_is_no_figure(
     result = run_prefetch(context(tmp_path))
     assert seen["waits"] == [] and result.figures == []
     assert "no LMCache here" in result.notes[0]
+
+
+def test_a_wait_that_outlasts_a_cold_load_judges_nothing() -> None:
+    # Ours loads in 2 s: after a wait of 2 s or more it is done by construction, however
+    # LMCache fares, so those waits are shown and not judged.
+    ours = {"cold_s": [2.0, 2.0, 2.0], "waits": list(QUEUE_WAITS_S),
+            "ready_s": {w: [max(0.0, 2.0 - w)] * 3 for w in QUEUE_WAITS_S}}
+    theirs = {"cold_s": [5.0, 5.1, 4.9], "waits": list(QUEUE_WAITS_S),
+              "ready_s": {w: [5.0 - w + 0.7] * 3 for w in QUEUE_WAITS_S}}
+    figs = [f for f in _figures(ours, theirs, SIZE)
+            if f.name.endswith("(fixed)")]  # the judged kind, one a wait
+    judged = {w for w in QUEUE_WAITS_S for f in figs
+              if f"queue wait {w:g} s" in f.name and f.goal is not None}
+    assert judged == {w for w in QUEUE_WAITS_S if w < 2.0}
+    assert all("by construction" in f.note for f in figs if f.goal is None)

@@ -95,3 +95,22 @@ def test_one_round_is_not_enough_to_pass_and_a_sweep_that_never_broke_says_so() 
     assert "fewer than 3" in (judged.inconclusive or "")
     assert any(n.startswith("cmx, prefix_repetition, round 1") and "lower bound" in n
                for n in result.notes)
+
+
+def test_a_baseline_that_never_broke_leaves_the_goal_unjudged() -> None:
+    # vLLM alone held to the last rate: its throughput is a lower bound, and however well the
+    # connector did, the ratio to it cannot show a gain; the figure is a MISS, inconclusive.
+    by_round: Rounds = {"cmx": rounds(100.0, 3), "none": rounds(100.0, 3)}
+    result = SuiteResult("e2e-serve", command="")
+    report(result, {k: v[0] for k, v in by_round.items()}, rounds=3, by_round=by_round)
+    (judged,) = [f for f in result.figures if f.goal is not None]
+    assert judged.verdict is Verdict.MISS and "lower bound" in (judged.inconclusive or "")
+
+
+def test_a_setup_that_failed_leaves_the_goal_counted_as_inconclusive() -> None:
+    by_round: Rounds = {"none": rounds(0.6, 3)}
+    result = SuiteResult("e2e-serve", command="")
+    report(result, {k: v[0] for k, v in by_round.items()}, rounds=3, by_round=by_round,
+           failed={"cmx": "TimeoutExpired: the client ran past 1800 s"})
+    (judged,) = [f for f in result.figures if f.goal is not None]
+    assert judged.verdict is Verdict.MISS and "TimeoutExpired" in (judged.inconclusive or "")

@@ -107,6 +107,17 @@ def test_the_table_is_in_the_json_and_the_docs() -> None:
     assert (hbm["measured"], hbm["ratio"], hbm["measured_kind"]) == (None, None, None)
     text = render(result)
     assert "| control per load, dram | 0.20 ms (`strategy.CMX.control_s`) | assumed | " \
-           "3.00 ms (2.00-4.00) | measured | 15x |" in text
+           "3.00 ms (2.00 to 4.00) | measured | 15x |" in text
     assert "| HBM bandwidth | 3,350 GB/s (`hardware.H100.hbm_bandwidth`) | seed | " \
            "not measurable here |  |  |" in text
+
+
+def test_a_repetition_whose_cpu_came_to_no_more_than_the_copies_is_left_out_and_said() -> None:
+    # A load's CPU read as 0 (10 ms ticks, clamped) is no measurement of a negative CPU.
+    control = {"dram": [ControlCosts(3e-3, 2e-5)]}
+    own = {"dram": [(0.06, SPEEDS), (0.0, SPEEDS), (0.07, SPEEDS)]}
+    (cpu,) = [p for p in scenario_parameters(control, own, (SPEEDS,), NBYTES, 256 * MiB)
+              if p.name == "agent CPU per 2 MiB moved, dram"]
+    assert cpu.measured is not None and min(cpu.measured.values) > 0
+    assert len(cpu.measured.values) == 2
+    assert "1 of 3 repetitions left out" in cpu.how

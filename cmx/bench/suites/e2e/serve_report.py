@@ -30,12 +30,38 @@ def per_rate(rounds: int) -> str:
             f"{rounds} rounds, a rate's runs pooled over the rounds that reached it")
 
 
-def _throughput_figure(result: SuiteResult, by_round: Rounds,
+def _throughput_name(dataset: str) -> str:
+    return f"requests/s at TTFT p99 <= {P99_TARGET_MS / 1000:g} s, {dataset}, cmx"
+
+
+def _unjudged(result: SuiteResult, dataset: str, why: str) -> None:
+    """The goal's figure, inconclusive: a MISS the summary counts, with the reason."""
+    nan = float("nan")
+    result.figures.append(Figure(
+        "e2e-serve", _throughput_name(dataset), "req/s", (nan,),
+        "vLLM without a connector, the best rate it held within the same p99", (nan,),
+        THROUGHPUT_GOAL, unjudged=why))
+
+
+def _throughput_figure(result: SuiteResult, by_round: Rounds, failed: dict[str, str],
                        dataset: str = "prefix_repetition") -> None:
     """The goal: requests/s with the connector at TTFT p99 <= 10 s over vLLM's alone, one
     sample per round, round ``i`` of each setup a pair (they ran one after the other, with the
-    same prompts)."""
+    same prompts). Inconclusive where a setup failed, or where vLLM alone held the target up
+    to the last rate of a round: its throughput is then a lower bound, and a ratio to it says
+    nothing of a gain."""
+    gone = [s for s in ("cmx", "none") if s in failed]
+    if gone:
+        _unjudged(result, dataset, "; ".join(f"setup {s!r} failed: {failed[s]}" for s in gone))
+        return
     if "cmx" not in by_round or "none" not in by_round:
+        return
+    unbroken = [i + 1 for i, runs in enumerate(by_round["none"]) if _held_to_the_end(runs, dataset)]
+    if unbroken:
+        _unjudged(result, dataset,
+                  f"vLLM without a connector held TTFT p99 within {P99_TARGET_MS / 1000:g} s "
+                  f"up to the last rate tried in round(s) {unbroken}: its throughput is a "
+                  "lower bound, so a ratio to it shows no gain")
         return
     pairs = list(zip(by_round["cmx"], by_round["none"], strict=False))
     bases = [sustained(none, dataset) for _, none in pairs]
@@ -48,8 +74,8 @@ def _throughput_figure(result: SuiteResult, by_round: Rounds,
     a = tuple(o.request_throughput if o is not None else 0.0 for o in ours)
     b = tuple(x.request_throughput for x in bases if x is not None)
     result.figures.append(Figure(
-        "e2e-serve", f"requests/s at TTFT p99 <= {P99_TARGET_MS / 1000:g} s, {dataset}, cmx",
-        "req/s", a, "vLLM without a connector, the best rate it held within the same p99", b,
+        "e2e-serve", _throughput_name(dataset), "req/s", a,
+        "vLLM without a connector, the best rate it held within the same p99", b,
         THROUGHPUT_GOAL,
         f"each round's fastest run whose p99 held (none failed), rates rising until a run "
         f"broke it; {len(pairs)} round(s), paired by round; "
@@ -57,6 +83,12 @@ def _throughput_figure(result: SuiteResult, by_round: Rounds,
                     f"p99 {o.ttft_p99_ms:.0f} ms against {x.ttft_p99_ms:.0f} ms"
                     for o, x in zip(ours, bases, strict=True) if x is not None),
         interval=ratio_interval(a, b)))
+
+
+def _held_to_the_end(runs: Runs, dataset: str) -> bool:
+    """Whether a round's sweep of ``dataset`` held the target at its last rate."""
+    mine = [(rate, run) for (ds, rate), run in runs.items() if ds == dataset]
+    return bool(mine) and held(max(mine, key=lambda x: x[0])[1])
 
 
 def _unbroken(result: SuiteResult, by_round: Rounds) -> None:
@@ -75,9 +107,11 @@ def _unbroken(result: SuiteResult, by_round: Rounds) -> None:
 
 def report(result: SuiteResult, got: dict[str, Runs],
            cpu: dict[str, dict[tuple[str, float], CpuUse]] | None = None,
-           rounds: int = 1, tokens: Tokens | None = None, by_round: Rounds | None = None) -> None:
+           rounds: int = 1, tokens: Tokens | None = None, by_round: Rounds | None = None,
+           failed: dict[str, str] | None = None) -> None:
     """The tables and figures of runs pooled over rounds (``got``), and the judged figure from
-    each round's own runs (``by_round``; ``got`` as its one round when not given)."""
+    each round's own runs (``by_round``; ``got`` as its one round when not given); ``failed``:
+    each setup that raised, with its error."""
     rows = [(setup, ds, f"{rate:g}", f"{r.completed}/{r.failed}", f"{r.request_throughput:.3f}",
              f"{r.token_throughput:.0f}", f"{r.ttft_p50_ms:.0f}", f"{r.ttft_p99_ms:.0f}")
             for setup, runs in got.items() for (ds, rate), r in runs.items()]
@@ -99,7 +133,7 @@ def report(result: SuiteResult, got: dict[str, Runs],
                 (base[key].ttft_p50_ms,), None, f"p99 {r.ttft_p99_ms:.0f} ms against "
                 f"{base[key].ttft_p99_ms:.0f} ms; {per_rate(rounds)}"))
     by_round = by_round if by_round is not None else {k: [v] for k, v in got.items()}
-    _throughput_figure(result, by_round)
+    _throughput_figure(result, by_round, failed or {})
     _unbroken(result, by_round)
 
 

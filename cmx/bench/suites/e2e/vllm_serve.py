@@ -294,7 +294,7 @@ def run_e2e_serve(ctx: BenchContext, settings: ServeSettings | None = None,
     result = SuiteResult("e2e-serve", command="")
     every: dict[str, Runs] = {}
     by_round: Rounds = {}
-    failed: set[str] = set()
+    failed: dict[str, str] = {}  # setup -> its error
     for round_ in range(s.rounds):
         for setup in setups:
             if setup in failed:
@@ -312,7 +312,7 @@ def run_e2e_serve(ctx: BenchContext, settings: ServeSettings | None = None,
                     mine = _setup(ctx, setup, s, "", {}, round_, runs)
                 by_round.setdefault(setup, []).append(mine)
             except Exception as exc:  # noqa: BLE001 - one setup that fails must not cost the others
-                failed.add(setup)
+                failed[setup] = f"{type(exc).__name__}: {exc}"
                 every.pop(setup, None)
                 by_round.pop(setup, None)
                 result.notes.append(f"setup {setup!r}: no figures ({type(exc).__name__}: {exc})")
@@ -323,7 +323,7 @@ def run_e2e_serve(ctx: BenchContext, settings: ServeSettings | None = None,
            for setup, runs in every.items()}
     tokens = {setup: {key: _add(t for _, _, t in rs) for key, rs in runs.items()}
               for setup, runs in every.items()}
-    report(result, got, cpu, s.rounds, tokens, by_round)
+    report(result, got, cpu, s.rounds, tokens, by_round, failed)
     result.notes.append(
         f"SmolLM2-135M-Instruct, vLLM OpenAI server (CPU, bfloat16, blocks of 32 tokens), two "
         f"servers per setup; {s.num_prompts} requests per run ({s.prefix_len}-token prefixes, "

@@ -193,16 +193,19 @@ def _theirs(ctx: BenchContext, peer: Peer, tokens: int) -> dict[str, Any]:
         got = run_driver(peer, spec, ctx.scratch("lmcache-driver"), timeout=3600)
     finally:
         shutil.rmtree(disk, ignore_errors=True)
-    return _theirs_waited(got)
+    return _theirs_waited(got, ctx.config.reps)
 
 
-def _theirs_waited(got: dict[str, Any]) -> dict[str, Any]:
+def _theirs_waited(got: dict[str, Any], reps: int) -> dict[str, Any]:
     """The driver's answer with ``ready_s`` keyed by wait; PeerError if it did not wait
-    ``QUEUE_WAITS_S``, each with one time per repetition."""
+    ``QUEUE_WAITS_S``, each with one time per repetition (``reps``)."""
     waits = [float(w) for w in got["waits"]]
     if waits != list(QUEUE_WAITS_S) or len(got["ready_s"]) != len(waits):
         raise PeerError(f"LMCache's driver waited {waits} s, not the suite's fixed "
                         f"{list(QUEUE_WAITS_S)} s")
+    counts = [len(r) for r in got["ready_s"]]
+    if any(n != reps for n in counts):
+        raise PeerError(f"LMCache's driver timed {counts} loads at the waits, not {reps} each")
     return {**got, "waits": waits,
             "ready_s": {w: list(r) for w, r in zip(waits, got["ready_s"], strict=True)}}
 
@@ -247,13 +250,20 @@ def _figures(ours: dict[str, Any], theirs: dict[str, Any], size: str) -> list[Fi
     cold_o, cold_t = tuple(ours["cold_s"]), tuple(theirs["cold_s"])
     figures = [Figure("prefetch", f"cold load, {size}, no queue wait", "s", cold_o,
                       "LMCache blocking retrieve", cold_t)]
+    # A wait that outlasts either side's cold load judges nothing: that side is done when the
+    # wait ends, by construction, whatever its preloading is worth.
+    shortest = min(median(cold_o), median(cold_t))
     for w in QUEUE_WAITS_S:
         ready_o, ready_t = tuple(ours["ready_s"][w]), tuple(theirs["ready_s"][w])
         label = f"time-to-KV-ready, {size}, queue wait {w:g} s (fixed)"
+        judged = w < shortest
         figures += [
             Figure("prefetch", label, "s", ready_o,
-                   "LMCache async_lookup_and_prefetch at arrival", ready_t, READY_GOAL,
-                   note="ratio ≤ 0.5 is ≥ 2x faster than LMCache"),
+                   "LMCache async_lookup_and_prefetch at arrival", ready_t,
+                   READY_GOAL if judged else None,
+                   note="ratio ≤ 0.5 is ≥ 2x faster than LMCache" if judged else
+                   f"not judged: the wait outlasts a cold load ({shortest:.2f} s), so a side "
+                   "is done when it ends, by construction"),
             Figure("prefetch", f"{label}, against no preloading", "s", ready_o,
                    "LMCache without async loading: its blocking load after the wait",
                    tuple(time_to_ready(c, w, preload=False) for c in cold_t)),

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cmx.bench.harness.core import BenchContext, timed
+from cmx.bench.harness.core import GB, BenchContext, timed
 from cmx.buffers import aligned_empty
 from cmx.config import ServiceConfig
 from cmx.keys import BlockHash
@@ -63,7 +63,8 @@ def _read_all(books: ExtentBooks, plane: ExtentPlane, keys: list[BlockHash],
 
 def plane_pass(ctx: BenchContext, root: Path, block_bytes: int, keys: list[BlockHash],
                pool: list[np.ndarray]) -> dict[str, float]:
-    """Bytes/s of writing then reading ``keys`` the way the service does, in a fresh store."""
+    """GB/s of writing then reading ``keys`` the way the service does, in a fresh store: the
+    unit of every other rate of the ``nvme`` suite, beside which they are judged."""
     total = len(keys) * block_bytes
     per_call = max(1, WINDOW_BYTES // block_bytes)
     books = ExtentBooks(root, 2 * total + block_bytes, block_bytes,
@@ -78,7 +79,7 @@ def plane_pass(ctx: BenchContext, root: Path, block_bytes: int, keys: list[Block
         ctx.drop_cache()
         rates["plane_read"] = total / timed(lambda: _read_all(books, plane, keys, slots))
         books.check_integrity()
-        return rates
+        return {k: v / GB for k, v in rates.items()}
     finally:
         plane.close()
         books.close()

@@ -105,26 +105,25 @@ def test_a_run_rewrites_the_summary_with_its_section(tmp_path: Path) -> None:
     assert "Every section comes from one run, 2026-01-01 00:00, of code abc1234" in text
 
 
-def test_sections_that_name_no_commit_are_not_called_one_run(tmp_path: Path) -> None:
+def _two_sections(tmp_path: Path, dram_code: str, nvme_code: str) -> str:
+    """The page after two suites of one run, each naming the code it gives."""
     docs = tmp_path / "BENCHMARKS.md"
     miss = Figure("dram", "put", "GB/s", (1.0,) * 3, "memcpy", (2.0,) * 3, Goal(">=", 0.8))
-    for suite, code in (("dram", "not a git checkout"), ("nvme", "not a git checkout")):
+    for suite, code in (("dram", dram_code), ("nvme", nvme_code)):
         update_docs(docs, BenchReport(MACHINE, "2026-01-01T00:00:00+00:00", {"reps": 3},
                                       [SuiteResult(suite, f"cmx bench {suite}", [miss])],
                                       code=code))
-    text = docs.read_text()
+    return docs.read_text()
+
+
+def test_sections_that_name_no_commit_are_not_called_one_run(tmp_path: Path) -> None:
+    text = _two_sections(tmp_path, "not a git checkout", "not a git checkout")
     assert "| `nvme` | 2026-01-01 00:00 | not stated | 0 | 1 | 0 |" in text
     assert "Every section comes from one run" not in text
 
 
 def test_sections_of_one_run_on_two_commits_are_not_called_one_run(tmp_path: Path) -> None:
-    docs = tmp_path / "BENCHMARKS.md"
-    miss = Figure("dram", "put", "GB/s", (1.0,) * 3, "memcpy", (2.0,) * 3, Goal(">=", 0.8))
-    for suite, code in (("dram", "abc1234"), ("nvme", "abc1234 with uncommitted changes")):
-        update_docs(docs, BenchReport(MACHINE, "2026-01-01T00:00:00+00:00", {"reps": 3},
-                                      [SuiteResult(suite, f"cmx bench {suite}", [miss])],
-                                      code=code))
-    text = docs.read_text()
+    text = _two_sections(tmp_path, "abc1234", "abc1234 with uncommitted changes")
     assert "| `nvme` | 2026-01-01 00:00 | abc1234 with uncommitted changes | 0 | 1 | 0 |" in text
     assert "Every section comes from one run" not in text
 
